@@ -1,0 +1,47 @@
+"""The backend interface: what the app, the CLI and the benchmark call, whatever engine runs the models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol, runtime_checkable
+
+from .events import Round
+
+
+@dataclass
+class GenSettings:
+    """How to decode one prompt."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0        # 0 = greedy
+    seed: int = 0
+    block_size: int | None = None   # verify width B; None = the drafter's own; drafts are cut to B-1
+    stop_ids: tuple[int, ...] | None = None  # None = the target's EOS ids
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A target plus an optional DFlash drafter that turns prompts into a stream of `Round`s."""
+
+    name: str
+    block_size: int       # the drafter's native block size (1 without a drafter)
+    max_context: int      # longest prompt + generation the target takes
+
+    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
+        """Token ids of a chat prompt (through the chat template when the tokenizer has one)."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        ...
+
+    def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
+        """Decode; with speculative=False the same target runs plain AR (one token per round)."""
+        ...

@@ -1,0 +1,103 @@
+"""The one event type of the runtime: a `Round` per speculative round, and summaries over a stream of them.
+
+Every consumer (the generate CLI, the app, the benchmark, the quality checks) reads this stream, whichever
+backend produced it. An AR baseline is the same stream with no drafted ids: one token per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class Round:
+    """One verification round.
+
+    drafted:  every id the drafter proposed this round (B-1 of them), rejected ones included; empty for the
+              prefill round and for AR decoding.
+    accepted: how many leading drafted ids the target agreed with.
+    bonus:    the target's own token after the accepted prefix: a correction when accepted < len(drafted),
+              a bonus token when the whole block was accepted.
+    A round cut short by a stop token or the token budget is clipped: `accepted` then counts only the
+    drafted ids that were emitted, and `bonus` is the last emitted token.
+    """
+
+    drafted: tuple[int, ...]
+    accepted: int
+    bonus: int
+    t_draft_ms: float = 0.0
+    t_verify_ms: float = 0.0
+    prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.accepted <= len(self.drafted):
+            raise ValueError(f"accepted={self.accepted} outside 0..{len(self.drafted)}")
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens this round emitted, in order."""
+        return list(self.drafted[: self.accepted]) + [self.bonus]
+
+    @property
+    def full(self) -> bool:
+        return bool(self.drafted) and self.accepted == len(self.drafted)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["drafted"] = list(self.drafted)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Round":
+        return cls(**{**d, "drafted": tuple(d["drafted"])})
+
+
+def tokens_of(rounds: Iterable[Round]) -> list[int]:
+    """The emitted token ids of a stream of rounds."""
+    out: list[int] = []
+    for r in rounds:
+        out.extend(r.tokens)
+    return out
+
+
+@dataclass
+class Summary:
+    """Acceptance and speed over one stream of rounds."""
+
+    tokens: int = 0
+    rounds: int = 0              # speculative rounds (those with drafted ids)
+    tau: float = 0.0             # mean accepted+1 over speculative rounds; 1.0 for AR
+    accept_per_position: list[float] = field(default_factory=list)  # P(position i accepted), i = 0..B-2
+    seconds: float = 0.0
+    tok_s: float = 0.0
+    tau_histogram: dict[int, int] = field(default_factory=dict)     # accepted+1 -> count
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(rounds: list[Round], seconds: float | None = None) -> Summary:
+    """Summary of a stream; `seconds` defaults to the sum of the rounds' draft and verify times."""
+    spec = [r for r in rounds if r.drafted and not r.prefill]
+    tokens = sum(len(r.tokens) for r in rounds)
+    if seconds is None:
+        seconds = sum(r.t_draft_ms + r.t_verify_ms for r in rounds) / 1000.0
+    width = max((len(r.drafted) for r in spec), default=0)
+    per_pos = [0.0] * width
+    for r in spec:
+        for i in range(r.accepted):
+            per_pos[i] += 1
+    hist: dict[int, int] = {}
+    for r in spec:
+        hist[r.accepted + 1] = hist.get(r.accepted + 1, 0) + 1
+    decode = [r for r in rounds if not r.prefill]
+    return Summary(
+        tokens=tokens,
+        rounds=len(spec),
+        tau=(sum(r.accepted + 1 for r in spec) / len(spec)) if spec else (1.0 if decode else 0.0),
+        accept_per_position=[c / len(spec) for c in per_pos] if spec else [],
+        seconds=seconds,
+        tok_s=tokens / seconds if seconds > 0 else 0.0,
+        tau_histogram=dict(sorted(hist.items())),
+    )
