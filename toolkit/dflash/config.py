@@ -1,0 +1,176 @@
+"""DFlashConfig: the drafter's config.json, read in the upstream layouts, and its checks against a target."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ToolkitError
+
+ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _pick(cfg: dict, key: str, default: Any = None) -> Any:
+    """A DFlash key from `dflash_config` (current upstream layout) or the top level (older revisions)."""
+    nested = cfg.get("dflash_config") or {}
+    if key in nested:
+        return nested[key]
+    return cfg.get(key, default)
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind not in ("default", None):
+        raise ToolkitError(f"config.json: rope_type {kind!r} is not supported by the reference drafter (only 'default')")
+    return float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0)))
+
+
+@dataclass
+class DFlashConfig:
+    """The drafter's shape and its DFlash settings. `tap_shift` maps a tap id L to HF hidden_states[L + tap_shift]."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    layer_types: list[str]
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tap_shift: int = 1
+    is_causal: bool | None = None   # None: sliding layers causal in the block, full layers bidirectional
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    input_embedding_scale: float = 1.0
+    architecture: str = ARCHITECTURE
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DFlashConfig":
+        archs = cfg.get("architectures") or []
+        if ARCHITECTURE not in archs:
+            raise ToolkitError(f"config.json: architectures is {archs!r}, expected [{ARCHITECTURE!r}]")
+        try:
+            n_layers = int(cfg["num_hidden_layers"])
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            taps = _pick(cfg, "target_layer_ids")
+            mask = _pick(cfg, "mask_token_id")
+            block = _pick(cfg, "block_size")
+            if taps is None or mask is None or block is None:
+                missing = [k for k, v in (("target_layer_ids", taps), ("mask_token_id", mask), ("block_size", block)) if v is None]
+                raise KeyError(missing[0])
+            conf = cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                block_size=int(block),
+                mask_token_id=int(mask),
+                target_layer_ids=[int(t) for t in taps],
+                layer_types=list(cfg.get("layer_types") or ["full_attention"] * n_layers),
+                sliding_window=cfg.get("sliding_window"),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(cfg),
+                tap_shift=int(_pick(cfg, "tap_shift", 1)),
+                is_causal=_pick(cfg, "is_causal", None),
+                hidden_act=cfg.get("hidden_act", "silu"),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                vocab_size=cfg.get("vocab_size"),
+                num_target_layers=cfg.get("num_target_layers"),
+                input_embedding_scale=float(_pick(cfg, "input_embedding_scale", 1.0)),
+                raw=cfg,
+            )
+        except KeyError as e:
+            raise ToolkitError(f"config.json: missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ToolkitError(f"config.json: bad value ({e})") from None
+        conf.check()
+        return conf
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DFlashConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise ToolkitError(f"{path}: no config.json (not a model folder)")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ToolkitError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(cfg)
+
+    def check(self) -> None:
+        """Self-consistency: each failure is one line naming the field and the values."""
+        if self.block_size < 2:
+            raise ToolkitError(f"block_size must be >= 2, got {self.block_size}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ToolkitError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ToolkitError(f"layer_types: unknown type {bad[0]!r} (expected one of {', '.join(LAYER_TYPES)})")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ToolkitError("sliding_window must be set when layer_types has sliding_attention layers")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ToolkitError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
+        if not self.target_layer_ids or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ToolkitError(f"target_layer_ids must be non-empty and unique, got {self.target_layer_ids}")
+        if self.hidden_act != "silu":
+            raise ToolkitError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+
+    def block_causal(self, layer: int) -> bool:
+        """Whether block positions see only earlier block positions in this layer (exllamav3's rule)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def validate_against(self, target: dict) -> None:
+        """Check the drafter fits a target config.json (a dict; a multimodal config's text_config is used)."""
+        t = target.get("text_config") or target
+        th, tl, tv = t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size")
+        if th is not None and th != self.hidden_size:
+            raise ToolkitError(f"hidden_size: drafter has {self.hidden_size}, target has {th}")
+        if tl is not None:
+            for tap in self.target_layer_ids:
+                if not 0 <= tap < tl or not 0 <= tap + self.tap_shift <= tl:
+                    raise ToolkitError(
+                        f"target_layer_ids: tap {tap} (tap_shift {self.tap_shift}) is outside the target's {tl} layers"
+                    )
+        if tv is not None and not 0 <= self.mask_token_id < tv:
+            raise ToolkitError(f"mask_token_id: {self.mask_token_id} is outside the target's vocab_size {tv}")
+        if self.block_size < 2:
+            raise ToolkitError(f"block_size must be >= 2, got {self.block_size}")
+
+    def to_dict(self) -> dict:
+        """config.json in the current upstream layout (DFlash keys under dflash_config), keeping unknown keys."""
+        d = {k: v for k, v in self.raw.items() if k not in ("dflash_config",)}
+        plain = asdict(self)
+        plain.pop("raw")
+        dflash = {k: plain.pop(k) for k in ("block_size", "mask_token_id", "target_layer_ids", "tap_shift")}
+        if plain.get("is_causal") is not None:
+            dflash["is_causal"] = plain["is_causal"]
+        plain.pop("is_causal")
+        if plain["input_embedding_scale"] != 1.0:
+            dflash["input_embedding_scale"] = plain["input_embedding_scale"]
+        plain.pop("input_embedding_scale")
+        d.update({k: v for k, v in plain.items() if k != "architecture" and v is not None})
+        d["architectures"] = [self.architecture]
+        d.setdefault("model_type", "qwen3")
+        d["block_size"] = dflash["block_size"]
+        d["dflash_config"] = {**(self.raw.get("dflash_config") or {}), **dflash}
+        return d

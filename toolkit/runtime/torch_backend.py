@@ -1,0 +1,152 @@
+"""The torch backend: any transformers causal LM as target, the reference DFlash module as drafter.
+
+It is the CPU reference that the exllamav3 backend is checked against. Rollback after a rejection crops
+the target's KV cache; a target with recurrent layers (Qwen3.5/3.6 Gated DeltaNet) cannot be cropped,
+so its cache is snapshotted before each verify and the accepted tokens are replayed from the snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
+from ..errors import ToolkitError
+from .backend import GenSettings
+from .events import Round
+from .loop import decode
+from .sampling import Sampler
+
+
+def target_config(path: str | Path) -> dict:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise ToolkitError(f"{path}: no config.json (not a model folder)")
+    return json.loads(p.read_text())
+
+
+class TorchSteps:
+    """Prefill / draft / verify / accept for one sequence on a transformers target."""
+
+    def __init__(self, target, drafter: DFlashDraft | None):
+        from transformers import DynamicCache
+
+        self.target, self.drafter = target, drafter
+        self.cache = DynamicCache(config=target.config)
+        self.cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        types = getattr(target.config, "layer_types", None) or []
+        self.recurrent = any(t not in ("full_attention", "sliding_attention") for t in types)
+        self.draft_cache = DraftCache(drafter) if drafter is not None else None
+        self.pos = 0
+        self._pending: tuple[list[int], torch.Tensor | None] | None = None
+        self._snapshot = None
+
+    def _forward(self, ids: list[int]):
+        x = torch.tensor([ids], dtype=torch.long, device=self.target.device)
+        return self.target(input_ids=x, use_cache=True, output_hidden_states=self.drafter is not None, **{self.cache_arg: self.cache})
+
+    def _taps(self, out) -> torch.Tensor | None:
+        return gather_taps(out.hidden_states, self.drafter.config) if self.drafter is not None else None
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        out = self._forward(prompt_ids)
+        self.pos = len(prompt_ids)
+        if self.drafter is not None:
+            self.drafter.extend(self.draft_cache, self._taps(out))
+        return out.logits[0, -1]
+
+    @torch.no_grad()
+    def draft_block(self, token: int, width: int) -> list[int]:
+        emb = self.target.get_input_embeddings().weight
+        h = self.drafter.draft_hidden(self.draft_cache, torch.tensor([token], device=emb.device), emb)
+        logits = self.target.get_output_embeddings()(h[:, 1 : 1 + width].to(emb.dtype))
+        return logits[0].argmax(-1).tolist()
+
+    @torch.no_grad()
+    def verify(self, block: list[int]) -> torch.Tensor:
+        self._snapshot = copy.deepcopy(self.cache) if self.recurrent and len(block) > 1 else None
+        out = self._forward(block)
+        self._pending = (block, self._taps(out))
+        return out.logits[0]
+
+    @torch.no_grad()
+    def accept(self, n: int) -> None:
+        block, taps = self._pending
+        if n < len(block):
+            if self._snapshot is not None:          # recurrent state: restore and replay the kept tokens
+                self.cache = self._snapshot
+                self._forward(block[:n])
+            else:
+                self.cache.crop(-(len(block) - n))   # negative = tokens to drop, in transformers 4.x and 5.x
+        self.pos += n
+        if self.drafter is not None:
+            self.drafter.extend(self.draft_cache, taps[:, :n])
+        self._pending = self._snapshot = None
+
+
+class TorchBackend:
+    """Backend over a transformers target and an optional reference drafter (see runtime.backend.Backend)."""
+
+    name = "torch"
+
+    def __init__(self, target, tokenizer, drafter: DFlashDraft | None = None):
+        self.target, self.tokenizer, self.drafter = target.eval(), tokenizer, drafter
+        self.block_size = drafter.config.block_size if drafter is not None else 1
+        self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 20)
+        gen = getattr(target, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+    @classmethod
+    def from_dirs(
+        cls, target: str | Path, draft: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32, **_
+    ) -> "TorchBackend":
+        """Load a local target folder (transformers) and drafter folder (upstream layout), checked against each other."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tcfg = target_config(target)
+        drafter = None
+        if draft is not None:
+            DFlashConfig.from_dir(draft).validate_against(tcfg)
+            drafter = load_drafter(draft, dtype=dtype, device=device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device)
+            tok = AutoTokenizer.from_pretrained(str(target))
+        except (OSError, ValueError, KeyError) as e:
+            raise ToolkitError(f"{target}: cannot load the target with transformers ({str(e).splitlines()[0]})") from None
+        return cls(model, tok, drafter)
+
+    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            kw = {} if thinking is None else {"enable_thinking": thinking}
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer.encode(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
+        if not prompt_ids:
+            raise ToolkitError("prompt is empty")
+        if len(prompt_ids) + settings.max_new_tokens > self.max_context:
+            raise ToolkitError(
+                f"prompt of {len(prompt_ids)} tokens + {settings.max_new_tokens} new tokens exceeds the context of {self.max_context}"
+            )
+        width = 0
+        if speculative and self.drafter is not None:
+            width = min(settings.block_size or self.block_size, self.block_size) - 1
+        steps = TorchSteps(self.target, self.drafter if width else None)
+        stop = set(settings.stop_ids if settings.stop_ids is not None else self.eos_ids)
+        yield from decode(steps, list(prompt_ids), settings.max_new_tokens, Sampler(settings.temperature, settings.seed), stop, width)
