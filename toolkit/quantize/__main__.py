@@ -1,0 +1,49 @@
+"""python -m toolkit.quantize: convert a DFlash drafter to EXL3 at several bitrates, calibrated, checked, reported.
+
+Steps: validate the checkpoint against the target, plan one output folder per bitrate (finished ones are
+skipped on a rerun, half-written ones redone), accumulate input Hessians from the target's hidden states,
+convert each bitrate with exllamav3 in a subprocess, compare every EXL3 drafter with the BF16 reference on
+held-out prompts (KL, top-1, τ; tap_shift verified), and write report.json / report.md / tau_top1.png plus a
+model card per folder. Flags override the recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import run_cli
+from .pipeline import quantize
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.quantize", description=__doc__.split("\n\n")[0],
+                                 epilog="Example: python -m toolkit.quantize --recipe quantize/qwen3.6-35b-a3b-dflash.toml "
+                                        "--model ./Qwen3.6-35B-A3B-DFlash --dry-run")
+    ap.add_argument("--recipe", help="recipe TOML under quantize/ (model, revision, target, bits, prompts, thresholds)")
+    ap.add_argument("--model", help="drafter: local folder or Hub id (default: the recipe's)")
+    ap.add_argument("--revision", help="Hub revision of --model (default: the recipe's pinned one)")
+    ap.add_argument("--target", help="target: local folder or Hub id of a BF16 or EXL3 target (default: the recipe's)")
+    ap.add_argument("--bits", help="comma-separated bitrates, each 1-8 with at most two decimals, e.g. 3.0,4.0,5.0,6.0,8.0")
+    ap.add_argument("--out", help="output folder (default out/<model name>-exl3): report.* and one folder per bitrate")
+    ap.add_argument("--work-dir", help="scratch folder for Hessians and converter jobs (default OUT/.work)")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                    help="calibrate with the target's hidden states (default on); --no-calibrate converts uncalibrated")
+    ap.add_argument("--also-uncalibrated", action="store_true",
+                    help="with --calibrate, also convert uncalibrated into <bits>bpw-uncal folders for comparison (not pushed)")
+    ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                    help="compare each bitrate with the BF16 reference and enforce the recipe's thresholds (default on)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan as a table and exit; touches no GPU")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing output folder and redo every bitrate")
+    ap.add_argument("--push", metavar="REPO", help="after a passing run, push the outputs to this Hub repo (toolkit.push)")
+    ap.add_argument("--device", help="CUDA device for conversion and checks: cuda, cuda:N or N (default cuda)")
+    return ap
+
+
+def main(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    result = quantize(**vars(args))
+    return 0 if isinstance(result, (dict, int)) else 1
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main())

@@ -1,0 +1,135 @@
+"""Recipes: one TOML file per upstream drafter (model, pinned revision, target, bitrates, overrides, prompts, thresholds)."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ToolkitError
+
+# exllamav3 1.6.5 takes a budget of 1-8 bpw; the half-integer rates (1.5/2.5/3.5) exist with its mul1 codebook.
+MIN_BITS, MAX_BITS = 1.0, 8.0
+HALF_RATES = (1.5, 2.5, 3.5)
+
+
+@dataclass
+class Thresholds:
+    """Per-bitrate quality floor; a metric that was not measured is not judged."""
+
+    min_top1: float | None = None
+    max_kl: float | None = None
+    min_tau_ratio: float | None = None   # tau(EXL3) / tau(BF16)
+
+
+@dataclass
+class Recipe:
+    model: str
+    target: str | None = None
+    revision: str | None = None
+    target_revision: str | None = None
+    bits: list[float] = field(default_factory=lambda: [4.0])
+    overrides: dict[str, float] = field(default_factory=dict)   # tensor key pattern -> bits (exllamav3 --recipe)
+    calibration_prompts: list[str] = field(default_factory=list)
+    check_prompts: list[str] = field(default_factory=list)
+    anchors_per_prompt: int = 8
+    max_new_tokens: int = 64
+    tap_shift_candidates: list[int] = field(default_factory=lambda: [0, 1, 2])
+    thresholds: dict[str, Thresholds] = field(default_factory=dict)   # "4.0" or "default" -> floor
+    path: Path | None = None
+
+    def thresholds_for(self, bits: float) -> Thresholds:
+        return self.thresholds.get(format_bits(bits)) or self.thresholds.get("default") or Thresholds()
+
+
+def format_bits(bits: float) -> str:
+    """4 -> '4.0', 4.25 -> '4.25' (exllamav3's Hub branch style is '<bits>bpw')."""
+    s = f"{bits:.2f}".rstrip("0")
+    return s + "0" if s.endswith(".") else s
+
+
+def branch_name(bits: float) -> str:
+    return f"{format_bits(bits)}bpw"
+
+
+def check_bits(value: float, field_name: str = "bits") -> float:
+    """One bitrate: a finite number in 1..8 with at most two decimals (exllamav3 rounds its budget to 0.01)."""
+    try:
+        b = float(value)
+    except (TypeError, ValueError):
+        raise ToolkitError(f"{field_name}: {value!r} is not a number") from None
+    if not math.isfinite(b) or not MIN_BITS <= b <= MAX_BITS:
+        raise ToolkitError(f"{field_name}: {value!r} is outside exllamav3's range 1-8 bits per weight")
+    if abs(round(b, 2) - b) > 1e-9:
+        raise ToolkitError(f"{field_name}: {value!r} is not representable (at most two decimals, e.g. 4.25)")
+    return round(b, 2)
+
+
+def parse_bits(spec: str | list | tuple | float) -> list[float]:
+    """'3.0,4.0,5.0' or a list -> sorted unique bitrates, each checked."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    items = [i.strip() if isinstance(i, str) else i for i in items]
+    if not items or any(i == "" for i in items):
+        raise ToolkitError(f"bits: {spec!r} is empty or has an empty entry")
+    out = [check_bits(i) for i in items]
+    if len(set(out)) != len(out):
+        raise ToolkitError(f"bits: {spec!r} lists a bitrate twice")
+    return sorted(out)
+
+
+def check_override_bits(pattern: str, value: float) -> float:
+    """A per-tensor override must be a rate exllamav3 stores directly: integers 1-8, 16 (unquantized), or 1.5/2.5/3.5."""
+    try:
+        b = float(value)
+    except (TypeError, ValueError):
+        raise ToolkitError(f"overrides.{pattern}: {value!r} is not a number") from None
+    if not ((b.is_integer() and (1 <= b <= 8 or b == 16)) or b in HALF_RATES):
+        raise ToolkitError(f"overrides.{pattern}: {value!r} must be an integer 1-8, 16, or one of 1.5, 2.5, 3.5")
+    return b
+
+
+def _thresholds(raw: dict, where: Path) -> dict[str, Thresholds]:
+    out = {}
+    for key, val in raw.items():
+        if not isinstance(val, dict):
+            raise ToolkitError(f"{where}: thresholds.{key} must be a table like {{ min_top1 = 0.9 }}")
+        unknown = set(val) - {"min_top1", "max_kl", "min_tau_ratio"}
+        if unknown:
+            raise ToolkitError(f"{where}: thresholds.{key} has unknown keys {sorted(unknown)}")
+        name = key if key == "default" else format_bits(check_bits(key, f"thresholds.{key}"))
+        out[name] = Thresholds(**{k: float(v) for k, v in val.items()})
+    return out
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read a recipe TOML; every problem is one line naming the file and the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise ToolkitError(f"recipe: {p} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ToolkitError(f"recipe: {p} is not valid TOML ({e})") from None
+    model = raw.get("model") or {}
+    if not model.get("id"):
+        raise ToolkitError(f"recipe: {p} has no [model] id")
+    target = raw.get("target") or {}
+    cal = raw.get("calibration") or {}
+    chk = raw.get("check") or {}
+    overrides = {k: check_override_bits(k, v) for k, v in (raw.get("overrides") or {}).items()}
+    return Recipe(
+        model=model["id"],
+        revision=model.get("revision"),
+        target=target.get("id"),
+        target_revision=target.get("revision"),
+        bits=parse_bits(raw.get("bits", {}).get("default", [4.0])),
+        overrides=overrides,
+        calibration_prompts=list(cal.get("prompts", [])),
+        check_prompts=list(chk.get("prompts", [])),
+        anchors_per_prompt=int(cal.get("anchors_per_prompt", 8)),
+        max_new_tokens=int(chk.get("max_new_tokens", 64)),
+        tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1, 2])],
+        thresholds=_thresholds(raw.get("thresholds") or {}, p),
+        path=p,
+    )

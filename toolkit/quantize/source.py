@@ -1,0 +1,62 @@
+"""Resolve --model / --target: a local folder as is, a Hub id through snapshot_download at the pinned revision."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import ToolkitError
+
+
+def is_local(ref: str | Path) -> bool:
+    return Path(ref).expanduser().is_dir()
+
+
+def looks_like_hub_id(ref: str) -> bool:
+    parts = str(ref).split("/")
+    return len(parts) == 2 and all(parts) and not str(ref).startswith((".", "/", "~"))
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def resolve(ref: str, revision: str | None = None, what: str = "model", config_only: bool = False,
+            cache_only: bool = False) -> Path:
+    """A local folder for `ref`. config_only fetches just config.json; cache_only never touches the network."""
+    if is_local(ref):
+        return Path(ref).expanduser().resolve()
+    if not looks_like_hub_id(ref):
+        raise ToolkitError(f"--{what}: {ref!r} is neither a local folder nor a Hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    local_only = cache_only or offline()
+    patterns = ["config.json"] if config_only else None
+    try:
+        path = snapshot_download(ref, revision=revision, allow_patterns=patterns, local_files_only=local_only)
+    except Exception as e:  # offline, missing revision, auth: huggingface_hub raises several types
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if local_only or "connect" in reason.lower() or "offline" in reason.lower() or "resolve" in reason.lower():
+            raise ToolkitError(
+                f"--{what}: cannot fetch {ref}@{revision or 'main'} (offline or no network: HF_HUB_OFFLINE="
+                f"{os.environ.get('HF_HUB_OFFLINE', '0')}); pass a local folder with --{what} instead"
+            ) from None
+        raise ToolkitError(f"--{what}: cannot fetch {ref}@{revision or 'main'} ({reason})") from None
+    return Path(path)
+
+
+def read_config(folder: Path, what: str = "model") -> dict:
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise ToolkitError(f"--{what}: {folder} has no config.json (not a model folder)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ToolkitError(f"--{what}: {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def target_kind(cfg: dict) -> str:
+    """'exl3' for an exllamav3 model, else 'hf' (a transformers checkpoint, BF16 or otherwise)."""
+    q = cfg.get("quantization_config") or {}
+    return "exl3" if q.get("quant_method") == "exl3" else "hf"

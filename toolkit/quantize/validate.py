@@ -1,0 +1,132 @@
+"""Step 1: validate the drafter checkpoint (architecture, tensors from the safetensors headers) and its fit to the target."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..dflash import DFlashConfig, DFlashDraft
+from ..dflash.config import ARCHITECTURE
+from ..errors import ToolkitError
+
+OPTIONAL = ("mask_embedding",)
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass
+class Checked:
+    """What validation learned: the config, the tensor headers (name -> (dtype, shape)) and the bytes on disk."""
+
+    config: DFlashConfig
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    size_bytes: int = 0
+    has_weights: bool = True
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of one safetensors file, checked against the file's length (truncation)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ToolkitError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n <= 0 or 8 + n > size:
+            raise ToolkitError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ToolkitError(f"{path}: corrupt safetensors header") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ToolkitError(f"{path}: truncated safetensors file (needs {8 + n + end} bytes, has {size})")
+    return header
+
+
+def read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    total = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        total += f.stat().st_size
+        for k, v in read_header(f).items():
+            if k != "__metadata__":
+                out[k.removeprefix("model.")] = (v["dtype"], tuple(v["shape"]))
+    return out, total
+
+
+def expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the reference drafter needs, built on the meta device (no memory for the real shape)."""
+    with torch.device("meta"):
+        model = DFlashDraft(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_architecture(cfg: dict, folder: Path) -> None:
+    archs = cfg.get("architectures") or []
+    if ARCHITECTURE in archs:
+        return
+    if cfg.get("auto_map"):
+        raise ToolkitError(
+            f"{folder}: architectures {archs} needs trust_remote_code and is not {ARCHITECTURE}; only DFlash drafters are converted"
+        )
+    raise ToolkitError(f"{folder}: architectures is {archs}, expected [{ARCHITECTURE!r}] (a DFlash drafter)")
+
+
+def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool = True) -> Checked:
+    """Config, tensors and target fit. Without weights (a config-only folder) only a dry run may go on."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ToolkitError(f"--model: {folder} has no config.json (not a model folder)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ToolkitError(f"--model: {cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    check_architecture(raw, folder)
+    config = DFlashConfig.from_dict(raw)
+    if target_cfg is not None:
+        config.validate_against(target_cfg)
+        t = target_cfg.get("text_config") or target_cfg
+        tv, dv = t.get("vocab_size"), raw.get("vocab_size")
+        if tv is not None and dv is not None and tv != dv:
+            raise ToolkitError(f"vocab_size: drafter has {dv}, target has {tv}")
+    headers, size = read_headers(folder)
+    if not headers:
+        if require_weights:
+            raise ToolkitError(f"--model: {folder} has no *.safetensors weights")
+        return Checked(config, {}, 0, has_weights=False)
+    for name, shape in expected_shapes(config).items():
+        if name not in headers:
+            raise ToolkitError(f"{folder}: missing tensor {name!r}")
+        if headers[name][1] != shape:
+            raise ToolkitError(f"{folder}: tensor {name!r} has shape {list(headers[name][1])}, expected {list(shape)}")
+    if "mask_embedding" in headers:
+        n = 1
+        for d in headers["mask_embedding"][1]:
+            n *= d
+        if n != config.hidden_size:
+            raise ToolkitError(f"{folder}: tensor 'mask_embedding' has {n} values, expected {config.hidden_size}")
+    return Checked(config, headers, size)
+
+
+def linear_keys(config: DFlashConfig) -> list[str]:
+    """exllamav3's keys of the drafter's quantized Linears, in module order."""
+    keys = ["fc"]
+    for i in range(config.num_hidden_layers):
+        keys += [f"layers.{i}.self_attn.{p}_proj" for p in "qkvo"]
+        keys += [f"layers.{i}.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    return keys
+
+
+def unquantized_keys(config: DFlashConfig) -> list[str]:
+    """Tensors exllamav3 keeps as they are: every norm (hidden_norm included)."""
+    keys = ["hidden_norm.weight", "norm.weight"]
+    for i in range(config.num_hidden_layers):
+        keys += [f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight",
+                 f"layers.{i}.self_attn.q_norm.weight", f"layers.{i}.self_attn.k_norm.weight"]
+    return keys
