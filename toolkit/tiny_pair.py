@@ -102,7 +102,8 @@ def position_weights(block: int) -> torch.Tensor:
 
 
 def block_batch(seqs, taps, block: int, mask_id: int, batch: int, min_ctx: int = 8):
-    """Random anchors: block ids [x_p, MASK...], labels x_{p+1..p+B-1}, context rows < p, positions."""
+    """Random anchors p >= min_ctx: block ids [x_p, MASK...], labels x_{p+1..p+B-1}, context rows < p, positions.
+    With min_ctx = prompt length - 1 every label is one of the target's own greedy tokens."""
     n, L = seqs.shape
     rows = torch.randint(0, n, (batch,))
     anchors = torch.randint(min_ctx, L - block + 1, (batch,))
@@ -115,7 +116,7 @@ def block_batch(seqs, taps, block: int, mask_id: int, batch: int, min_ctx: int =
     return ids, labels, taps[rows], keep, pos
 
 
-def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int = 64, lr: float = 3e-3) -> DFlashDraft:
+def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int = 128, lr: float = 3e-3, min_ctx: int = 31) -> DFlashDraft:
     torch.manual_seed(1)
     model = DFlashDraft(DFlashConfig.from_dict(dcfg))
     cfg = model.config
@@ -128,7 +129,7 @@ def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     for step in (bar := tqdm(range(steps), desc="drafter", unit="step")):
-        ids, labels, ctx, keep, pos = block_batch(seqs, taps, cfg.block_size, cfg.mask_token_id, batch)
+        ids, labels, ctx, keep, pos = block_batch(seqs, taps, cfg.block_size, cfg.mask_token_id, batch, min_ctx)
         h = model(F.embedding(ids, emb), ctx, pos, ctx_keep=keep)
         logits = head(h[:, 1:])
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
@@ -143,7 +144,7 @@ def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int
     return model.eval()
 
 
-def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1200, draft_steps: int = 1500, sequences: int = 512) -> Path:
+def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1200, draft_steps: int = 4000, sequences: int = 512) -> Path:
     """Build tokenizer, target and drafter into `out` (replacing it only when everything succeeded)."""
     torch.manual_seed(seed)
     t0 = time.time()
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(PAIR), help=f"output folder (default {PAIR})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-steps", type=int, default=1200)
-    ap.add_argument("--draft-steps", type=int, default=1500)
+    ap.add_argument("--draft-steps", type=int, default=4000)
     ap.add_argument("--sequences", type=int, default=512, help="self-distilled sequences for the drafter")
     build_pair(**vars(ap.parse_args(argv)))
 

@@ -1,0 +1,79 @@
+"""A scripted Backend for the app tests: known text, a fixed acceptance pattern, optional faults and delays.
+
+The 'target' always continues with the same word sequence, so greedy speculative text equals AR text by
+construction of the rounds (drafts agree with that sequence for `accepted` positions, then diverge).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from toolkit.errors import ToolkitError
+from toolkit.runtime.backend import GenSettings
+from toolkit.runtime.events import Round
+
+WORDS = ("speculative decoding drafts a block of tokens and the target checks them all in one forward pass so "
+         "most tokens cost far less than one target step each while the output stays exactly the same").split()
+EOS = 0
+
+
+class FakeTokenizer:
+    chat_template = "{{ messages }}"   # no enable_thinking: the app must grey out the switch
+
+
+@dataclass
+class FakeBackend:
+    name: str = "fake"
+    block_size: int = 16
+    max_context: int = 256
+    pattern: tuple[int, ...] = (15, 3, 0, 7, 15, 1, 11, 5)   # accepted drafts per round, cycled
+    step_s: float = 0.002            # cost of one target forward (a round, or one AR token)
+    fail_at: int | None = None       # raise `fault` before this round index
+    fault: BaseException = field(default_factory=lambda: RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    answer_len: int = 400            # the target emits EOS after this many tokens
+    tokenizer: object = field(default_factory=FakeTokenizer)
+    calls: list = field(default_factory=list)
+
+    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
+        self.calls.append(("encode", prompt, system, thinking))
+        return [1 + (ord(c) % (len(WORDS) - 1)) for c in (system or "") + prompt]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(" " + WORDS[i % len(WORDS)] for i in ids if i != EOS)
+
+    def truth(self, i: int) -> int:
+        """The target's i-th generated token."""
+        return EOS if i >= self.answer_len else 1 + (i % (len(WORDS) - 1))
+
+    def wrong(self, t: int) -> int:
+        """A draft that disagrees with the target's token t."""
+        return t + 1 if t + 1 < len(WORDS) else 1
+
+    def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
+        if not prompt_ids:
+            raise ToolkitError("prompt is empty")
+        self.calls.append(("generate", speculative, settings))
+        width = min(settings.block_size or self.block_size, self.block_size) - 1 if speculative else 0
+        time.sleep(self.step_s)
+        yield Round((), 0, self.truth(0), prefill=True)
+        n, k = 1, 0
+        while n < settings.max_new_tokens and self.truth(n - 1) != EOS:
+            if self.fail_at is not None and k >= self.fail_at:
+                raise self.fault
+            time.sleep(self.step_s)
+            if not width:
+                tok = self.truth(n)
+                n += 1
+                yield Round((), 0, tok)
+                continue
+            acc = min(self.pattern[k % len(self.pattern)], width)
+            drafted = [self.truth(n + i) for i in range(acc)] + [self.wrong(self.truth(n + i)) for i in range(acc, width)]
+            out = [self.truth(n + i) for i in range(acc + 1)]
+            stop = next((i for i, t in enumerate(out) if t == EOS), None)
+            out = out[: stop + 1] if stop is not None else out
+            out = out[: settings.max_new_tokens - n]
+            n += len(out)
+            k += 1
+            yield Round(tuple(drafted), len(out) - 1, out[-1])

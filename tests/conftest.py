@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny models built once per session in a temp dir (seconds, offline)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(1)  # tiny models: one thread beats two on a 2-core machine
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and exllamav3 (run on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Random tiny targets + drafters for every supported architecture: {arch: (target_dir, draft_dir)}."""
+    from toolkit.fixtures import ARCHS, build
+
+    root = tmp_path_factory.mktemp("fixtures")
+    return {arch: build(root, arch=arch, block_size=16, seed=0) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def pair():
+    from toolkit.fixtures import tiny_pair
+
+    return tiny_pair()
+
+
+@pytest.fixture(scope="session")
+def pair_backend(pair):
+    from toolkit.runtime.torch_backend import TorchBackend
+
+    return TorchBackend.from_dirs(*pair)

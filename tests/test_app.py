@@ -1,0 +1,197 @@
+"""The app's pieces without a server: token origins and markup, backend choice, the streaming handler's paths."""
+
+from __future__ import annotations
+
+import html
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_fakes import FakeBackend  # noqa: E402
+
+from toolkit.app import render  # noqa: E402
+from toolkit.app.handlers import ChatHandler  # noqa: E402
+from toolkit.app.models import Hardware, Loaded, ModelSpec, choose_backend, gpu_wrap, load  # noqa: E402
+from toolkit.errors import ToolkitError  # noqa: E402
+from toolkit.runtime.events import Round  # noqa: E402
+
+OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]
+
+
+def run(handler, prompt="hello", block=16, max_new=40, temperature=0.0, system="", thinking=False):
+    return [dict(zip(OUT, o)) for o in handler.respond(prompt, [], block, max_new, temperature, 0, system, thinking)]
+
+
+def text_of(panel: str) -> str:
+    """The visible text of a stream panel (popups dropped)."""
+    body = panel.split('class="dfl-stream">', 1)[1]
+    body = re.sub(r'<span class="pop">.*?</span></span>', "</span>", body)   # popups hold nested spans: drop whole
+    body = re.sub(r'<span class="pop">(?:(?!<span class="rnd").)*', "", body)
+    return html.unescape(re.sub(r"<[^>]+>", "", body)).replace("▌", "")
+
+
+def test_transcript_kinds_follow_the_rounds():
+    be = FakeBackend()
+    t = render.Transcript(be.decode)
+    t.add(Round((), 0, 5, prefill=True))
+    t.add(Round((6, 7, 8), 3, 9))          # full block: bonus
+    t.add(Round((10, 11, 99), 2, 12))      # rejected at 2: correction
+    t.add(Round((13, 14, 15), 1, 14))      # clipped by budget: the last emitted token is a drafted one
+    kinds = [p.kind for v in t.rounds for p in v.pieces]
+    assert kinds == ["target", "accepted", "accepted", "accepted", "bonus", "accepted", "accepted", "correction",
+                     "accepted", "accepted"]
+    assert t.text == be.decode([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    blk = render.block_html(t.rounds[2])
+    assert '<s class="rej">' in blk and "→" in blk and render.esc(be.decode([99]).replace("\n", "⏎")) in blk
+
+
+def test_token_texts_hold_back_split_utf8():
+    data = "é✓".encode()
+    tt = render.TokenTexts(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    pieces = [tt.push(b) for b in data]
+    assert "".join(pieces) == "é✓" and pieces[0] == "" and pieces[1] == "é"
+
+
+def test_stream_html_escapes_model_text():
+    t = render.Transcript(lambda ids: "<script>alert(1)</script>" if ids else "")
+    t.add(Round((), 0, 1, prefill=True))
+    out = render.stream_html(t, "x", "", False, True)
+    assert "<script>" not in out and "&lt;script&gt;" in out
+
+
+def test_plot_frames_have_every_position():
+    from toolkit.runtime.events import summarize
+
+    s = summarize([Round((), 0, 1, prefill=True), Round((1, 2, 3), 3, 4), Round((1, 2, 3), 1, 5)])
+    acc = render.acceptance_frame(s, 3)
+    assert list(acc["position"]) == ["1", "2", "3"] and list(acc["acceptance"]) == [1.0, 0.5, 0.5]
+    hist = render.histogram_frame(s, 4)
+    assert list(hist["rounds"]) == [0, 1, 0, 1]
+
+
+def test_handler_streams_spec_then_ar_and_matches_under_greedy():
+    h = ChatHandler(Loaded(FakeBackend(step_s=0.001), backend_name="fake"))
+    outs = run(h, max_new=60)
+    assert len(outs) >= 2
+    gens = [c for c in h.loaded.backend.calls if c[0] == "generate"]
+    assert [g[1] for g in gens] == [True, False]          # speculative first, then AR, in one call
+    last = outs[-1]
+    res = last["result"]
+    assert res["lossless"] and res["tokens"] == res["ar_tokens"] and len(res["tokens"]) == 60
+    assert res["text"] == res["ar_text"] == last["chat"][-1]["content"]
+    assert text_of(last["spec"]) == text_of(last["ar"]) == res["text"]
+    assert res["tau"] > 1 and res["speedup"] > 0 and "faster" in last["banner"] or "slower" in last["banner"]
+    assert 'class="tok accepted"' in last["spec"] and 'class="tok correction"' in last["spec"]
+    assert 'class="tok bonus"' in last["spec"]
+    assert outs[0]["box"] == ""                            # the input box is cleared once
+
+
+def test_handler_block_size_setting_reaches_the_backend():
+    be = FakeBackend(step_s=0)
+    res = run(ChatHandler(Loaded(be)), block=4)[-1]["result"]
+    assert max(len(r["drafted"]) for r in res["rounds"]) == 3 and res["block_size"] == 4
+    assert be.calls[-1][2].block_size == 4
+
+
+@pytest.mark.parametrize("prompt,needle", [("   ", "empty"), ("x" * 300, "exceeds the model's context")], ids=["empty", "long"])
+def test_bad_prompts_are_messages(prompt, needle):
+    h = ChatHandler(Loaded(FakeBackend(step_s=0)))
+    outs = run(h, prompt=prompt, max_new=16)
+    assert len(outs) == 1 and needle in html.unescape(outs[0]["message"]) and "Traceback" not in outs[0]["message"]
+    assert not [c for c in h.loaded.backend.calls if c[0] == "generate"]
+
+
+def test_oom_midway_is_a_message_and_the_next_turn_works():
+    be = FakeBackend(step_s=0, fail_at=2)
+    h = ChatHandler(Loaded(be))
+    last = run(h)[-1]
+    assert "ran out of memory" in last["message"] and "dfl-msg error" in last["message"]
+    assert "did not finish" in last["banner"]
+    be.fail_at = None
+    assert run(h)[-1]["result"]["lossless"]
+
+
+def test_unexpected_error_is_one_line():
+    be = FakeBackend(step_s=0, fail_at=0, fault=KeyError("layers.3.mlp"))
+    msg = run(ChatHandler(Loaded(be)))[-1]["message"]
+    assert "KeyError" in msg and "keeps serving" in msg and "\n" not in msg.strip()
+
+
+def test_no_model_shows_the_load_error():
+    h = ChatHandler(Loaded(None, error="Could not load the models: target: boom"))
+    out = run(h)[0]
+    assert "Could not load the models: target: boom" in out["message"]
+
+
+def test_stop_flag_ends_the_turn():
+    be = FakeBackend(step_s=0)
+    h = ChatHandler(Loaded(be))
+    gen = h.respond("hello", [], 16, 200, 0.0, 0, "", False)
+    next(gen)
+    h.stop(None)
+    rest = [dict(zip(OUT, o)) for o in gen]
+    assert "Stopped" in rest[-1]["banner"] and "Stopped" in rest[-1]["message"]
+    assert [c[1] for c in be.calls if c[0] == "generate"] == [True]      # AR never started
+
+
+def test_thinking_switch_only_where_the_template_has_it():
+    be = FakeBackend(step_s=0)
+    run(ChatHandler(Loaded(be)), thinking=True, system="be brief")
+    assert be.calls[0] == ("encode", "hello", "be brief", None)
+    be.tokenizer.chat_template = "{% if enable_thinking %}<think>{% endif %}"
+    run(ChatHandler(Loaded(be)), thinking=True)
+    assert ("encode", "hello", None, True) in be.calls
+
+
+def test_choose_backend_falls_back_without_cuda():
+    cpu = Hardware(cuda=False)
+    assert choose_backend(ModelSpec(target="t", draft="d"), cpu)[:2] == ("torch", "cpu")
+    name, dev, notes = choose_backend(ModelSpec(target="t", draft="d", backend="exllamav3"), cpu)
+    assert (name, dev) == ("torch", "cpu") and "no CUDA GPU" in notes[0]
+    name, _, notes = choose_backend(ModelSpec(target="t", draft="d", backend="exllamav3"), Hardware(cuda=True, zero_gpu=True))
+    assert name == "torch" and "ZeroGPU" in notes[0]
+
+
+def test_hardware_reads_space_env():
+    hw = Hardware.detect({"SPACE_ID": "me/demo", "ACCELERATOR": "none"})
+    assert hw.space_id == "me/demo" and not hw.cuda and not hw.zero_gpu and "Space me/demo" in hw.label()
+    assert Hardware.detect({"SPACE_ID": "me/demo", "ACCELERATOR": "zero-a10g"}).zero_gpu
+    assert Hardware.detect({"SPACES_ZERO_GPU": "true"}).zero_gpu
+
+
+def test_model_spec_flags_beat_env():
+    env = {"DFLASH_TARGET": "a/t", "DFLASH_DRAFT": "a/d", "DFLASH_BACKEND": "torch"}
+    assert ModelSpec.resolve(env=env) == ModelSpec("a/t", "a/d", "torch", None)
+    assert ModelSpec.resolve(target="x", env=env).target == "x" and ModelSpec.resolve(env={}).demo
+    with pytest.raises(ToolkitError, match="backend"):
+        ModelSpec.resolve(backend="vllm", env={})
+
+
+def test_gpu_wrap_is_a_noop_off_zerogpu():
+    def f(x):
+        yield x
+
+    assert gpu_wrap(f, Hardware()) is f
+
+
+def test_load_failures_become_messages(tmp_path):
+    bad = load(ModelSpec(target=str(tmp_path), draft=str(tmp_path)), Hardware())
+    assert bad.backend is None and bad.error.startswith("Could not load the models:")
+    offline = load(ModelSpec(target="nobody/none-such", draft="nobody/none-draft"), Hardware())
+    assert offline.backend is None and "nobody/none-such" in offline.error
+    nodraft = load(ModelSpec(target=str(tmp_path)), Hardware())
+    assert "no drafter given" in nodraft.error
+
+
+def test_mismatched_drafter_is_reported(tmp_path):
+    from toolkit.fixtures import build
+
+    t64, _ = build(tmp_path / "a", "llama", block_size=8, hidden=64)
+    _, d32 = build(tmp_path / "b", "llama", block_size=8, hidden=32)
+    got = load(ModelSpec(target=str(t64), draft=str(d32)), Hardware())
+    assert got.backend is None and "Could not load the models" in got.error
+    out = run(ChatHandler(got))[0]
+    assert got.error in html.unescape(out["message"])

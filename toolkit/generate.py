@@ -1,0 +1,118 @@
+"""`python -m toolkit.generate`: decode one prompt speculatively (and optionally plain AR) and report the rounds.
+
+With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU.
+The --json output is a stable contract (docs/generate.md): tokens, text, rounds, tau, tok_s, and with
+--compare-ar also ar_tokens, ar_tok_s, speedup, lossless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import ToolkitError, run_cli
+from .runtime.backend import Backend, GenSettings
+from .runtime.events import Round, summarize, tokens_of
+
+
+def load(backend: str, target: str | None, draft: str | None, device: str | None = None) -> Backend:
+    """The named backend over the given folders, or over the shipped tiny pair when none are given."""
+    if target is None and draft is None:
+        from .fixtures import tiny_pair
+
+        target, draft = (str(p) for p in tiny_pair())
+    elif target is None:
+        raise ToolkitError("--draft needs --target (the drafter uses the target's embeddings and lm_head)")
+    for name, p in (("--target", target), ("--draft", draft)):
+        if p is not None and not Path(p).is_dir():
+            raise ToolkitError(f"{name}: {p} is not a folder")
+    if backend == "torch":
+        from .runtime.torch_backend import TorchBackend
+
+        return TorchBackend.from_dirs(target, draft, device=device or "cpu")
+    if backend == "exllamav3":
+        from .runtime.factory import load_backend
+
+        return load_backend("exllamav3", target, draft)
+    raise ToolkitError(f"--backend must be torch or exllamav3, got {backend!r}")
+
+
+def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: bool) -> tuple[list[Round], float]:
+    t0 = time.perf_counter()
+    rounds = list(backend.generate(ids, settings, speculative=speculative))
+    return rounds, time.perf_counter() - t0
+
+
+def generate(
+    prompt: str,
+    target: str | None = None,
+    draft: str | None = None,
+    max_new_tokens: int = 64,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    backend: str = "torch",
+    compare_ar: bool = False,
+    system: str | None = None,
+    raw: bool = False,
+    device: str | None = None,
+    json_out: bool = False,
+) -> dict:
+    """Run one prompt; returns the JSON-contract dict (and prints it, or a readable summary)."""
+    if not prompt.strip():
+        raise ToolkitError("--prompt is empty")
+    try:
+        settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=block_size)
+    except ValueError as e:
+        raise ToolkitError(str(e)) from None
+    be = load(backend, target, draft, device)
+    ids = be.tokenizer.encode(prompt) if raw and hasattr(be, "tokenizer") else be.encode(prompt, system=system)
+    rounds, secs = timed(be, ids, settings, speculative=True)
+    toks = tokens_of(rounds)
+    s = summarize(rounds, secs)
+    result = {
+        "backend": be.name, "prompt_tokens": len(ids), "block_size": min(block_size or be.block_size, be.block_size),
+        "tokens": toks, "text": be.decode(toks), "rounds": [r.to_json() for r in rounds],
+        "tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "seconds": secs,
+    }
+    if compare_ar:
+        ar_rounds, ar_secs = timed(be, ids, settings, speculative=False)
+        ar = tokens_of(ar_rounds)
+        ar_tok_s = len(ar) / ar_secs if ar_secs > 0 else 0.0
+        result.update(ar_tokens=ar, ar_tok_s=ar_tok_s, ar_seconds=ar_secs,
+                      speedup=(s.tok_s / ar_tok_s) if ar_tok_s else 0.0, lossless=(ar == toks))
+    if json_out:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        line = f"\n[{be.name}] {len(toks)} tokens, {s.rounds} rounds, tau {s.tau:.2f}, {s.tok_s:.1f} tok/s"
+        if compare_ar:
+            line += f"; AR {result['ar_tok_s']:.1f} tok/s, speedup {result['speedup']:.2f}x, lossless {result['lossless']}"
+        print(line, file=sys.stderr)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.generate", description=__doc__.split("\n\n")[0],
+                                 epilog="Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json")
+    ap.add_argument("--prompt", required=True, help="user message (goes through the chat template when there is one)")
+    ap.add_argument("--target", help="target model folder (default: the shipped tiny pair)")
+    ap.add_argument("--draft", help="DFlash drafter folder in the upstream layout")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None, help="verify width B (default: the drafter's); drafts are cut to B-1")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"])
+    ap.add_argument("--compare-ar", action="store_true", help="also decode plain AR on the same target; report speedup and lossless")
+    ap.add_argument("--system", help="system prompt")
+    ap.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    ap.add_argument("--device", help="torch device for the torch backend (default cpu)")
+    ap.add_argument("--json", dest="json_out", action="store_true", help="print one JSON object (the documented contract)")
+    generate(**vars(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    run_cli(main)
