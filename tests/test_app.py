@@ -187,11 +187,14 @@ def test_load_failures_become_messages(tmp_path):
 
 
 def test_mismatched_drafter_is_reported(tmp_path):
-    from toolkit.fixtures import build
+    import json
 
-    t64, _ = build(tmp_path / "a", "llama", block_size=8, hidden=64)
-    _, d32 = build(tmp_path / "b", "llama", block_size=8, hidden=32)
-    got = load(ModelSpec(target=str(t64), draft=str(d32)), Hardware())
-    assert got.backend is None and "Could not load the models" in got.error
+    from toolkit.fixtures import tiny_pair
+
+    target, draft = tiny_pair()
+    cfg = json.loads((target / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))   # the drafter expects 64
+    got = load(ModelSpec(target=str(tmp_path), draft=str(draft)), Hardware())
+    assert got.backend is None and "hidden_size: drafter has 64, target has 32" in got.error
     out = run(ChatHandler(got))[0]
     assert got.error in html.unescape(out["message"])

@@ -1,0 +1,36 @@
+"""python app.py: the chat app that shows DFlash speculative decoding next to plain AR, live.
+
+With no models it serves an embedded demo on tiny models (CPU, offline). On a GPU with exllamav3 installed:
+python app.py --target <EXL3 model or Hub id> --draft <DFlash drafter>. Env vars DFLASH_TARGET, DFLASH_DRAFT,
+DFLASH_BACKEND, DFLASH_DEVICE do the same (for Spaces). See docs/app.md and docs/space.md.
+"""
+
+import os
+
+if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true"):
+    import spaces  # noqa: F401  (ZeroGPU wants it imported before torch)
+
+import argparse
+
+from toolkit.errors import run_cli
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", help="target model: local folder or Hub id (default: $DFLASH_TARGET, else the tiny demo)")
+    ap.add_argument("--draft", help="DFlash drafter: local folder or Hub id (default: $DFLASH_DRAFT)")
+    ap.add_argument("--backend", choices=["auto", "torch", "exllamav3"],
+                    help="auto (default): exllamav3 on a CUDA GPU when installed, else torch on CPU")
+    ap.add_argument("--device", help="torch device for the torch backend (default: cuda if available, else cpu)")
+    ap.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if os.environ.get("SPACE_ID") else "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
+    ap.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    args = ap.parse_args(argv)
+
+    from toolkit.app import launch_app
+
+    launch_app(**vars(args))
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main())

@@ -1,0 +1,231 @@
+"""The chat handler: one generator that decodes speculatively, then plain AR, streaming both panels.
+
+Both runs happen one after the other inside one call (and the GPU events share one concurrency id), so they
+never skew each other. Timing counts only the time spent inside the backend's generator, not the UI updates.
+Every failure becomes a visible message in the page; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import gradio as gr
+
+from ..errors import ToolkitError
+from ..runtime.backend import GenSettings
+from ..runtime.events import Round, Summary, summarize
+from . import render
+from .models import Loaded
+
+log = logging.getLogger("toolkit.app")
+UI_INTERVAL = 0.08      # seconds between live updates of the panels
+PLOT_INTERVAL = 0.5     # seconds between live updates of the plots
+
+
+@dataclass
+class Run:
+    """One decode of the prompt, timed inside the backend only."""
+
+    backend: object
+    ids: list[int]
+    settings: GenSettings
+    speculative: bool
+    rounds: list[Round] = field(default_factory=list)
+    seconds: float = 0.0
+    stopped: bool = False
+
+    def __post_init__(self) -> None:
+        self.transcript = render.Transcript(self.backend.decode)
+
+    def stream(self, stop: threading.Event) -> Iterator[Round]:
+        it = self.backend.generate(self.ids, self.settings, speculative=self.speculative)
+        try:
+            while True:
+                if stop.is_set():
+                    self.stopped = True
+                    return
+                t0 = time.perf_counter()
+                try:
+                    r = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self.seconds += time.perf_counter() - t0
+                self.rounds.append(r)
+                self.transcript.add(r)
+                yield r
+        finally:
+            close = getattr(it, "close", None)
+            if close:
+                close()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for r in self.rounds for t in r.tokens]
+
+    def summary(self) -> Summary:
+        return summarize(self.rounds, self.seconds)
+
+
+@dataclass
+class View:
+    """Everything the handler updates, in the order of ChatHandler.outputs."""
+
+    chat: list
+    banner: str
+    spec: str
+    ar: str
+    tau: str
+    blocks: str
+    acc: object = None     # DataFrame or gr.skip()
+    hist: object = None
+    message: str = ""
+    result: dict | None = None
+
+    def values(self, clear_box: bool = False) -> tuple:
+        skip = gr.skip()
+        return (self.chat, "" if clear_box else skip, self.banner, self.spec, self.ar, self.tau, self.blocks,
+                skip if self.acc is None else self.acc, skip if self.hist is None else self.hist, self.message,
+                skip if self.result is None else self.result)
+
+
+def friendly(e: BaseException) -> str:
+    """One line for the page; never a traceback."""
+    name = type(e).__name__
+    text = str(e).splitlines()[0][:300] if str(e) else ""
+    if "OutOfMemory" in name or "out of memory" in text.lower():
+        return "The GPU ran out of memory. Try fewer max new tokens or a shorter prompt; the app keeps serving."
+    if isinstance(e, ToolkitError):
+        return text
+    return f"Generation failed ({name}: {text}). The app keeps serving; try again or change the settings."
+
+
+def result_json(spec: Run, ar: Run, block: int, thinking: bool | None) -> dict:
+    """The turn as data (same keys as `python -m toolkit.generate --compare-ar --json` where they overlap)."""
+    s = spec.summary()
+    ar_tok_s = len(ar.tokens) / ar.seconds if ar.seconds > 0 else 0.0
+    return {
+        "text": spec.transcript.text, "ar_text": ar.transcript.text, "tokens": spec.tokens, "ar_tokens": ar.tokens,
+        "rounds": [r.to_json() for r in spec.rounds], "tau": s.tau, "accept_per_position": s.accept_per_position,
+        "tau_histogram": {str(k): v for k, v in s.tau_histogram.items()}, "tok_s": s.tok_s, "ar_tok_s": ar_tok_s,
+        "seconds": spec.seconds, "ar_seconds": ar.seconds, "speedup": s.tok_s / ar_tok_s if ar_tok_s else 0.0,
+        "lossless": spec.tokens == ar.tokens, "block_size": block, "thinking": thinking, "stopped": ar.stopped,
+    }
+
+
+def free_gpu() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+class ChatHandler:
+    """Holds the loaded models and one stop flag per browser session."""
+
+    def __init__(self, loaded: Loaded):
+        self.loaded = loaded
+        self.stops: dict[str, threading.Event] = {}
+
+    def _flag(self, request: gr.Request | None) -> threading.Event:
+        key = getattr(request, "session_hash", None) or "default"
+        return self.stops.setdefault(key, threading.Event())
+
+    def stop(self, request: gr.Request = None) -> str:
+        self._flag(request).set()
+        return render.message_html("info", "Stopping…")
+
+    def _idle(self, chat, message: str, kind: str = "error") -> View:
+        b = self.loaded.block_size
+        return View(chat, render.banner_html("idle"), render.stream_html(render.Transcript(str), "DFlash speculative", "", False, True),
+                    render.stream_html(render.Transcript(str), "Plain autoregressive", "", False, False),
+                    render.tau_html(None, b), render.rounds_table_html(render.Transcript(str)),
+                    render.acceptance_frame(None, b - 1), render.histogram_frame(None, b), render.message_html(kind, message))
+
+    def _view(self, chat, spec: Run, ar: Run | None, state: str, plots: bool, block: int, mode: str, message: str = "") -> View:
+        s = spec.summary()
+        spec_rate = render.rate_html(len(spec.tokens), spec.seconds, s.rounds, s.tau if s.rounds else None)
+        ar_rate = render.rate_html(len(ar.tokens), ar.seconds) if ar else "runs after the speculative pass"
+        done_spec = state != "spec"
+        banner = render.banner_html(
+            state, (len(spec.tokens), spec.seconds), (len(ar.tokens), ar.seconds) if ar else None,
+            identical=(ar is not None and spec.tokens == ar.tokens), greedy=spec.settings.temperature == 0, mode=mode)
+        return View(
+            chat, banner,
+            render.stream_html(spec.transcript, "DFlash speculative", spec_rate, not done_spec, True),
+            render.stream_html(ar.transcript if ar else render.Transcript(str), "Plain autoregressive (same target)", ar_rate,
+                               state == "ar", False),
+            render.tau_html(s, block), render.rounds_table_html(spec.transcript),
+            render.acceptance_frame(s, block - 1) if plots else None, render.histogram_frame(s, block) if plots else None,
+            message)
+
+    def respond(self, message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
+                request: gr.Request = None):
+        """Stream one chat turn: speculative first, then plain AR on the same prompt."""
+        chat = list(history or [])
+        stop = self._flag(request)
+        stop.clear()
+        be = self.loaded.backend
+        if be is None:
+            yield self._idle(chat, self.loaded.error or "No model is loaded.").values()
+            return
+        text = (message or "").strip()
+        if not text:
+            yield self._idle(chat, "Type a message first: the prompt is empty.", "warn").values()
+            return
+        try:
+            block = min(int(block_size or be.block_size), be.block_size)
+            settings = GenSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature or 0),
+                                   seed=int(seed or 0), block_size=block)
+            think = bool(thinking) if self.loaded.thinking else None
+            ids = be.encode(text, system=(system or "").strip() or None, thinking=think)
+            if len(ids) + settings.max_new_tokens > be.max_context:
+                raise ToolkitError(f"The prompt is {len(ids)} tokens; with {settings.max_new_tokens} new tokens that exceeds the "
+                                   f"model's context of {be.max_context}. Shorten the prompt or lower max new tokens.")
+        except (ToolkitError, ValueError) as e:
+            yield self._idle(chat, str(e)).values()
+            return
+        mode = "" if think is None else f" · thinking {'on' if think else 'off'}"
+        chat += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        spec = Run(be, ids, settings, True)
+        ar: Run | None = None
+        try:
+            last = last_plot = 0.0
+            for _ in spec.stream(stop):
+                now = time.perf_counter()
+                if now - last >= UI_INTERVAL:
+                    chat[-1] = {"role": "assistant", "content": spec.transcript.text}
+                    plots = now - last_plot >= PLOT_INTERVAL
+                    yield self._view(chat, spec, None, "spec", plots, block, mode).values(clear_box=not last)
+                    last, last_plot = now, (now if plots else last_plot)
+            chat[-1] = {"role": "assistant", "content": spec.transcript.text}
+            if spec.stopped:
+                yield self._view(chat, spec, None, "stopped", True, block, mode, render.message_html("info", "Stopped.")).values()
+                return
+            ar = Run(be, ids, settings, False)
+            yield self._view(chat, spec, ar, "ar", True, block, mode).values()
+            last = time.perf_counter()
+            for _ in ar.stream(stop):
+                now = time.perf_counter()
+                if now - last >= UI_INTERVAL:
+                    yield self._view(chat, spec, ar, "ar", False, block, mode).values()
+                    last = now
+            state = "stopped" if ar.stopped else "done"
+            note = render.message_html("info", "Stopped.") if ar.stopped else ""
+            view = self._view(chat, spec, ar, state, True, block, mode, note)
+            view.result = result_json(spec, ar, block, think)
+            yield view.values()
+        except Exception as e:  # OOM, backend errors: a visible message, never a traceback
+            log.exception("generation failed")
+            free_gpu()
+            if chat and chat[-1]["role"] == "assistant" and not chat[-1]["content"]:
+                chat[-1] = {"role": "assistant", "content": "⚠️ " + friendly(e)}
+            v = self._view(chat, spec, ar, "failed", True, block, mode, render.message_html("error", friendly(e)))
+            yield v.values(clear_box=True)

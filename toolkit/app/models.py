@@ -1,0 +1,199 @@
+"""Which backend and models the app runs: flags > env vars > the embedded demo pair; Space hardware aware.
+
+Env vars: DFLASH_TARGET, DFLASH_DRAFT (Hub ids or local folders), DFLASH_BACKEND (auto|torch|exllamav3),
+DFLASH_DEVICE. On a Space, SPACE_ID and ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
+Loading never raises: a failure is kept as a message that the page shows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ToolkitError
+
+log = logging.getLogger("toolkit.app")
+BACKENDS = ("auto", "torch", "exllamav3")
+
+
+@dataclass
+class Hardware:
+    """Where the app runs: a Space or not, and which accelerator it has."""
+
+    space_id: str | None = None
+    accelerator: str | None = None
+    cuda: bool = False
+    zero_gpu: bool = False
+
+    @classmethod
+    def detect(cls, env: dict | None = None) -> "Hardware":
+        env = os.environ if env is None else env
+        acc = (env.get("ACCELERATOR") or "").strip().lower() or None
+        zero = env.get("SPACES_ZERO_GPU", "").lower() in ("1", "true") or bool(acc and acc.startswith("zero"))
+        cpu_space = acc is not None and (acc == "none" or acc.startswith("cpu"))
+        return cls(env.get("SPACE_ID") or None, acc, (not cpu_space) and cuda_available(), zero)
+
+    def label(self) -> str:
+        where = f"Space {self.space_id}" if self.space_id else "local"
+        hw = self.accelerator or ("GPU" if self.cuda else "CPU")
+        return f"{where}, {hw}{' (ZeroGPU)' if self.zero_gpu else ''}"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken CUDA install must not stop the CPU app
+        return False
+
+
+@dataclass
+class ModelSpec:
+    """What to load. target None = the embedded demo pair."""
+
+    target: str | None = None
+    draft: str | None = None
+    backend: str = "auto"
+    device: str | None = None
+
+    @classmethod
+    def resolve(cls, target=None, draft=None, backend=None, device=None, env: dict | None = None) -> "ModelSpec":
+        env = os.environ if env is None else env
+        spec = cls(target or env.get("DFLASH_TARGET") or None, draft or env.get("DFLASH_DRAFT") or None,
+                   (backend or env.get("DFLASH_BACKEND") or "auto").lower(), device or env.get("DFLASH_DEVICE") or None)
+        if spec.backend not in BACKENDS:
+            raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {spec.backend!r}")
+        return spec
+
+    @property
+    def demo(self) -> bool:
+        return self.target is None
+
+
+@dataclass
+class Loaded:
+    """The loaded backend (or None and the reason), and what the page says about it."""
+
+    backend: object | None
+    error: str | None = None
+    demo: bool = False
+    backend_name: str = ""
+    device: str = "cpu"
+    target: str = ""
+    draft: str = ""
+    notes: list[str] = field(default_factory=list)
+    hardware: Hardware = field(default_factory=Hardware)
+
+    @property
+    def block_size(self) -> int:
+        return int(getattr(self.backend, "block_size", 16) or 16)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.backend, "max_context", 4096) or 4096)
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the target's chat template has a thinking switch (Qwen3 / Qwen3.5 / Qwen3.6)."""
+        flag = getattr(self.backend, "supports_thinking", None)
+        if flag is not None:
+            return bool(flag)
+        tmpl = getattr(getattr(self.backend, "tokenizer", None), "chat_template", None) or ""
+        return "enable_thinking" in str(tmpl)
+
+
+def fetch_model(ref: str, what: str) -> str:
+    """A local folder as is; otherwise a Hub id fetched with snapshot_download into the normal HF cache."""
+    if Path(ref).expanduser().is_dir():
+        return str(Path(ref).expanduser())
+    if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
+        raise ToolkitError(f"{what}: {ref} is neither a local folder nor a Hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=ref)
+    except Exception as e:  # offline, gated, missing: one line for the page
+        raise ToolkitError(f"{what}: cannot download {ref} from the Hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
+    """(backend, device, notes). exllamav3 needs CUDA; without it the torch backend runs on CPU."""
+    notes: list[str] = []
+    has_exl = importlib.util.find_spec("exllamav3") is not None
+    want = spec.backend
+    if want == "auto":
+        want = "exllamav3" if (hw.cuda and has_exl and not hw.zero_gpu and not spec.demo) else "torch"
+    if want == "exllamav3" and hw.zero_gpu:
+        notes.append("ZeroGPU cannot run exllamav3's CUDA extension (docs/space.md); using the torch backend.")
+        want = "torch"
+    elif want == "exllamav3" and not (hw.cuda and has_exl):
+        why = "no CUDA GPU" if not hw.cuda else "exllamav3 is not installed"
+        notes.append(f"exllamav3 backend asked for but {why}; using the torch backend on CPU instead.")
+        want = "torch"
+    device = spec.device or ("cuda" if want == "torch" and (hw.cuda or hw.zero_gpu) and not spec.demo else "cpu")
+    return want, device, notes
+
+
+def open_backend(name: str, target: str, draft: str | None, device: str):
+    """The named backend over local folders (the factory when present, else TorchBackend directly)."""
+    try:
+        from ..runtime.factory import load_backend
+    except ImportError:
+        load_backend = None
+    if load_backend is not None:
+        return load_backend(name, target, draft, **({"device": device} if name == "torch" else {}))
+    if name != "torch":
+        raise ToolkitError(f"backend {name} is not available in this checkout (toolkit.runtime.factory missing)")
+    from ..runtime.torch_backend import TorchBackend
+
+    return TorchBackend.from_dirs(target, draft, device=device)
+
+
+def warm_up(backend) -> None:
+    """One short decode each way, so lazy initialisation does not skew the first measured run."""
+    from ..runtime.backend import GenSettings
+
+    ids = backend.encode("Hello")
+    for spec in (True, False):
+        for _ in backend.generate(ids, GenSettings(max_new_tokens=4), speculative=spec):
+            pass
+
+
+def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_backend) -> Loaded:
+    """Load the backend for `spec`; never raises (a failure becomes Loaded.error, shown in the page)."""
+    hw = hw or Hardware.detect()
+    name, device, notes = choose_backend(spec, hw)
+    out = Loaded(None, demo=spec.demo, backend_name=name, device=device, notes=notes, hardware=hw)
+    try:
+        if spec.demo:
+            from ..fixtures import tiny_pair
+
+            target, draft = (str(p) for p in tiny_pair())
+            out.target, out.draft = "embedded tiny pair (toolkit/data/tiny_pair/target)", "tiny DFlash drafter, block 16"
+        else:
+            if spec.draft is None:
+                raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
+            target, draft = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
+            out.target, out.draft = spec.target, spec.draft
+        out.backend = opener(name, target, draft, device)
+        warm_up(out.backend)
+    except ToolkitError as e:
+        out.backend, out.error = None, f"Could not load the models: {e}"
+    except Exception as e:  # OOM, a broken checkpoint, a CUDA error: the page says so and keeps serving
+        log.exception("model load failed")
+        out.backend, out.error = None, f"Could not load the models: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return out
+
+
+def gpu_wrap(fn: Callable, hw: Hardware, duration: int = 120) -> Callable:
+    """@spaces.GPU on ZeroGPU; everywhere else `fn` itself (no-op)."""
+    if not hw.zero_gpu:
+        return fn
+    import spaces  # app.py imports it before torch on ZeroGPU
+
+    return spaces.GPU(duration=duration)(fn)

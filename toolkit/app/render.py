@@ -1,0 +1,234 @@
+"""HTML and plot data for the app: coloured tokens per round, the speedup banner, the metrics plots.
+
+Everything here is pure (no gradio): the handler feeds it Rounds and token texts and puts the strings and
+DataFrames into the page, so the tests can check the markup without a server.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..runtime.events import Round, Summary
+
+# Token origins, in the order of the legend.
+KINDS = {
+    "accepted": "drafted, accepted by the target",
+    "correction": "target's correction (draft rejected)",
+    "bonus": "bonus token (whole draft accepted)",
+    "target": "target token (prefill / plain AR)",
+}
+
+
+class TokenTexts:
+    """Incremental detokenizer: the text each new token adds, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0   # start of the small window that is re-decoded
+        self.read = 0     # ids before this have had their text handed out
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.decode(self.ids[self.prefix : self.read])
+        now = self.decode(self.ids[self.prefix :])
+        if now.endswith("\ufffd"):           # a multi-byte character split over tokens: wait for the rest
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before) :]
+
+
+@dataclass
+class Piece:
+    text: str
+    kind: str
+
+
+@dataclass
+class RoundView:
+    """One round as the page shows it: the emitted pieces and the whole drafted block."""
+
+    index: int
+    pieces: list[Piece]
+    drafted: list[str]     # text of every drafted id
+    accepted: int          # leading drafted ids that were emitted
+    prefill: bool = False
+
+
+@dataclass
+class Transcript:
+    """The emitted tokens of one decode, grouped by round, with their origins."""
+
+    decode: Callable[[list[int]], str]
+    rounds: list[RoundView] = field(default_factory=list)
+    texts: TokenTexts | None = None
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.decode)
+
+    def add(self, r: Round) -> RoundView:
+        toks = r.tokens
+        n_acc = r.accepted
+        clipped = r.accepted < len(r.drafted) and r.bonus == r.drafted[r.accepted]  # cut by stop/budget
+        kinds = ["accepted"] * n_acc
+        if r.prefill or not r.drafted:
+            kinds.append("target")
+        elif clipped:
+            kinds.append("accepted")
+            n_acc += 1
+        else:
+            kinds.append("bonus" if r.full else "correction")
+        pieces = [Piece(self.texts.push(t), k) for t, k in zip(toks, kinds)]
+        drafted = [self.decode([t]) for t in r.drafted]
+        view = RoundView(len(self.rounds), pieces, drafted, n_acc, r.prefill)
+        self.rounds.append(view)
+        return view
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for v in self.rounds for p in v.pieces)
+
+    def counts(self) -> dict[str, int]:
+        out = {k: 0 for k in KINDS}
+        for v in self.rounds:
+            for p in v.pieces:
+                out[p.kind] += 1
+        return out
+
+
+def esc(s: str) -> str:
+    return html.escape(s, quote=True)
+
+
+def visible(s: str) -> str:
+    """Token text for the compact block view: newlines and tabs shown as symbols."""
+    return esc(s.replace("\n", "⏎").replace("\t", "⇥")) or "&#8203;"
+
+
+def _piece(p: Piece) -> str:
+    return f'<span class="tok {p.kind}">{esc(p.text)}</span>'
+
+
+def block_html(v: RoundView) -> str:
+    """The drafted block of one round: emitted drafts, then the rejected tail struck through."""
+    if not v.drafted:
+        return '<span class="blk-note">no draft (prefill: the target picks the first token)</span>' if v.prefill else ""
+    kept = "".join(f'<span class="tok accepted">{visible(t)}</span>' for t in v.drafted[: v.accepted])
+    tail = "".join(visible(t) for t in v.drafted[v.accepted :])
+    rej = f'<s class="rej">{tail}</s>' if tail else ""
+    last = v.pieces[-1]
+    fix = "" if last.kind == "accepted" else f' → <span class="tok {last.kind}">{visible(last.text)}</span>'
+    return f"{kept}{rej}{fix}"
+
+
+def round_caption(v: RoundView) -> str:
+    if v.prefill or not v.drafted:
+        return f"round {v.index}: prefill"
+    last = v.pieces[-1].kind
+    how = {"bonus": "all accepted + bonus", "correction": "then corrected", "accepted": "cut at stop/budget"}[last]
+    return f"round {v.index}: {v.accepted}/{len(v.drafted)} drafted accepted, {how} → {len(v.pieces)} tokens"
+
+
+def stream_html(t: Transcript, title: str, rate: str, live: bool, speculative: bool) -> str:
+    """A panel: heading with tok/s, then the text, each round hoverable to show its drafted block."""
+    parts = []
+    for v in t.rounds:
+        inner = "".join(_piece(p) for p in v.pieces)
+        if speculative and v.drafted:
+            pop = f'<span class="pop"><b>{esc(round_caption(v))}</b><br>{block_html(v)}</span>'
+            parts.append(f'<span class="rnd" tabindex="0">{inner}{pop}</span>')
+        else:
+            parts.append(inner)
+    cursor = '<span class="cursor">▌</span>' if live else ""
+    body = "".join(parts) or '<span class="placeholder">waiting for a prompt…</span>'
+    kind = "spec" if speculative else "ar"
+    return (f'<div class="dfl-panel {kind}"><div class="dfl-head"><span class="dfl-title">{esc(title)}</span>'
+            f'<span class="dfl-rate">{rate}</span></div><div class="dfl-stream">{body}{cursor}</div></div>')
+
+
+def rounds_table_html(t: Transcript, limit: int = 400) -> str:
+    """Every round's drafted block, for the 'every round' accordion."""
+    rows = [f'<div class="blk-row"><span class="blk-cap">{esc(round_caption(v))}</span>'
+            f'<span class="blk">{block_html(v)}</span></div>' for v in t.rounds[-limit:] if v.drafted]
+    if not rows:
+        return '<div class="placeholder">The drafted blocks appear here after a speculative run.</div>'
+    return '<div class="blk-list">' + "".join(rows) + "</div>"
+
+
+def rate_html(tokens: int, seconds: float, rounds: int | None = None, tau: float | None = None) -> str:
+    rate = tokens / seconds if seconds > 0 else 0.0
+    extra = f" · {rounds} rounds · τ {tau:.2f}" if rounds else ""
+    return f"<b>{rate:.1f} tok/s</b> · {tokens} tokens in {seconds:.2f} s{extra}"
+
+
+def legend_html() -> str:
+    chips = "".join(f'<span class="tok {k}">{esc(v)}</span>' for k, v in KINDS.items())
+    return (f'<div class="dfl-legend">{chips}<span class="tok"><s class="rej">rejected draft</s></span>'
+            '<span class="hint">hover a coloured group to see the block the drafter proposed</span></div>')
+
+
+def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int, float] | None = None,
+                identical: bool | None = None, greedy: bool = True, mode: str = "") -> str:
+    """The speedup banner. state: idle | spec | ar | done | stopped | failed."""
+    def rate(x):
+        return x[0] / x[1] if x and x[1] > 0 else 0.0
+
+    if state == "idle":
+        msg = ("Send a message. The same prompt is decoded twice on the same target model: first with DFlash "
+               "speculative decoding, then plain autoregressive. The speedup below is measured, not estimated.")
+        return f'<div class="dfl-banner idle">{msg}</div>'
+    if state == "spec":
+        return f'<div class="dfl-banner run">⚡ Speculative decoding… {rate(spec):.1f} tok/s so far</div>'
+    if state == "ar":
+        return (f'<div class="dfl-banner run">Speculative done ({rate(spec):.1f} tok/s). '
+                f'Now plain autoregressive on the same target… {rate(ar):.1f} tok/s so far</div>')
+    if state == "failed":
+        return '<div class="dfl-banner warn">The run did not finish: see the message under the chat.</div>'
+    if state == "stopped":
+        return '<div class="dfl-banner warn">⏹ Stopped. No speedup is reported for an interrupted run.</div>'
+    s, a = rate(spec), rate(ar)
+    x = s / a if a > 0 else 0.0
+    if greedy:
+        same = ("outputs identical ✓ (greedy: speculative decoding is lossless)" if identical
+                else "outputs differ ✗ (unexpected under greedy)")
+    else:
+        same = "sampling: the two texts differ by chance; both follow the target's distribution"
+    head = f"{x:.2f}× faster" if x >= 1 else f"{x:.2f}× (slower here)"
+    if x < 1:
+        same += " · on this model and hardware drafting costs more than it saves"
+    return (f'<div class="dfl-banner done"><span class="dfl-x">{head}</span>'
+            f'<span class="dfl-detail">DFlash speculative <b>{s:.1f} tok/s</b> ({spec[0]} tokens, {spec[1]:.2f} s) vs '
+            f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}</span></div>')
+
+
+def tau_html(s: Summary | None, block: int) -> str:
+    if s is None or not s.rounds:
+        return ('<div class="dfl-tau"><div class="dfl-tau-v">τ –</div><div class="dfl-tau-l">mean tokens per target '
+                'forward (acceptance length)</div></div>')
+    return (f'<div class="dfl-tau"><div class="dfl-tau-v">τ {s.tau:.2f}</div><div class="dfl-tau-l">mean tokens per '
+            f'target forward, out of {block} possible · {s.rounds} rounds</div></div>')
+
+
+def acceptance_frame(s: Summary | None, width: int):
+    """P(drafted position i accepted), i = 1..width, as a DataFrame for gr.BarPlot."""
+    import pandas as pd
+
+    vals = list(s.accept_per_position) if s else []
+    vals = (vals + [0.0] * width)[:width]
+    return pd.DataFrame({"position": [str(i + 1) for i in range(width)], "acceptance": vals})
+
+
+def histogram_frame(s: Summary | None, block: int):
+    """Rounds by tokens emitted per round (accepted + 1 = 1..B), as a DataFrame for gr.BarPlot."""
+    import pandas as pd
+
+    hist = s.tau_histogram if s else {}
+    return pd.DataFrame({"tokens": [str(k) for k in range(1, block + 1)], "rounds": [hist.get(k, 0) for k in range(1, block + 1)]})
+
+
+def message_html(kind: str, text: str) -> str:
+    """A visible message banner: kind is error, warn or info."""
+    icon = {"error": "⚠️", "warn": "⏳", "info": "ℹ️"}.get(kind, "")
+    return f'<div class="dfl-msg {kind}">{icon} {esc(text)}</div>' if text else ""

@@ -1,0 +1,114 @@
+"""The page layout (gr.Blocks) and launching it: chat, the two live panels, the speedup, metrics, settings."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from . import render
+from .handlers import ChatHandler
+from .models import Loaded, ModelSpec, gpu_wrap, load
+from .style import CSS
+
+TITLE = "DFlash speculative decoding on ExLlamaV3"
+DEMO_EXAMPLES = ["Return the", "Create a new", "The default value of", "Raise an exception if"]
+REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
+                 "Write a Python function that checks whether a string is a palindrome.",
+                 "List five facts about the Moon."]
+
+
+def header_html(loaded: Loaded) -> str:
+    intro = ("A small <b>drafter</b> proposes a block of tokens in one pass; the <b>target</b> model checks the whole block "
+             "in a single forward and keeps the longest prefix it agrees with, plus one token of its own. The text is "
+             "exactly what the target alone would write (under greedy), produced in fewer target forwards.")
+    demo = ""
+    if loaded.demo:
+        demo = ('<div class="dfl-demo"><b>Demo on tiny models.</b> This page runs a 4-layer toy target (trained on Python '
+                "docstrings) with a trained tiny DFlash drafter, on CPU. Expect docstring-like text, not a useful assistant: "
+                "what to look at is the colours, τ and the measured speedup. For real models start it with "
+                "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
+    notes = "".join(f'<div class="dfl-msg info">ℹ️ {render.esc(n)}</div>' for n in loaded.notes)
+    models = (f'<div class="dfl-models">Backend <b>{render.esc(loaded.backend_name)}</b> on {render.esc(loaded.device)} · '
+              f"target <code>{render.esc(loaded.target or '?')}</code> · drafter <code>{render.esc(loaded.draft or '?')}</code>"
+              f" · native block {loaded.block_size} · context {loaded.max_context} · {render.esc(loaded.hardware.label())}</div>"
+              if loaded.backend is not None else "")
+    return f'<div class="dfl-hero"><h1>⚡ {TITLE}</h1><p>{intro}</p>{demo}{notes}{models}</div>'
+
+
+def build_app(loaded: Loaded) -> gr.Blocks:
+    """The gr.Blocks page over an already loaded backend (or a load error, shown in the page)."""
+    handler = ChatHandler(loaded)
+    B = loaded.block_size
+    with gr.Blocks(title=TITLE) as demo:
+        gr.HTML(header_html(loaded))
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5):
+                chat = gr.Chatbot(label="Chat — answered by DFlash speculative decoding", height=330, elem_id="dfl-chat",
+                                  placeholder="Each message is answered on its own (earlier turns are not sent to the model).")
+                with gr.Row():
+                    box = gr.Textbox(show_label=False, placeholder="Type a prompt and press Enter…", scale=6, autofocus=True,
+                                     elem_id="dfl-input", max_lines=6)
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="dfl-send")
+                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="dfl-stop")
+                message = gr.HTML(render.message_html("error", loaded.error or ""), elem_id="dfl-message")
+                gr.Examples(DEMO_EXAMPLES if loaded.demo else REAL_EXAMPLES, inputs=box, label="Try one")
+            with gr.Column(scale=3):
+                with gr.Accordion("Settings", open=True):
+                    block = gr.Slider(2, max(B, 2), value=B, step=1, label=f"Block size B (drafter's native: {B})",
+                                      info="the target verifies up to B tokens per forward: the last one plus B-1 drafts")
+                    max_new = gr.Slider(1, max(1, min(1024, loaded.max_context // 2)), value=min(128, loaded.max_context // 4),
+                                        step=1, label="Max new tokens")
+                    temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature",
+                                            info="0 = greedy: the two panels must be identical")
+                    seed = gr.Number(0, precision=0, label="Seed (for temperature > 0)")
+                    thinking = gr.Checkbox(False, label="Thinking mode", interactive=loaded.thinking,
+                                           info="Qwen3.x chat templates; acceptance differs a lot between on and off"
+                                           if loaded.thinking else "this target's chat template has no thinking switch")
+                    system = gr.Textbox(label="System prompt", lines=2, placeholder="optional")
+        banner = gr.HTML(render.banner_html("idle"), elem_id="dfl-banner")
+        gr.HTML(render.legend_html())
+        with gr.Row(equal_height=True):
+            spec_html = gr.HTML(render.stream_html(render.Transcript(str), "DFlash speculative", "", False, True),
+                                elem_id="dfl-spec")
+            ar_html = gr.HTML(render.stream_html(render.Transcript(str), "Plain autoregressive (same target)", "", False, False),
+                              elem_id="dfl-ar")
+        with gr.Row(equal_height=True):
+            with gr.Column(scale=1, min_width=180):
+                tau = gr.HTML(render.tau_html(None, B), elem_id="dfl-tau")
+            acc = gr.BarPlot(render.acceptance_frame(None, B - 1), x="position", y="acceptance", y_lim=[0, 1], scale=2,
+                             title="Acceptance per block position", x_title="drafted position in the block",
+                             y_title="share of rounds accepted", height=220, sort=[str(i) for i in range(1, B)], elem_id="dfl-acc")
+            hist = gr.BarPlot(render.histogram_frame(None, B), x="tokens", y="rounds", scale=2, height=220,
+                              title="τ histogram: tokens per target forward", x_title="tokens emitted in the round",
+                              y_title="rounds", sort=[str(i) for i in range(1, B + 1)], elem_id="dfl-hist")
+        with gr.Accordion("Every round: the drafted block, rejected tail struck through", open=False):
+            blocks = gr.HTML(render.rounds_table_html(render.Transcript(str)), elem_id="dfl-blocks")
+        result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
+        gr.Markdown("Requests run one at a time on the model (speculative, then AR, never both at once, so neither "
+                    "skews the other's timing). If someone else is generating you see your place in the queue. "
+                    "tok/s counts the time inside the decoder, prefill included.")
+
+        inputs = [box, chat, block, max_new, temperature, seed, system, thinking]
+        outputs = [chat, box, banner, spec_html, ar_html, tau, blocks, acc, hist, message, result]
+        fn = gpu_wrap(handler.respond, loaded.hardware)
+        common = dict(fn=fn, inputs=inputs, outputs=outputs, concurrency_id="gpu", concurrency_limit=1,
+                      show_progress_on=[banner])
+        send.click(api_name="chat", **common)
+        box.submit(api_name=False, **common)
+        stop.click(handler.stop, None, message, queue=False, api_name="stop")
+    demo.handler = handler
+    return demo
+
+
+def serve(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, share: bool = False, block: bool = True):
+    """Queue (one generation at a time, visible positions) and launch; block=False returns once it is up."""
+    demo.queue(default_concurrency_limit=1, max_size=64)
+    demo.launch(server_name=host, server_port=port, share=share, css=CSS, prevent_thread_lock=not block,
+                show_error=False, quiet=not block)
+    return demo
+
+
+def launch_app(target: str | None = None, draft: str | None = None, backend: str | None = None, device: str | None = None,
+               host: str = "127.0.0.1", port: int | None = None, share: bool = False) -> gr.Blocks:
+    """Load the models (flags > env > embedded demo), build the page and serve it."""
+    loaded = load(ModelSpec.resolve(target, draft, backend, device))
+    return serve(build_app(loaded), host, port, share)
