@@ -1,0 +1,126 @@
+"""Capture of the drafted block per job per round from exllamav3's Generator, pinned to exllamav3 1.6.5.
+
+exllamav3 keeps only counts: `record_draft_stats=True` appends (position, window, accepted) to
+`job.draft_stats` each verification round, but the drafted ids themselves live in a shared pinned buffer
+that the next round overwrites. The smallest capture point is the return value of
+`Generator.iterate_draftmodel_dflash_gen`: a host tensor [rows, window] whose rows are the prefilled active
+jobs in `active_jobs` order (the same order `iterate_gen` verifies them in). A subclass copies it and the
+drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ToolkitError
+from .events import Round
+
+PINNED_VERSION = "1.6.5"
+HOOKED = "iterate_draftmodel_dflash_gen"
+
+
+def exllamav3_version() -> str | None:
+    """The installed exllamav3 version, or None when it is not installed (does not import it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("exllamav3")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_version(version: str | None) -> None:
+    """Raise a one-line ToolkitError unless `version` is the one the capture is written against."""
+    if version is None:
+        raise ToolkitError(
+            "exllamav3 is not installed: install the gpu extra, pip install 'dflash-exl3-toolkit[gpu]' "
+            f"(exllamav3=={PINNED_VERSION}, needs a CUDA build of torch)"
+        )
+    if version != PINNED_VERSION:
+        raise ToolkitError(
+            f"exllamav3 {version} is installed, the exllamav3 backend's round capture is pinned to "
+            f"{PINNED_VERSION}: pip install exllamav3=={PINNED_VERSION}"
+        )
+
+
+def recording_generator_class(generator_cls: type) -> type:
+    """A Generator subclass that keeps each round's drafted ids per job (keyed by id(job)) and the drafting time."""
+    if not callable(getattr(generator_cls, HOOKED, None)):
+        raise ToolkitError(f"exllamav3 Generator has no {HOOKED}(): this exllamav3 is not {PINNED_VERSION}")
+
+    class RecordingGenerator(generator_cls):
+        drafted: dict = {}
+        t_draft_ms: float = 0.0
+
+        def iterate(self):
+            self.drafted, self.t_draft_ms = {}, 0.0
+            return super().iterate()
+
+        def iterate_draftmodel_dflash_gen(self, results, window):
+            t0 = time.perf_counter()
+            ids = super().iterate_draftmodel_dflash_gen(results, window)   # host tensor, filled synchronously
+            self.t_draft_ms = (time.perf_counter() - t0) * 1000.0
+            if ids is not None:
+                rows = [job for job in self.active_jobs if job.is_prefill_done()]
+                block = ids[: len(rows)].tolist()
+                self.drafted = {id(job): tuple(r) for job, r in zip(rows, block)}
+            return ids
+
+    RecordingGenerator.__name__ = RecordingGenerator.__qualname__ = "RecordingGenerator"
+    return RecordingGenerator
+
+
+@dataclass
+class JobTrack:
+    """What is known about one job between rounds: emitted length and how many draft_stats entries were read."""
+
+    index: int
+    prompt_len: int
+    seen: int = 0                     # sequence length already turned into Rounds
+    stats_seen: int = 0
+    rounds: list[Round] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.seen = self.seen or self.prompt_len
+
+
+def build_round(
+    track: JobTrack,
+    new: list[int],
+    draft_stats: list[tuple[int, int, int]],
+    drafted: tuple[int, ...] | None,
+    t_draft_ms: float,
+    t_round_ms: float,
+) -> Round | None:
+    """The Round a job made in one iterate(), from the ids it appended and its draft_stats; None if it emitted nothing.
+
+    The first round of a job is marked prefill: exllamav3 ingests the prompt in that iterate() and, with a
+    drafter, already verifies a drafted block there (so unlike the torch loop it may carry drafted ids).
+    """
+    stats = draft_stats[track.stats_seen:]
+    if not new:
+        if stats:
+            raise RuntimeError(f"job {track.index}: draft_stats grew but no token was emitted")
+        return None
+    prefill = track.seen == track.prompt_len
+    if stats:
+        if len(stats) != 1 or drafted is None:
+            state = "missing" if drafted is None else "present"
+            raise RuntimeError(f"job {track.index}: {len(stats)} verification records in one round, drafted ids {state}")
+        _, window, accepted = stats[0]
+        block = tuple(drafted[:window])
+        if len(new) != accepted + 1 or list(block[:accepted]) != new[:accepted]:
+            raise RuntimeError(
+                f"job {track.index}: round capture out of step (accepted {accepted}, emitted {len(new)} tokens, "
+                f"drafted {list(block[:accepted + 1])} vs emitted {new})"
+            )
+        r = Round(block, accepted, new[-1], t_draft_ms, max(t_round_ms - t_draft_ms, 0.0), prefill)
+    else:
+        if len(new) != 1:
+            raise RuntimeError(f"job {track.index}: {len(new)} tokens emitted in a round without a verified draft")
+        r = Round((), 0, new[0], 0.0, t_round_ms, prefill)
+    track.seen += len(new)
+    track.stats_seen = len(draft_stats)
+    track.rounds.append(r)
+    return r
