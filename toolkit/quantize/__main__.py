@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the plan as a table and exit; touches no GPU")
     ap.add_argument("--force", action="store_true", help="overwrite an existing output folder and redo every bitrate")
     ap.add_argument("--push", metavar="REPO", help="after a passing run, push the outputs to this Hub repo (toolkit.push)")
-    ap.add_argument("--device", help="CUDA device for conversion and checks: cuda, cuda:N or N (default cuda)")
+    ap.add_argument("--device", help="device: cuda, cuda:N or N for conversion, calibration and checks (default cuda); cpu runs calibration and checks on the CPU")
     return ap
 
 

@@ -46,7 +46,7 @@ def converter_unavailable() -> str | None:
 
 
 def device_index(device: str | None) -> str:
-    if device in (None, "", "cuda", "auto"):
+    if device in (None, "", "cuda", "auto", "cpu"):   # cpu: checks on the CPU, conversion still on GPU 0
         return "0"
     d = str(device).removeprefix("cuda:")
     if not d.replace(",", "").isdigit():
