@@ -166,8 +166,7 @@ def _make_handler(hub: HubServer):
 
         def _dispatch(self, method: str) -> None:
             url = urlsplit(self.path)
-            length = int(self.headers.get("Content-Length") or 0)
-            self.body = self.rfile.read(length) if length else b""
+            self.body = self._read_body()
             self.query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             for m, name, rx in ROUTES:
                 match = rx.match(url.path)
@@ -189,6 +188,17 @@ def _make_handler(hub: HubServer):
             if fault and fault.drop:
                 return self._drop(method, url.path)
             self._send(status, payload, url.path, headers)
+
+        def _read_body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            parts = []
+            while (size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline().strip():  # trailers
+                pass
+            return b"".join(parts)
 
         def _drop(self, method: str, path: str) -> None:
             hub.log.append((method, path, 0))
@@ -252,7 +262,7 @@ def _make_handler(hub: HubServer):
             with hub.lock:
                 if repo_id in hub.repos:
                     raise HubError(409, "You already created this model repo", url=f"{hub.url}/{repo_id}")
-                repo = Repo(owner=user, private=body.get("visibility") == "private")
+                repo = Repo(owner=user, private=body.get("visibility") == "private" or bool(body.get("private")))
                 sha = hub._store(GITATTRIBUTES)
                 tree = {".gitattributes": Entry(len(GITATTRIBUTES), git_oid(GITATTRIBUTES), sha, False)}
                 repo.branches["main"] = hub._new_commit(repo, tree)

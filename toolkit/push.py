@@ -9,6 +9,7 @@ Only APIs present in huggingface_hub 1.x and 2.x are used (no upload_large_folde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -228,7 +229,26 @@ def push(repo: str, from_dir: str | Path, private: bool = False, branch_template
         return _upload_all(repo, uploads, private, endpoint, resolve_token(token), retries, retry_delay)
 
 
+@contextlib.contextmanager
+def hub_endpoint(endpoint: str | None):
+    """Point huggingface_hub's default endpoint at `endpoint` for the push: 1.x parses commit URLs against
+    the default (HF_ENDPOINT) even when HfApi(endpoint=...) is given."""
+    from huggingface_hub import constants
+
+    saved = constants.ENDPOINT
+    constants.ENDPOINT = endpoint.rstrip("/") if endpoint else saved
+    try:
+        yield
+    finally:
+        constants.ENDPOINT = saved
+
+
 def _upload_all(repo, uploads, private, endpoint, token, retries, retry_delay) -> PushResult:
+    with hub_endpoint(endpoint):
+        return _upload_all_inner(repo, uploads, private, endpoint, token, retries, retry_delay)
+
+
+def _upload_all_inner(repo, uploads, private, endpoint, token, retries, retry_delay) -> PushResult:
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint, token=token)

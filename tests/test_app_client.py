@@ -1,0 +1,119 @@
+"""The app served in-process and driven through gradio_client: the real tiny pair, then queue, stop, faults."""
+
+from __future__ import annotations
+
+import html
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_fakes import FakeBackend  # noqa: E402
+
+pytest.importorskip("gradio_client")
+from gradio_client import Client  # noqa: E402
+from gradio_client.utils import Status  # noqa: E402
+
+from toolkit.app.models import Hardware, Loaded, ModelSpec, load  # noqa: E402
+from toolkit.app.ui import build_app, serve  # noqa: E402
+
+OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]
+
+
+def content(msg: dict) -> str:
+    """A chat message's text (gradio 6 normalises content to a list of parts)."""
+    c = msg["content"]
+    return c if isinstance(c, str) else "".join(p.get("text", "") for p in c)
+
+
+def ask(client, prompt, max_new=24, block=16, temperature=0.0, api="/chat"):
+    return dict(zip(OUT, client.predict(prompt, [], block, max_new, temperature, 0, "", False, api_name=api)))
+
+
+@pytest.fixture(scope="module")
+def real_app():
+    loaded = load(ModelSpec(), Hardware())        # the embedded demo: the fixtures' trained tiny pair on CPU
+    assert loaded.error is None, loaded.error
+    demo = serve(build_app(loaded), block=False)
+    yield demo
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def fake_app():
+    be = FakeBackend(step_s=0.02)
+    demo = serve(build_app(Loaded(be, backend_name="fake", target="fake", draft="fake")), block=False)
+    yield demo, be
+    demo.close()
+
+
+def test_chat_round_on_the_tiny_pair(real_app):
+    out = ask(Client(real_app.local_url, verbose=False), "Return the", max_new=24)
+    res = out["result"]
+    assert res["text"] and res["text"] == content(out["chat"][-1]) and content(out["chat"][-2]) == "Return the"
+    assert res["lossless"] and res["text"] == res["ar_text"] and len(res["tokens"]) == len(res["ar_tokens"])
+    assert res["rounds"] and sum(len(r["drafted"][: r["accepted"]]) + 1 for r in res["rounds"]) == len(res["tokens"])
+    assert res["tau"] >= 1 and res["tok_s"] > 0 and res["ar_tok_s"] > 0 and res["speedup"] > 0
+    assert "×" in out["banner"] and "outputs identical" in out["banner"] and "τ" in html.unescape(out["tau"])
+    assert 'class="tok ' in out["spec"] and "tok/s" in out["spec"] and "tok/s" in out["ar"]
+
+
+def test_queue_shows_the_second_user_its_place(fake_app):
+    demo, be = fake_app
+    first = Client(demo.local_url, verbose=False).submit("hello", [], 16, 200, 0.0, 0, "", False, api_name="/chat")
+    while first.status().code not in (Status.PROCESSING, Status.ITERATING):
+        time.sleep(0.02)
+    second = Client(demo.local_url, verbose=False).submit("hello", [], 16, 8, 0.0, 0, "", False, api_name="/chat")
+    seen = set()
+    deadline = time.time() + 60
+    while not second.done() and time.time() < deadline:
+        st = second.status()
+        seen.add(st.code)
+        if st.code == Status.IN_QUEUE:
+            assert st.rank is not None and st.queue_size >= 1
+        time.sleep(0.02)
+    assert Status.IN_QUEUE in seen
+    assert dict(zip(OUT, second.result()))["result"]["lossless"] and first.result()
+
+
+def test_stop_really_stops(fake_app):
+    demo, be = fake_app
+    client = Client(demo.local_url, verbose=False)
+    job = client.submit("hello", [], 16, 380, 0.0, 0, "", False, api_name="/chat")
+    while len(job.outputs()) < 2:
+        time.sleep(0.02)
+    n_before = len([c for c in be.calls if c[0] == "generate"])
+    client.predict(api_name="/stop")
+    out = dict(zip(OUT, job.result()))
+    assert "Stopped" in out["banner"]
+    text = content(out["chat"][-1])
+    assert 0 < len(text.split()) < 380                          # cut short, not the whole answer
+    time.sleep(0.2)
+    assert len([c for c in be.calls if c[0] == "generate"]) == n_before    # AR never started after the stop
+
+
+def test_fault_is_a_message_and_the_server_keeps_serving(fake_app):
+    demo, be = fake_app
+    client = Client(demo.local_url, verbose=False)
+    be.fail_at = 1
+    try:
+        bad = ask(client, "hello")
+    finally:
+        be.fail_at = None
+    assert "ran out of memory" in bad["message"] and "Traceback" not in bad["message"]
+    assert ask(client, "hello")["result"]["lossless"]
+    empty = ask(client, "  ")
+    assert "prompt is empty" in empty["message"]
+
+
+def test_load_failure_page_still_serves():
+    demo = serve(build_app(Loaded(None, error="Could not load the models: hidden_size: drafter has 64, target has 32")),
+                 block=False)
+    try:
+        out = ask(Client(demo.local_url, verbose=False), "hello")
+        assert "hidden_size: drafter has 64, target has 32" in out["message"]
+    finally:
+        demo.close()
