@@ -110,6 +110,7 @@ class Exl3Backend:
         self.cache_tokens = cache.max_num_tokens
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
+        self.iterations = 0            # iterate() calls of the last generate_many, for per-round overhead checks
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
@@ -242,10 +243,12 @@ class Exl3Backend:
         jobs = self._jobs(prompts, settings)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
         gen.enqueue(jobs)
+        self.iterations = 0
         try:
             while gen.num_remaining_jobs():
                 t0 = time.perf_counter()
                 results = gen.iterate()
+                self.iterations += 1
                 t_round = (time.perf_counter() - t0) * 1000.0
                 for r in results:
                     if r.get("stage") == "error":

@@ -1,0 +1,49 @@
+"""Device tests of the exllamav3 backend on the shipped tiny pair (skipped without CUDA and exllamav3)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stream_shape import assert_stream_shape  # noqa: E402
+
+from toolkit.runtime.backend import GenSettings  # noqa: E402
+from toolkit.runtime.events import tokens_of  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def exl3(pair):
+    pytest.importorskip("exllamav3")
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    be = Exl3Backend.from_dirs(*pair, cache_tokens=8 * 512, max_concurrency=8)
+    yield be
+    be.close()
+
+
+def prompts(tok, n=6):
+    from toolkit.tiny_pair import corpus
+
+    ids = tok.encode(corpus()[:20000])
+    return [ids[k * 300:k * 300 + 32] for k in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("B", [8, 16])
+def test_greedy_is_lossless_against_its_own_ar(exl3, B):
+    st = GenSettings(max_new_tokens=48, block_size=B)
+    for p in prompts(exl3.tokenizer):
+        rounds = list(exl3.generate(p, st))
+        assert tokens_of(rounds) == tokens_of(exl3.generate(p, st, speculative=False))
+        assert_stream_shape(rounds, width=B - 1, max_new_tokens=48, stop_ids=set(exl3.eos_ids))
+
+
+def test_both_backends_emit_the_same_stream_shape(exl3, pair_backend):
+    st = GenSettings(max_new_tokens=32, block_size=16)
+    for p in prompts(exl3.tokenizer, 3):
+        for be in (exl3, pair_backend):
+            assert_stream_shape(list(be.generate(p, st)), width=15, max_new_tokens=32, stop_ids=set(be.eos_ids))
