@@ -74,7 +74,7 @@ def out(tmp_path):
 
 
 def do_push(hub, out, **kw):
-    return push(repo=kw.pop("repo", REPO), from_dir=out, endpoint=hub.url, retry_delay=0.01, **kw)
+    return push(repo=kw.pop("repo", REPO), out_dir=out, endpoint=hub.url, retry_delay=0.01, **kw)
 
 
 def download(hub, tmp_path, revision: str, token=TOKEN) -> Path:
@@ -216,3 +216,33 @@ def test_cli_errors_are_one_line(hub, out, tmp_path):
     proc = run_cli(["--repo", REPO, "--from", str(tmp_path)], env)
     assert proc.returncode == 2 and "has no report.json" in proc.stderr
     assert "--branch-template" in run_cli(["--help"], env).stdout
+
+
+def test_quantize_push_download_round_trip(hub, tmp_path, pair, monkeypatch):
+    """python -m toolkit.quantize ... --push REPO on the tiny pair (only the exllamav3 subprocess faked)."""
+    import test_quantize_fakes as quantize_fakes
+    from test_quantize_pipeline import write_recipe
+    from toolkit.quantize import quantize
+
+    quantize_fakes.install(monkeypatch)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # what HF_ENDPOINT=... does for a real mirror
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    target, draft = pair
+    out = tmp_path / "q"
+    report = quantize(recipe=str(write_recipe(tmp_path / "r.toml", target)), model=str(draft), out=str(out),
+                      device="cpu", progress=False, bits="2,8", also_uncalibrated=True, push=REPO)
+    refs = {b.name for b in HfApi(endpoint=hub.url, token=TOKEN).list_repo_refs(REPO).branches}
+    assert refs == {"main", "2.0bpw", "8.0bpw"} and hub.commits(REPO) == 3
+    got = download(hub, tmp_path, "8.0bpw")
+    for p in (out / "8.0bpw").rglob("*"):
+        rel = p.relative_to(out / "8.0bpw").as_posix()
+        if p.is_file() and not rel.startswith(".") and rel != "README.md":
+            assert (got / rel).read_bytes() == p.read_bytes(), rel
+    card = ModelCard.load(download(hub, tmp_path, "main") / "README.md")
+    assert card.data.base_model == report["model"] == "test/tiny-dflash"
+    rows = parse_table(card.text)
+    assert [r["Branch"].split("]")[0].strip("[") for r in rows[:-1]] == [
+        r["folder"] if r["calibrated"] else f"{r['folder']} (not uploaded)" for r in report["results"]]
+    for row, r in zip(rows, report["results"]):
+        assert abs(float(row["Top-1 agreement"].rstrip("%")) - 100 * r["top1"]) <= 0.05
+        assert abs(float(row["τ (tokens/round)"]) - r["tau"]) <= 0.005

@@ -213,13 +213,13 @@ class _Failed(Exception):
         self.what, self.attempts, self.status, self.reason = what, attempts, http_status(exc), reason
 
 
-def push(repo: str, from_dir: str | Path, private: bool = False, branch_template: str = "{bits:.1f}bpw",
+def push(repo: str, out_dir: str | Path, private: bool = False, branch_template: str = "{bits:.1f}bpw",
          dry_run: bool = False, endpoint: str | None = None, token: str | None = None, retries: int = 4,
          retry_delay: float = 2.0) -> PushResult:
-    """Create `repo` (exist_ok), one branch per bitrate folder of `from_dir`, and the measured card on main."""
+    """Create `repo` (exist_ok), one branch per bitrate folder of `out_dir`, and the measured card on main."""
     if not re.match(r"^[\w.-]+/[\w.-]+$", repo):
         raise ToolkitError(f"--repo must be USER/NAME, got {repo!r}")
-    from_dir = Path(from_dir)
+    from_dir = Path(out_dir)
     report = load_report(from_dir)
     with tempfile.TemporaryDirectory(prefix="push-") as stage:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> PushResult:
         "Hugging Face Hub: each bitrate goes to its own branch, main gets the measured model card. "
         "The token comes from HF_TOKEN or `hf auth login`. Re-running finishes an interrupted push.")
     p.add_argument("--repo", required=True, help="target repo, USER/NAME (created if missing)")
-    p.add_argument("--from", dest="from_dir", required=True, help="the quantize OUT_DIR")
+    p.add_argument("--from", dest="out_dir", required=True, help="the quantize OUT_DIR")
     p.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
     p.add_argument("--branch-template", default="{bits:.1f}bpw",
                    help="branch name per bitrate; fields {bits}, {folder}, {calibrated} (default: %(default)s)")
