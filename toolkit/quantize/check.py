@@ -138,7 +138,12 @@ def load_quantized(folder: Path, config: DFlashConfig, device: str = "cpu") -> D
     for name, p in model.state_dict().items():
         if name not in tensors:
             raise ToolkitError(f"check: {folder} has no tensor {name!r}")
-        state[name] = tensors[name].reshape(p.shape).float()
+        t = tensors[name]
+        if t.dim() == 2 and p.dim() == 2 and t.shape != p.shape:      # exllamav3 pads Linears to 128
+            t = t[: p.shape[0], : p.shape[1]]
+        if t.numel() != p.numel():
+            raise ToolkitError(f"check: {folder} tensor {name!r} has shape {list(t.shape)}, expected {list(p.shape)}")
+        state[name] = t.reshape(p.shape).float()
     model.load_state_dict(state)
     if "mask_embedding" in tensors:
         model.mask_embedding = torch.nn.Parameter(tensors["mask_embedding"].reshape(-1).float())
