@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -117,6 +118,22 @@ def test_rerun_is_idempotent_and_only_commits_changes(hub, out):
     assert hub.commits(REPO) == 4 and hub.commit_log[-1][1] == "3.0bpw"
     assert "config.json" in hub.commit_log[-1][2]  # 2.x sends only the changed file, 1.x the whole folder
     assert hub.files(REPO, "3.0bpw")["config.json"] == b'{"changed": true}'
+
+
+def test_branch_mirrors_its_folder_and_missing_folders_are_skipped(hub, out):
+    do_push(hub, out)
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.upload_file(path_or_fileobj=b"old", path_in_repo="model-old.safetensors", repo_id=REPO, revision="4.0bpw")
+    api.upload_file(path_or_fileobj=b"mine", path_in_repo="notes.txt", repo_id=REPO)
+    assert "model-old.safetensors" in hub.files(REPO, "4.0bpw")
+    shutil.rmtree(out / "3.0bpw")
+    result = do_push(hub, out)
+    assert result.status == {"4.0bpw": "uploaded", "main": "uploaded"}  # main: the card now says 3.0 is absent
+    assert set(hub.files(REPO, "4.0bpw")) == {".gitattributes", "config.json", "model.safetensors", "README.md"}
+    main = hub.files(REPO, "main")
+    assert "notes.txt" in main  # main is not mirrored: files a user added there stay
+    rows = parse_table(main["README.md"].decode())
+    assert [r["Branch"].endswith("(not uploaded)") for r in rows[:-1]] == [False, True, True]
 
 
 def test_503_on_second_commit_is_retried(hub, out, capsys):

@@ -36,6 +36,7 @@ class Upload:
     folder: Path                  # what upload_folder sends (a staging folder of links + the rendered README)
     files: dict[str, int]         # path in repo -> size
     bits: float | None = None     # None for main
+    mirror: bool = True           # the branch holds exactly these files (stale ones are deleted); not for main
 
 
 @dataclass
@@ -109,7 +110,7 @@ def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: P
             (main / name).symlink_to((from_dir / name).resolve())
             image = name if name.endswith(".png") else image
     (main / "README.md").write_text(render_card(report, repo, branches=branches, image=image))
-    uploads.append(Upload(MAIN, main, list_files(main)))
+    uploads.append(Upload(MAIN, main, list_files(main), mirror=False))
     return uploads
 
 
@@ -148,13 +149,16 @@ def _sha256(path: Path) -> str:
 
 
 def is_unchanged(api, repo: str, up: Upload) -> bool:
-    """True when the branch already holds every file of `up` with the same content (sizes, then hashes)."""
+    """True when the branch holds every file of `up` with the same content (sizes, then hashes), and for a
+    mirrored branch nothing else but .gitattributes."""
     from huggingface_hub.errors import RevisionNotFoundError
 
     try:
         remote = {f.path: f for f in api.list_repo_tree(repo, revision=up.branch, recursive=True)
                   if hasattr(f, "size") and hasattr(f, "blob_id")}
     except RevisionNotFoundError:
+        return False
+    if up.mirror and set(remote) - set(up.files) - {".gitattributes"}:
         return False
     for rel, size in up.files.items():
         f = remote.get(rel)
@@ -299,7 +303,8 @@ def _upload_one(api, repo: str, up: Upload) -> str:
         return "unchanged"
     what = f"{up.bits:.2f} bpw EXL3" if up.bits is not None else "model card and report"
     api.upload_folder(repo_id=repo, folder_path=str(up.folder), revision=up.branch,
-                      commit_message=f"Upload {up.branch} ({what})", ignore_patterns=IGNORE)
+                      commit_message=f"Upload {up.branch} ({what})", ignore_patterns=IGNORE,
+                      delete_patterns=["*"] if up.mirror else None)
     return "uploaded"
 
 
