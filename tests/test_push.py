@@ -21,7 +21,7 @@ from hubserver import Fault, HubServer
 from test_card import parse_table, sample_report
 from toolkit.card import render_card
 from toolkit.errors import ToolkitError
-from toolkit.push import push
+from toolkit.push import hub_endpoint, push
 
 TOKEN = "hf_testtoken_a1b2c3d4e5f6"  # alice, a distinctive string we look for in every output
 BOB = "hf_bobtoken_zz9"
@@ -123,8 +123,9 @@ def test_rerun_is_idempotent_and_only_commits_changes(hub, out):
 def test_branch_mirrors_its_folder_and_missing_folders_are_skipped(hub, out):
     do_push(hub, out)
     api = HfApi(endpoint=hub.url, token=TOKEN)
-    api.upload_file(path_or_fileobj=b"old", path_in_repo="model-old.safetensors", repo_id=REPO, revision="4.0bpw")
-    api.upload_file(path_or_fileobj=b"mine", path_in_repo="notes.txt", repo_id=REPO)
+    with hub_endpoint(hub.url):  # huggingface_hub 1.x parses commit URLs against the default endpoint
+        api.upload_file(path_or_fileobj=b"old", path_in_repo="model-old.safetensors", repo_id=REPO, revision="4.0bpw")
+        api.upload_file(path_or_fileobj=b"mine", path_in_repo="notes.txt", repo_id=REPO)
     assert "model-old.safetensors" in hub.files(REPO, "4.0bpw")
     shutil.rmtree(out / "3.0bpw")
     result = do_push(hub, out)
