@@ -49,7 +49,7 @@ def test_end_to_end_calibrated_and_uncalibrated(tmp_path, pair, monkeypatch):
     assert set(report) == {"schema", "model", "revision", "target", "created", "toolkit_version", "exllamav3_version",
                            "block_size", "tap_shift", "device", "bf16", "results"}
     assert report["schema"] == 1 and report["model"] == "test/tiny-dflash" and report["revision"] == "abc123"
-    assert report["block_size"] == 16 and report["tap_shift"] == 1      # the pair was trained with tap_shift 1
+    assert report["block_size"] == 16 and report["tap_shift"] == 0      # the pair was trained with tap_shift 0
     assert isinstance(report["bf16"]["size_bytes"], int) and report["bf16"]["size_bytes"] > 0
     assert report["bf16"]["tau"] >= 1.0
     for r in report["results"]:
@@ -63,7 +63,7 @@ def test_end_to_end_calibrated_and_uncalibrated(tmp_path, pair, monkeypatch):
     assert by["2.0bpw-uncal"]["calibrated"] is False and by["2.0bpw-uncal"]["branch"] == "2.0bpw-uncal"
     cfg = json.loads((out / "8.0bpw" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "exl3"
-    assert cfg["dflash_config"]["target_layer_ids"] and cfg["dflash_config"]["tap_shift"] == report["tap_shift"] - 1
+    assert cfg["dflash_config"]["target_layer_ids"] and cfg["dflash_config"]["tap_shift"] == report["tap_shift"]
     md = (out / "report.md").read_text()
     assert "8.0bpw-uncal" in md and "not pushed" in md
     assert (out / "tau_top1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

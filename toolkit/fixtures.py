@@ -64,7 +64,7 @@ def target_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 4,
 
 
 def spread_taps(target_layers: int, n: int) -> list[int]:
-    """n distinct tap ids spread over the target's layers, avoiding the last one (its output is normed in HF)."""
+    """n distinct tap ids spread over the target's layers (tap_shift 0), avoiding the last one (normed in HF)."""
     n = min(n, target_layers - 1)
     return sorted({round(i * (target_layers - 2) / max(n - 1, 1)) for i in range(n)})
 
@@ -79,7 +79,7 @@ def drafter_config(hidden: int, taps: list[int], mask_id: int, block_size: int, 
         "head_dim": hidden // 4, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "hidden_act": "silu", "attention_bias": False,
         "layer_types": types, "sliding_window": window, "max_position_embeddings": 1024, "vocab_size": vocab_size,
         "num_target_layers": target_layers, "tie_word_embeddings": False, "block_size": block_size,
-        "dflash_config": {"block_size": block_size, "mask_token_id": mask_id, "target_layer_ids": taps},
+        "dflash_config": {"block_size": block_size, "mask_token_id": mask_id, "target_layer_ids": taps, "tap_shift": 0},
     }
 
 

@@ -31,7 +31,12 @@ def _rope_theta(cfg: dict) -> float:
 
 @dataclass
 class DFlashConfig:
-    """The drafter's shape and its DFlash settings. `tap_shift` maps a tap id L to HF hidden_states[L + tap_shift]."""
+    """The drafter's shape and its DFlash settings.
+
+    `tap_shift` has exllamav3's meaning (same config key): tap L reads the output of target decoder layer
+    L + tap_shift, i.e. HF hidden_states[L + tap_shift + 1]. exllamav3 defaults it to 1; z-lab's reference
+    code reads the output of layer L itself, which is tap_shift 0. The quantize check measures both.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -147,7 +152,7 @@ class DFlashConfig:
             raise ToolkitError(f"hidden_size: drafter has {self.hidden_size}, target has {th}")
         if tl is not None:
             for tap in self.target_layer_ids:
-                if not 0 <= tap < tl or not 0 <= tap + self.tap_shift <= tl:
+                if not 0 <= tap < tl or not 0 <= tap + self.tap_shift < tl:
                     raise ToolkitError(
                         f"target_layer_ids: tap {tap} (tap_shift {self.tap_shift}) is outside the target's {tl} layers"
                     )

@@ -194,5 +194,6 @@ class DFlashDraft(nn.Module):
 
 
 def gather_taps(hidden_states: tuple[torch.Tensor, ...] | list[torch.Tensor], config: DFlashConfig) -> torch.Tensor:
-    """Concatenate the target's hidden states at the taps: HF hidden_states[L + tap_shift] for each tap L."""
-    return torch.cat([hidden_states[L + config.tap_shift] for L in config.target_layer_ids], dim=-1)
+    """Concatenate the target's hidden states at the taps: the output of layer L + tap_shift for each tap L
+    (HF hidden_states[0] is the embedding output, so that is hidden_states[L + tap_shift + 1])."""
+    return torch.cat([hidden_states[L + config.tap_shift + 1] for L in config.target_layer_ids], dim=-1)

@@ -20,9 +20,9 @@ from .recipe import HALF_RATES, format_bits
 from .validate import read_headers
 
 CONVERTER = "exllamav3.conversion.convert_model"
-# The toolkit's tap_shift maps tap L to HF hidden_states[L + s]; exllamav3's maps it to the output of block
-# L + s, which is HF hidden_states[L + s + 1]. The pinned config.json is read by exllamav3, so it gets s - 1.
-EXL3_TAP_SHIFT_OFFSET = -1
+# The toolkit's tap_shift has exllamav3's meaning (tap L reads the output of block L + s, HF hidden_states[L + s + 1]),
+# so the pinned value is written unchanged; the offset stays as a named constant for drafters of other conventions.
+EXL3_TAP_SHIFT_OFFSET = 0
 
 
 def run_converter(args: list[str], log_path: Path) -> int:

@@ -207,7 +207,7 @@ def quantize(recipe: str | None = None, model: str | None = None, revision: str 
 
 def len_hidden(tcfg: dict | None) -> int:
     t = (tcfg or {}).get("text_config") or tcfg or {}
-    return int(t.get("num_hidden_layers", 1 << 30)) + 1
+    return int(t.get("num_hidden_layers", 1 << 30))   # tap L + shift must name one of the target's layers
 
 
 def push_run(out: Path, repo: str) -> None:

@@ -35,7 +35,7 @@ class Recipe:
     check_prompts: list[str] = field(default_factory=list)
     anchors_per_prompt: int = 8
     max_new_tokens: int = 64
-    tap_shift_candidates: list[int] = field(default_factory=lambda: [0, 1, 2])
+    tap_shift_candidates: list[int] = field(default_factory=lambda: [0, 1])
     thresholds: dict[str, Thresholds] = field(default_factory=dict)   # "4.0" or "default" -> floor
     path: Path | None = None
 
@@ -129,7 +129,7 @@ def load_recipe(path: str | Path) -> Recipe:
         check_prompts=list(chk.get("prompts", [])),
         anchors_per_prompt=int(cal.get("anchors_per_prompt", 8)),
         max_new_tokens=int(chk.get("max_new_tokens", 64)),
-        tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1, 2])],
+        tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1])],
         thresholds=_thresholds(raw.get("thresholds") or {}, p),
         path=p,
     )

@@ -67,7 +67,7 @@ def render_markdown(report: dict, notes: list[str] | None = None) -> str:
     lines = [f"# EXL3 conversion of {report['model']}", "",
              f"- revision: `{report['revision']}`", f"- target: `{report['target']}`",
              f"- block size {report['block_size']}, tap_shift {report['tap_shift']} (toolkit convention: tap L reads "
-             f"HF hidden_states[L + tap_shift])",
+             f"output of target layer L + tap_shift, exllamav3's convention)",
              f"- exllamav3 {report['exllamav3_version']}, toolkit {report['toolkit_version']}, device {report['device']}",
              f"- created {report['created']}", "", markdown_table(report), ""]
     cal = {r["bits"] for r in report["results"] if r["calibrated"]}
