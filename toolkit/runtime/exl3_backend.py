@@ -110,7 +110,7 @@ class Exl3Backend:
         self.cache_tokens = cache.max_num_tokens
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
-        self.iterations = 0            # iterate() calls of the last generate_many, for per-round overhead checks
+        self.iterations, self.seconds = 0, 0.0   # iterate() calls and wall time (after enqueue) of the last generate_many
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
@@ -243,7 +243,7 @@ class Exl3Backend:
         jobs = self._jobs(prompts, settings)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
         gen.enqueue(jobs)
-        self.iterations = 0
+        self.iterations, start = 0, time.perf_counter()
         try:
             while gen.num_remaining_jobs():
                 t0 = time.perf_counter()
@@ -263,6 +263,7 @@ class Exl3Backend:
                     if rnd is not None:
                         yield tr.index, rnd
         finally:
+            self.seconds = time.perf_counter() - start
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages
                 gen.clear_queue()
 

@@ -1,0 +1,65 @@
+"""Device-side fixtures exllamav3 can load: its linears pad to multiples of 128 (and EXL3 conversion needs
+128-divisible input dims), so the shipped hidden-64 pair does not load there. This trains a hidden-128 pair
+with the same recipe (toolkit.tiny_pair's functions and tokenizer) on the GPU in well under a minute, and
+renames a Qwen3.5-MoE fixture's tensors to the `model.language_model.` prefix exllamav3 reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+
+def train_pair(out: Path, hidden: int = 128, target_steps: int = 1200, draft_steps: int = 1500, sequences: int = 512,
+               seed: int = 0, device: str = "cuda") -> tuple[Path, Path, float]:
+    from transformers import AutoTokenizer
+
+    from toolkit.dflash import save_drafter
+    from toolkit.fixtures import MASK_TOKEN, TOKENIZER, copy_tokenizer, drafter_config, target_config
+    from toolkit.tiny_pair import corpus, self_distill, train_drafter, train_target
+
+    t0 = time.time()
+    tdir, ddir = out / "target", out / "draft"
+    tdir.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    special = copy_tokenizer(tdir)
+    for extra in ("chat_template.jinja",):
+        if (TOKENIZER / extra).exists():
+            shutil.copy(TOKENIZER / extra, tdir / extra)
+    torch.set_default_device(device)
+    try:
+        torch.manual_seed(seed)
+        ids = torch.tensor(tok(corpus())["input_ids"], dtype=torch.long)
+        tcfg = target_config("llama", special["vocab_size"], hidden, 4, special["eos"], special["bos"])
+        tcfg["initializer_range"] = 0.02
+        target = train_target(ids, tcfg, target_steps)
+        torch.manual_seed(seed + 1)
+        seqs = self_distill(target, ids, sequences)
+        dcfg = drafter_config(hidden, [0, 1, 2], special["mask"], 16, layers=2, vocab_size=special["vocab_size"],
+                              window=32, target_layers=4)
+        drafter = train_drafter(target, seqs, dcfg, draft_steps)
+    finally:
+        torch.set_default_device("cpu")
+    target.to("cpu").save_pretrained(str(tdir))
+    save_drafter(drafter.to("cpu"), ddir, dtype=torch.bfloat16)
+    return tdir, ddir, time.time() - t0
+
+
+def to_language_model_prefix(src: Path, dst: Path) -> Path:
+    """A copy of a Qwen3.5 text checkpoint with `model.*` tensors under `model.language_model.*`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for f in dst.glob("*.safetensors"):
+        sd = load_file(str(f))
+        save_file({("model.language_model." + k[6:]) if k.startswith("model.") else k: v for k, v in sd.items()},
+                  str(f), metadata={"format": "pt"})
+    idx = dst / "model.safetensors.index.json"
+    if idx.exists():
+        d = json.loads(idx.read_text())
+        d["weight_map"] = {("model.language_model." + k[6:]) if k.startswith("model.") else k: v for k, v in d["weight_map"].items()}
+        idx.write_text(json.dumps(d))
+    return dst
