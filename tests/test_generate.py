@@ -1,0 +1,58 @@
+"""The generate CLI's JSON contract and its one-line errors, run as a user would run it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.generate import generate
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "toolkit.generate", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_json_contract_on_built_fixtures(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "toolkit.fixtures", "--out", str(tmp_path), "--arch", "llama"],
+                         capture_output=True, text=True, check=True).stdout
+    paths = json.loads(out.splitlines()[-1])
+    r = cli("--target", paths["target"], "--draft", paths["draft"], "--prompt", "hi", "--compare-ar", "--json",
+            "--max-new-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["lossless"] is True and res["tokens"] == res["ar_tokens"] and len(res["tokens"]) == 16
+    for key in ("tokens", "text", "rounds", "tau", "tok_s", "ar_tokens", "ar_tok_s", "speedup", "lossless"):
+        assert key in res
+    assert set(res["rounds"][1]) >= {"drafted", "accepted", "bonus", "t_draft_ms", "t_verify_ms"}
+    assert sum(rd["accepted"] + 1 for rd in res["rounds"]) == len(res["tokens"])
+    assert 1.0 <= res["tau"] <= 16
+
+
+def test_embedded_default_runs_the_trained_pair(capsys):
+    res = generate(prompt="Return the list of", max_new_tokens=48, compare_ar=True, json_out=True, raw=True)
+    assert res["lossless"] and res["tau"] > 1.0
+    assert json.loads(capsys.readouterr().out)["tokens"] == res["tokens"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", "  "], "--prompt is empty"),
+    (["--prompt", "hi", "--target", "/nonexistent/model"], "--target: /nonexistent/model is not a folder"),
+    (["--prompt", "hi", "--draft", "/tmp"], "--draft needs --target"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--prompt", "hi", "--block-size", "1"], "block_size must be >= 2"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    r = cli(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().count("\n") == 0 and needle in r.stderr
+
+
+def test_mismatched_drafter_is_refused(tmp_path, models, pair):
+    r = cli("--target", str(models["llama"][0]), "--draft", str(pair[1]), "--prompt", "hi")
+    assert r.returncode == 0 or "error:" in r.stderr      # same hidden size: may load; different must not crash
+    big = tmp_path / "big"
+    from toolkit.fixtures import build
+    t, _ = build(big, arch="llama", hidden=128)
+    r = cli("--target", str(t), "--draft", str(pair[1]), "--prompt", "hi")
+    assert r.returncode == 2 and "hidden_size: drafter has 64, target has 128" in r.stderr
