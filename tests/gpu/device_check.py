@@ -277,21 +277,26 @@ def check_overhead() -> dict:
         prompts = doc_prompts(be.tokenizer, n=24)
         st = GenSettings(max_new_tokens=128, block_size=16)
         for name, batches in (("conc1", [[p] for p in prompts[:8]]), ("conc24", [prompts])):
-            hooked, plain = [], []
+            per = {"plain": [], "hook_only": [], "hook_and_rounds": []}
+            iters = {}
             for rep in range(6):                       # interleaved; rep 0 is a warm-up
-                hs = hi = ps = pi = 0
+                tot = {k: [0.0, 0] for k in per}
                 for batch in batches:
-                    for _ in be.generate_many(batch, st):   # times iterate() plus the Round assembly
+                    for _ in be.generate_many(batch, st):
                         pass
-                    hs, hi = hs + be.seconds, hi + be.iterations
-                    _, secs, iters = be.generate_plain(batch, st)
-                    ps, pi = ps + secs, pi + iters
-                hooked.append(hs / hi)
-                plain.append(ps / pi)
-            h, p = statistics.median(hooked[1:]), statistics.median(plain[1:])
-            out[name] = {"hooked_ms_per_round": round(h * 1000, 4), "plain_ms_per_round": round(p * 1000, 4),
-                         "overhead_pct": round((h / p - 1) * 100, 2), "rounds": hi, "plain_rounds": pi,
-                         "hooked_all_ms": [round(x * 1000, 4) for x in hooked], "plain_all_ms": [round(x * 1000, 4) for x in plain]}
+                    tot["hook_and_rounds"][0] += be.seconds
+                    tot["hook_and_rounds"][1] += be.iterations
+                    for k, hooked in (("plain", False), ("hook_only", True)):
+                        _, secs, it = be.generate_plain(batch, st, hooked=hooked)
+                        tot[k][0] += secs
+                        tot[k][1] += it
+                for k, (secs, it) in tot.items():
+                    per[k].append(secs / it)
+                    iters[k] = it
+            med = {k: statistics.median(v[1:]) for k, v in per.items()}
+            out[name] = {f"{k}_ms_per_round": round(v * 1000, 4) for k, v in med.items()}
+            out[name].update({f"{k}_overhead_pct": round((med[k] / med["plain"] - 1) * 100, 2) for k in ("hook_only", "hook_and_rounds")})
+            out[name].update(rounds=iters, all_ms={k: [round(x * 1000, 3) for x in v] for k, v in per.items()})
         return out
     finally:
         free(be)

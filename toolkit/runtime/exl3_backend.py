@@ -271,9 +271,11 @@ class Exl3Backend:
         for _, r in self.generate_many([list(prompt_ids)], settings, speculative):
             yield r
 
-    def generate_plain(self, prompts: list[list[int]], settings: GenSettings, speculative: bool = True) -> tuple[list[list[int]], float, int]:
-        """The unhooked library generator on the same jobs: (emitted ids per job, seconds, iterations), for overhead checks."""
-        gen = self.generator(self.draft_width(settings, speculative), hooked=False)
+    def generate_plain(self, prompts: list[list[int]], settings: GenSettings, speculative: bool = True,
+                       hooked: bool = False) -> tuple[list[list[int]], float, int]:
+        """A bare iterate() loop with no Round assembly: (emitted ids per job, seconds, iterations), for overhead checks.
+        hooked=False runs the library's own Generator; True the capturing subclass."""
+        gen = self.generator(self.draft_width(settings, speculative), hooked=hooked)
         jobs = self._jobs(prompts, settings)
         gen.enqueue(jobs)
         t0, steps = time.perf_counter(), 0
