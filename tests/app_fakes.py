@@ -27,7 +27,7 @@ class FakeTokenizer:
 class FakeBackend:
     name: str = "fake"
     block_size: int = 16
-    max_context: int = 256
+    max_context: int = 1024
     pattern: tuple[int, ...] = (15, 3, 0, 7, 15, 1, 11, 5)   # accepted drafts per round, cycled
     step_s: float = 0.002            # cost of one target forward (a round, or one AR token)
     fail_at: int | None = None       # raise `fault` before this round index

@@ -96,7 +96,7 @@ def test_handler_block_size_setting_reaches_the_backend():
     assert be.calls[-1][2].block_size == 4
 
 
-@pytest.mark.parametrize("prompt,needle", [("   ", "empty"), ("x" * 300, "exceeds the model's context")], ids=["empty", "long"])
+@pytest.mark.parametrize("prompt,needle", [("   ", "empty"), ("x" * 1100, "exceeds the model's context")], ids=["empty", "long"])
 def test_bad_prompts_are_messages(prompt, needle):
     h = ChatHandler(Loaded(FakeBackend(step_s=0)))
     outs = run(h, prompt=prompt, max_new=16)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import html
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +30,13 @@ def content(msg: dict) -> str:
 
 def ask(client, prompt, max_new=24, block=16, temperature=0.0, api="/chat"):
     return dict(zip(OUT, client.predict(prompt, [], block, max_new, temperature, 0, "", False, api_name=api)))
+
+
+def wait_for(cond, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +69,8 @@ def test_chat_round_on_the_tiny_pair(real_app):
 
 def test_queue_shows_the_second_user_its_place(fake_app):
     demo, be = fake_app
-    first = Client(demo.local_url, verbose=False).submit("hello", [], 16, 200, 0.0, 0, "", False, api_name="/chat")
-    while first.status().code not in (Status.PROCESSING, Status.ITERATING):
-        time.sleep(0.02)
+    first = Client(demo.local_url, verbose=False).submit("hello", [], 16, 80, 0.0, 0, "", False, api_name="/chat")
+    wait_for(lambda: first.status().code in (Status.PROCESSING, Status.ITERATING) or first.done())
     second = Client(demo.local_url, verbose=False).submit("hello", [], 16, 8, 0.0, 0, "", False, api_name="/chat")
     seen = set()
     deadline = time.time() + 60
@@ -83,8 +88,7 @@ def test_stop_really_stops(fake_app):
     demo, be = fake_app
     client = Client(demo.local_url, verbose=False)
     job = client.submit("hello", [], 16, 380, 0.0, 0, "", False, api_name="/chat")
-    while len(job.outputs()) < 2:
-        time.sleep(0.02)
+    wait_for(lambda: len(job.outputs()) >= 2 or job.done())
     n_before = len([c for c in be.calls if c[0] == "generate"])
     client.predict(api_name="/stop")
     out = dict(zip(OUT, job.result()))
