@@ -11,6 +11,8 @@ if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true"):
     import spaces  # noqa: F401  (ZeroGPU wants it imported before torch)
 
 import argparse
+import json
+from pathlib import Path
 
 from toolkit.errors import run_cli
 
@@ -29,7 +31,8 @@ def main(argv=None):
 
     from toolkit.app import launch_app
 
-    launch_app(**vars(args))
+    cfg = Path(__file__).with_name("space.json")        # written by `python -m toolkit.space export`
+    launch_app(**vars(args), defaults=json.loads(cfg.read_text()) if cfg.is_file() else None)
 
 
 if __name__ == "__main__":

@@ -62,10 +62,15 @@ class ModelSpec:
     device: str | None = None
 
     @classmethod
-    def resolve(cls, target=None, draft=None, backend=None, device=None, env: dict | None = None) -> "ModelSpec":
+    def resolve(cls, target=None, draft=None, backend=None, device=None, env: dict | None = None,
+                defaults: dict | None = None) -> "ModelSpec":
+        """Flags, else env vars, else `defaults` (an exported Space's space.json), else the demo."""
         env = os.environ if env is None else env
-        spec = cls(target or env.get("DFLASH_TARGET") or None, draft or env.get("DFLASH_DRAFT") or None,
-                   (backend or env.get("DFLASH_BACKEND") or "auto").lower(), device or env.get("DFLASH_DEVICE") or None)
+        d = defaults or {}
+        spec = cls(target or env.get("DFLASH_TARGET") or d.get("target") or None,
+                   draft or env.get("DFLASH_DRAFT") or d.get("draft") or None,
+                   (backend or env.get("DFLASH_BACKEND") or d.get("backend") or "auto").lower(),
+                   device or env.get("DFLASH_DEVICE") or None)
         if spec.backend not in BACKENDS:
             raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {spec.backend!r}")
         return spec
@@ -180,7 +185,18 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
                 raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
             target, draft = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
             out.target, out.draft = spec.target, spec.draft
-        out.backend = opener(name, target, draft, device)
+        try:
+            out.backend = opener(name, target, draft, device)
+        except ToolkitError:
+            raise
+        except Exception as e:  # exllamav3's extension failed to build/load: try the torch backend once
+            if name != "exllamav3":
+                raise
+            log.exception("exllamav3 backend failed")
+            out.notes.append(f"exllamav3 failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+                             "using the torch backend instead.")
+            out.backend_name, out.device = "torch", "cuda" if hw.cuda else "cpu"
+            out.backend = opener("torch", target, draft, out.device)
         warm_up(out.backend)
     except ToolkitError as e:
         out.backend, out.error = None, f"Could not load the models: {e}"

@@ -198,7 +198,7 @@ def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int
     head = f"{x:.2f}× faster" if x >= 1 else f"{x:.2f}× (slower here)"
     if x < 1:
         same += " · on this model and hardware drafting costs more than it saves"
-    return (f'<div class="dfl-banner done"><span class="dfl-x">{head}</span>'
+    return (f'<div class="dfl-banner done{"" if x >= 1 else " slow"}"><span class="dfl-x">{head}</span>'
             f'<span class="dfl-detail">DFlash speculative <b>{s:.1f} tok/s</b> ({spec[0]} tokens, {spec[1]:.2f} s) vs '
             f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}</span></div>')
 

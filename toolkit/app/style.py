@@ -10,6 +10,8 @@ CSS = """
 .dfl-banner.run {background:#eff6ff; border-color:#93c5fd;}
 .dfl-banner.warn {background:#fffbeb; border-color:#fcd34d;}
 .dfl-banner.done {background:#ecfdf5; border-color:#6ee7b7; display:flex; align-items:center; gap:18px; flex-wrap:wrap;}
+.dfl-banner.done.slow {background:#fffbeb; border-color:#fcd34d;}
+.dfl-banner.slow .dfl-x {color:#b45309;}
 .dfl-x {font-size:2.1em; font-weight:800; color:#047857; white-space:nowrap;}
 .dfl-detail {color:#1f2937;}
 .dfl-panel {border:1px solid #e5e7eb; border-radius:10px; background:#ffffff; color:#111827; min-height:220px;}

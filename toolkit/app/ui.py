@@ -108,7 +108,7 @@ def serve(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, sha
 
 
 def launch_app(target: str | None = None, draft: str | None = None, backend: str | None = None, device: str | None = None,
-               host: str = "127.0.0.1", port: int | None = None, share: bool = False) -> gr.Blocks:
-    """Load the models (flags > env > embedded demo), build the page and serve it."""
-    loaded = load(ModelSpec.resolve(target, draft, backend, device))
+               host: str = "127.0.0.1", port: int | None = None, share: bool = False, defaults: dict | None = None) -> gr.Blocks:
+    """Load the models (flags > env > `defaults` > embedded demo), build the page and serve it."""
+    loaded = load(ModelSpec.resolve(target, draft, backend, device, defaults=defaults))
     return serve(build_app(loaded), host, port, share)
