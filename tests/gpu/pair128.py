@@ -14,7 +14,7 @@ import torch
 
 
 def train_pair(out: Path, hidden: int = 128, target_steps: int = 1200, draft_steps: int = 1500, sequences: int = 512,
-               seed: int = 0, device: str = "cuda") -> tuple[Path, Path, float]:
+               seed: int = 0, device: str = "cuda", kv_heads: int = 4) -> tuple[Path, Path, float]:
     from transformers import AutoTokenizer
 
     from toolkit.dflash import save_drafter
@@ -35,11 +35,13 @@ def train_pair(out: Path, hidden: int = 128, target_steps: int = 1200, draft_ste
         ids = torch.tensor(tok(corpus())["input_ids"], dtype=torch.long)
         tcfg = target_config("llama", special["vocab_size"], hidden, 4, special["eos"], special["bos"])
         tcfg["initializer_range"] = 0.02
+        tcfg["num_key_value_heads"] = kv_heads          # k/v out 128: EXL3 mgemm has no kernel for 64-wide outputs
         target = train_target(ids, tcfg, target_steps)
         torch.manual_seed(seed + 1)
         seqs = self_distill(target, ids, sequences)
         dcfg = drafter_config(hidden, [0, 1, 2], special["mask"], 16, layers=2, vocab_size=special["vocab_size"],
                               window=32, target_layers=4)
+        dcfg["num_key_value_heads"] = kv_heads
         drafter = train_drafter(target, seqs, dcfg, draft_steps)
     finally:
         torch.set_default_device("cpu")
@@ -63,3 +65,26 @@ def to_language_model_prefix(src: Path, dst: Path) -> Path:
         d["weight_map"] = {("model.language_model." + k[6:]) if k.startswith("model.") else k: v for k, v in d["weight_map"].items()}
         idx.write_text(json.dumps(d))
     return dst
+
+
+def moe_pair(out: Path, hidden: int = 128, seed: int = 0) -> tuple[Path, Path]:
+    """A random Qwen3.5-MoE-shaped target whose linear-attention widths are multiples of 128, and a random drafter."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.dflash import save_drafter
+    from toolkit.fixtures import copy_tokenizer, drafter_config, random_drafter, spread_taps, target_config
+
+    tdir, ddir = out / "target-src", out / "draft"
+    tdir.mkdir(parents=True, exist_ok=True)
+    special = copy_tokenizer(tdir)
+    cfg = target_config("qwen3_5_moe", special["vocab_size"], hidden, 4, special["eos"], special["bos"])
+    cfg.update(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+               num_key_value_heads=4)
+    torch.manual_seed(seed)
+    conf = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
+    AutoModelForCausalLM.from_config(conf, dtype=torch.float32).save_pretrained(str(tdir))
+    copy_tokenizer(tdir)
+    dcfg = drafter_config(hidden, spread_taps(4, 3), special["mask"], 16, 2, special["vocab_size"], target_layers=4)
+    dcfg["num_key_value_heads"] = 4
+    save_drafter(random_drafter(dcfg, seed), ddir, dtype=torch.bfloat16)
+    return to_language_model_prefix(tdir, out / "target"), ddir
