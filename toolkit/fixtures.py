@@ -40,10 +40,15 @@ def copy_tokenizer(out: Path) -> dict:
     return {"mask": ids[MASK_TOKEN], "eos": ids["<|im_end|>"], "bos": ids["<|endoftext|>"], "vocab_size": size}
 
 
+def kv_heads(hidden: int) -> int:
+    """4 heads of hidden/4; at widths that are multiples of 128 the K/V width is 128 too (exllamav3 pads to 128)."""
+    return 4 if hidden % 128 == 0 else 2
+
+
 def target_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 4, eos: int = 0, bos: int = 0) -> dict:
     """A tiny HF config dict for one of the supported target architectures."""
     common = dict(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads(hidden), head_dim=hidden // 4,
         intermediate_size=2 * hidden, vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-6,
         tie_word_embeddings=False, eos_token_id=eos, bos_token_id=bos, initializer_range=0.2,
     )
@@ -70,12 +75,13 @@ def spread_taps(target_layers: int, n: int) -> list[int]:
 
 
 def drafter_config(hidden: int, taps: list[int], mask_id: int, block_size: int, layers: int = 2, vocab_size: int | None = None,
-                   window: int = 32, target_layers: int | None = None) -> dict:
+                   window: int = 32, target_layers: int | None = None, intermediate: int | None = None) -> dict:
     """An upstream-layout DFlashDraftModel config: sliding layers then one full-attention layer."""
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
-        "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": intermediate or 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": kv_heads(hidden),
         "head_dim": hidden // 4, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "hidden_act": "silu", "attention_bias": False,
         "layer_types": types, "sliding_window": window, "max_position_embeddings": 1024, "vocab_size": vocab_size,
         "num_target_layers": target_layers, "tie_word_embeddings": False, "block_size": block_size,

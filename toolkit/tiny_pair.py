@@ -1,9 +1,10 @@
 """Build the trained tiny pair shipped in toolkit/data/tiny_pair: `python -m toolkit.tiny_pair`.
 
 Deterministic from --seed on one torch version. Steps: a byte-level BPE tokenizer trained on stdlib
-docstrings; a 4-layer Llama target trained on the same text for about a minute; a 2-layer DFlash drafter
-(one sliding, one full layer, block 16) trained against the target's hidden states to predict the target's
-own greedy continuations. Loss weights decay with block position, exp(-(k-1)/gamma), as in the DFlash paper.
+docstrings; a 3-layer Llama target (hidden 128) trained for a few minutes on them as chat turns (ask for
+`json.dumps`, get its docstring); a 2-layer DFlash drafter (sliding + full layer, block 16) trained against the target's
+hidden states to predict the target's own greedy continuations. Loss weights decay with block position,
+exp(-(k-1)/gamma), as in the DFlash paper (gamma 7 for block 16).
 """
 
 from __future__ import annotations
@@ -32,16 +33,21 @@ MODULES = ["argparse", "collections", "json", "pathlib", "textwrap", "functools"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
 
 
-def corpus() -> str:
-    """Docstrings of a fixed list of stdlib modules, their classes and functions."""
-    docs: list[str] = []
+def docstrings() -> list[tuple[str, str]]:
+    """(qualified name, docstring) for a fixed list of stdlib modules, their classes and functions."""
+    docs: list[tuple[str, str]] = []
     for name in MODULES:
         mod = importlib.import_module(name)
-        docs.append(inspect.getdoc(mod) or "")
-        for _, obj in sorted(vars(mod).items()):
+        docs.append((name, inspect.getdoc(mod) or ""))
+        for attr, obj in sorted(vars(mod).items()):
             if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == mod.__name__:
-                docs.append(inspect.getdoc(obj) or "")
-    return "\n\n".join(d for d in docs if d)
+                docs.append((f"{name}.{attr}", inspect.getdoc(obj) or ""))
+    return [(n, d.strip()) for n, d in docs if d and d.strip()]
+
+
+def corpus() -> str:
+    """The docstrings as chat turns: the user names an object, the assistant answers with its docstring."""
+    return "".join(f"<|im_start|>user\n{n}<|im_end|>\n<|im_start|>assistant\n{d}<|im_end|>\n\n" for n, d in docstrings())
 
 
 def train_tokenizer(text: str, out: Path, vocab_size: int = 512):
@@ -144,7 +150,7 @@ def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int
     return model.eval()
 
 
-def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1200, draft_steps: int = 4000, sequences: int = 512) -> Path:
+def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1500, draft_steps: int = 3000, sequences: int = 3072) -> Path:
     """Build tokenizer, target and drafter into `out` (replacing it only when everything succeeded)."""
     torch.manual_seed(seed)
     t0 = time.time()
@@ -155,20 +161,24 @@ def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1200, dr
         tok = train_tokenizer(text, work / "target")
         ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
         sp = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
-        tcfg = target_config("llama", len(tok), 64, 4, sp["<|im_end|>"], sp["<|endoftext|>"])
+        tcfg = target_config("llama", len(tok), 128, 3, sp["<|im_end|>"], sp["<|endoftext|>"])
         tcfg["initializer_range"] = 0.02
         torch.manual_seed(seed)
         target = train_target(ids, tcfg, target_steps)
-        target.save_pretrained(str(work / "target"))
+        target.to(torch.bfloat16).save_pretrained(str(work / "target"))   # shipped in bf16 (< 2 MB with the drafter)
+        target.float()
         torch.manual_seed(seed + 1)
         seqs = self_distill(target, ids, sequences)
-        dcfg = drafter_config(64, [0, 1, 2], sp[MASK_TOKEN], 16, layers=2, vocab_size=len(tok), window=32, target_layers=4)
+        dcfg = drafter_config(128, [0, 1], sp[MASK_TOKEN], 16, layers=2, vocab_size=len(tok), window=32, target_layers=3,
+                              intermediate=128)
         drafter = train_drafter(target, seqs, dcfg, draft_steps)
         card = (f"# tiny trained DFlash pair\n\nBuilt by `python -m toolkit.tiny_pair --seed {seed} --target-steps {target_steps} "
                 f"--draft-steps {draft_steps} --sequences {sequences}` with torch {torch.__version__} in {time.time() - t0:.0f} s.\n"
-                "Target: 4-layer Llama (hidden 64) trained on stdlib docstrings. Drafter: 2 layers (sliding 32 + full), block 16,\n"
-                "taps [0, 1, 2], trained on the target's greedy continuations of 32-token corpus prompts.\n")
-        save_drafter(drafter, work / "draft", dtype=torch.float32, extra_files={"README.md": card})
+                "Target: 3-layer Llama (hidden 128, K/V width 128 so exllamav3 loads it) trained on stdlib docstrings as chat\n"
+                "turns (user: a name such as json.dumps; assistant: its docstring). Drafter: 2 layers (sliding window 32 +\n"
+                "full), block 16, taps [0, 1],\n"
+                "tap_shift 0, trained on the target's greedy continuations of 32-token corpus windows.\n")
+        save_drafter(drafter, work / "draft", dtype=torch.bfloat16, extra_files={"README.md": card})
         (work / "README.md").write_text(card)
         if final.exists():
             shutil.rmtree(final)
@@ -184,9 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m toolkit.tiny_pair", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(PAIR), help=f"output folder (default {PAIR})")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-steps", type=int, default=1200)
-    ap.add_argument("--draft-steps", type=int, default=4000)
-    ap.add_argument("--sequences", type=int, default=512, help="self-distilled sequences for the drafter")
+    ap.add_argument("--target-steps", type=int, default=1500)
+    ap.add_argument("--draft-steps", type=int, default=3000)
+    ap.add_argument("--sequences", type=int, default=3072, help="self-distilled sequences for the drafter")
     build_pair(**vars(ap.parse_args(argv)))
 
 
