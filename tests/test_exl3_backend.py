@@ -52,7 +52,7 @@ def test_from_dirs_rejects_a_drafter_that_does_not_fit(pair, tmp_path):
     from toolkit.runtime.exl3_backend import Exl3Backend
 
     target, draft = pair
-    for key, value, pattern in (("hidden_size", 32, r"hidden_size: drafter has 32, target has 64"),
+    for key, value, pattern in (("hidden_size", 32, r"hidden_size: drafter has 32, target has 128"),
                                 ("target_layer_ids", [0, 9], r"target_layer_ids: tap 9")):
         bad = tmp_path / f"draft-{key}"
         shutil.copytree(draft, bad)

@@ -48,11 +48,9 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert r.stderr.strip().count("\n") == 0 and needle in r.stderr
 
 
-def test_mismatched_drafter_is_refused(tmp_path, models, pair):
-    r = cli("--target", str(models["llama"][0]), "--draft", str(pair[1]), "--prompt", "hi")
-    assert r.returncode == 0 or "error:" in r.stderr      # same hidden size: may load; different must not crash
+def test_mismatched_drafter_is_refused(tmp_path, pair):
     big = tmp_path / "big"
     from toolkit.fixtures import build
-    t, _ = build(big, arch="llama", hidden=128)
+    t, _ = build(big, arch="llama", hidden=64)
     r = cli("--target", str(t), "--draft", str(pair[1]), "--prompt", "hi")
-    assert r.returncode == 2 and "hidden_size: drafter has 64, target has 128" in r.stderr
+    assert r.returncode == 2 and "hidden_size: drafter has 128, target has 64" in r.stderr

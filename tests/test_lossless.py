@@ -52,7 +52,8 @@ def test_random_target_output_depends_on_context(models, pair_backend):
     for backend in (TorchBackend.from_dirs(*models["llama"]), pair_backend):
         outs = []
         for p in ("Return the list of", "Open the file"):
-            toks = tokens_of(backend.generate(backend.tokenizer.encode(p), GenSettings(max_new_tokens=64), speculative=False))
+            s = GenSettings(max_new_tokens=64, stop_ids=())              # no EOS stop: look at 64 tokens
+            toks = tokens_of(backend.generate(backend.tokenizer.encode(p), s, speculative=False))
             assert len(set(toks)) >= 10, toks
             outs.append(toks)
         assert outs[0] != outs[1]

@@ -13,17 +13,17 @@ from toolkit.errors import ToolkitError
 from toolkit.quantize import quantize
 from toolkit.quantize.__main__ import main
 
-CAL = ["def add(a, b): return a + b", "Return the sum of two numbers.", "Open a file and read its lines.",
-       "Sort the list in place and return None."]
-HELD = ["Split the string on commas.", "Compute the mean of a list of numbers."]
+# The shipped pair answers stdlib names with their docstrings: prompts from its domain, calibration and check disjoint.
+CAL = ["json.dumps", "textwrap.wrap", "shutil.copy", "random.choice"]
+HELD = ["pathlib.Path", "argparse.ArgumentParser", "csv.reader"]
 
 
-def write_recipe(path, target, thresholds='default = { min_top1 = 0.1 }', cal=CAL, held=HELD):
+def write_recipe(path, target, thresholds='default = { min_top1 = 0.01 }', cal=CAL, held=HELD):
     path.write_text(
         f'[model]\nid = "test/tiny-dflash"\nrevision = "abc123"\n[target]\nid = "{target}"\n'
         f'[bits]\ndefault = [2.0, 4.0, 8.0]\n[calibration]\nanchors_per_prompt = 3\nprompts = {json.dumps(cal)}\n'
         f'[check]\nmax_new_tokens = 6\ntap_shift_candidates = [0, 1]\nprompts = {json.dumps(held)}\n'
-        f'[thresholds]\n{thresholds}\n"8.0" = {{ min_top1 = 0.99 }}\n'
+        f'[thresholds]\n{thresholds}\n"8.0" = {{ min_top1 = 0.95 }}\n'
     )
     return path
 
@@ -59,7 +59,9 @@ def test_end_to_end_calibrated_and_uncalibrated(tmp_path, pair, monkeypatch):
         assert r["size_bytes"] == (out / r["folder"] / "model.safetensors").stat().st_size
         assert r["passed"] is True and r["tau"] >= 1.0
     by = {r["folder"]: r for r in report["results"]}
-    assert by["8.0bpw"]["top1"] >= 0.99 and by["8.0bpw"]["kl"] < by["2.0bpw"]["kl"]
+    # the fake converter's per-row grid is cruder than exllamav3's trellis: 0.99 is the device target, 0.95 here
+    assert by["8.0bpw"]["top1"] >= 0.95 and by["8.0bpw"]["kl"] < by["2.0bpw"]["kl"]
+    assert by["8.0bpw"]["top1"] > by["2.0bpw"]["top1"]
     assert by["2.0bpw-uncal"]["calibrated"] is False and by["2.0bpw-uncal"]["branch"] == "2.0bpw-uncal"
     cfg = json.loads((out / "8.0bpw" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "exl3"

@@ -24,6 +24,7 @@ class Prompt:
     ids: torch.Tensor
     greedy: torch.Tensor
     taps: dict[int, torch.Tensor] = field(default_factory=dict)
+    start: int = 1          # first anchor: the last prompt token when the target's own continuation follows
 
 
 def load_target(path: Path, device: str = "cpu"):
@@ -41,23 +42,28 @@ def load_target(path: Path, device: str = "cpu"):
     return model.to(device).eval(), tok
 
 
-def run_target(target, ids: list[int], config: DFlashConfig, shifts: list[int]) -> Prompt:
-    """Forward one prompt; keep only the taps (for each tap_shift) and the greedy tokens."""
+def run_target(target, ids: list[int], config: DFlashConfig, shifts: list[int], continue_tokens: int = 0) -> Prompt:
+    """Forward one prompt, extended by the target's own greedy continuation of `continue_tokens` tokens (where
+    drafting happens in decoding); keep only the taps (for each tap_shift) and the greedy tokens."""
     x = torch.tensor([ids], dtype=torch.long, device=target.device)
     with torch.no_grad():
+        if continue_tokens > 0:
+            x = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=continue_tokens,
+                                do_sample=False, pad_token_id=0)
         out = target(input_ids=x, output_hidden_states=True, use_cache=False)
     hs = out.hidden_states
     taps = {s: gather_taps(hs, with_shift(config, s)).float() for s in shifts}
-    return Prompt(x[0], out.logits[0].argmax(-1), taps)
+    return Prompt(x[0], out.logits[0].argmax(-1), taps, start=max(1, len(ids) - 1) if continue_tokens > 0 else 1)
 
 
-def anchors(n: int, count: int) -> list[int]:
-    """Up to `count` anchor positions spread over 1..n-1 (each needs at least one context token)."""
-    if n < 2:
+def anchors(n: int, count: int, start: int = 1) -> list[int]:
+    """Up to `count` anchor positions spread over start..n-1 (each needs at least one context token)."""
+    start = max(1, start)
+    if n - start < 1:
         return []
-    count = max(1, min(count, n - 1))
-    step = (n - 1) / count
-    return sorted({1 + int(i * step) for i in range(count)})
+    count = max(1, min(count, n - start))
+    step = (n - start) / count
+    return sorted({start + int(i * step) for i in range(count)})
 
 
 def with_shift(config: DFlashConfig, tap_shift: int) -> DFlashConfig:
@@ -70,7 +76,7 @@ def blocks(prompt: Prompt, drafter: DFlashDraft, embed_weight: torch.Tensor, cou
     dt = next(drafter.parameters()).dtype
     taps = prompt.taps[tap_shift].to(dt)
     B = drafter.config.block_size
-    for a in anchors(prompt.ids.numel(), count):
+    for a in anchors(prompt.ids.numel(), count, prompt.start):
         noise = drafter.embed_block(prompt.ids[a : a + 1], embed_weight)
         pos = torch.arange(a + B, device=taps.device)[None]
         yield a, noise, taps[:, :a], pos

@@ -86,7 +86,7 @@ def write_hessians(hessians: dict[str, torch.Tensor], out_dir: Path, rows: dict[
 
 
 def calibrate(drafter, target, prompt_ids: list[list[int]], keys: list[str], anchors_per_prompt: int,
-              out_dir: Path, progress: bool = True) -> dict[str, int]:
+              out_dir: Path, progress: bool = True, continue_tokens: int = 0) -> dict[str, int]:
     """Run the target over the prompts and the reference drafter over blocks; write the Hessians. Returns rows per key."""
     if not prompt_ids:
         raise ToolkitError("calibration: the recipe has no [calibration] prompts (or pass --no-calibrate)")
@@ -94,7 +94,7 @@ def calibrate(drafter, target, prompt_ids: list[list[int]], keys: list[str], anc
     with HessianAccumulator(drafter, keys) as acc:
         for ids in tqdm(prompt_ids, desc="calibrate", unit="prompt", disable=not progress, leave=False):
             shift = drafter.config.tap_shift
-            prompt = run_target(target, ids, drafter.config, [shift])
+            prompt = run_target(target, ids, drafter.config, [shift], continue_tokens)
             with torch.no_grad():
                 for _, noise, ctx, pos in blocks(prompt, drafter, emb, anchors_per_prompt, shift):
                     drafter(noise, ctx, pos)

@@ -148,7 +148,7 @@ def quantize(recipe: str | None = None, model: str | None = None, revision: str 
     hess = s.work_dir / "hessians"
     if calibrate and any(i.calibrated for i in todo):
         cal.calibrate(reference, target_model, encode_all(target_model, tok, cal_texts), linear_keys(config),
-                      s.recipe.anchors_per_prompt, hess, progress)
+                      s.recipe.anchors_per_prompt, hess, progress, continue_tokens=s.recipe.max_new_tokens)
     steps.update()
 
     # 4. Convert
@@ -168,7 +168,8 @@ def quantize(recipe: str | None = None, model: str | None = None, revision: str 
             raise ToolkitError("recipe: no [check] prompts (or pass --no-check)")
         ids = encode_all(target_model, tok, chk_texts)
         shifts = [x for x in s.recipe.tap_shift_candidates if all(0 <= t + x < len_hidden(tcfg) for t in config.target_layer_ids)]
-        prompts = [run_target(target_model, i, config, sorted(set(shifts) | {config.tap_shift})) for i in ids]
+        prompts = [run_target(target_model, i, config, sorted(set(shifts) | {config.tap_shift}), s.recipe.max_new_tokens)
+                   for i in ids]
         tap_shift, scores = chk.pick_tap_shift(reference, prompts, target_model, s.recipe.anchors_per_prompt, shifts)
         notes.append("tap_shift agreement with the target: " + ", ".join(f"{k}: {v:.3f}" for k, v in scores.items())
                      + f" -> {tap_shift}")
