@@ -41,7 +41,7 @@ def test_browser_chat_round(url, tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(url)
             page.get_by_text("Demo on tiny models").wait_for()
-            page.locator("#dfl-input textarea").fill("Return the")
+            page.locator("#dfl-input textarea").fill("json.dumps")
             page.locator("#dfl-send").click()
             page.locator(".dfl-banner.done").wait_for(timeout=120_000)      # both panels finished
             banner = page.locator(".dfl-banner.done").inner_text()

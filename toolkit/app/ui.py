@@ -10,7 +10,7 @@ from .models import Loaded, ModelSpec, gpu_wrap, load
 from .style import CSS
 
 TITLE = "DFlash speculative decoding on ExLlamaV3"
-DEMO_EXAMPLES = ["Return the", "Create a new", "The default value of", "Raise an exception if"]
+DEMO_EXAMPLES = ["json.dumps", "textwrap.wrap", "pathlib.Path", "shutil.copy"]   # the tiny target answers stdlib names with docstrings
 REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
                  "Write a Python function that checks whether a string is a palindrome.",
                  "List five facts about the Moon."]
@@ -22,8 +22,10 @@ def header_html(loaded: Loaded) -> str:
              "exactly what the target alone would write (under greedy), produced in fewer target forwards.")
     demo = ""
     if loaded.demo:
-        demo = ('<div class="dfl-demo"><b>Demo on tiny models.</b> This page runs a 4-layer toy target (trained on Python '
-                "docstrings) with a trained tiny DFlash drafter, on CPU. Expect docstring-like text, not a useful assistant: "
+        demo = ('<div class="dfl-demo"><b>Demo on tiny models.</b> This page runs a 3-layer toy target (trained to answer a '
+                "Python stdlib name such as <code>json.dumps</code> with its docstring) and a trained tiny DFlash drafter, on CPU. "
+                "Expect docstring-like text, not a useful assistant; at this size drafting costs about as much as verifying, "
+                "so the speedup stays below 1 on CPU: "
                 "what to look at is the colours, τ and the measured speedup. For real models start it with "
                 "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
     notes = "".join(f'<div class="dfl-msg info">ℹ️ {render.esc(n)}</div>' for n in loaded.notes)
