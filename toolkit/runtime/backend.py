@@ -27,6 +27,18 @@ class GenSettings:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
 
+def encode_chat(tokenizer, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
+    """Ids of one user message through the tokenizer's chat template, or plain ids when it has none."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        kw = {} if thinking is None else {"enable_thinking": thinking}
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer.encode(prompt)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A target plus an optional DFlash drafter that turns prompts into a stream of `Round`s."""

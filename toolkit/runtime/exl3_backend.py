@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import ToolkitError
-from .backend import GenSettings
+from .backend import GenSettings, encode_chat
 from .events import Round
 from .exl3_hook import JobTrack, build_round, check_version, exllamav3_version, recording_generator_class
 
@@ -178,14 +178,7 @@ class Exl3Backend:
     # -- tokens --------------------------------------------------------------------------------------
 
     def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            kw = {} if thinking is None else {"enable_thinking": thinking}
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.tokenizer.encode(prompt)
+        return encode_chat(self.tokenizer, prompt, system, thinking)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -17,7 +17,7 @@ import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
 from ..errors import ToolkitError
-from .backend import GenSettings
+from .backend import GenSettings, encode_chat
 from .events import Round
 from .loop import decode
 from .sampling import Sampler
@@ -125,14 +125,7 @@ class TorchBackend:
         return cls(model, tok, drafter)
 
     def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            kw = {} if thinking is None else {"enable_thinking": thinking}
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.tokenizer.encode(prompt)
+        return encode_chat(self.tokenizer, prompt, system, thinking)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
