@@ -67,17 +67,12 @@ def train_tokenizer(text: str, out: Path, vocab_size: int = 512):
     return fast
 
 
-def train_target(ids: torch.Tensor, cfg: dict, steps: int, seq: int = 128, batch: int = 32, lr: float = 3e-3):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
+def optimize(model, loss_fn, steps: int, lr: float, desc: str) -> None:
+    """AdamW with 50 warm-up steps and a cosine decay, gradients clipped at 1; loss_fn() gives one batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    for step in (bar := tqdm(range(steps), desc="target", unit="step")):
-        starts = torch.randint(0, len(ids) - seq - 1, (batch,))
-        x = torch.stack([ids[s : s + seq] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
+    for step in (bar := tqdm(range(steps), desc=desc, unit="step")):
+        loss = loss_fn()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -85,6 +80,20 @@ def train_target(ids: torch.Tensor, cfg: dict, steps: int, seq: int = 128, batch
         sched.step()
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+
+
+def train_target(ids: torch.Tensor, cfg: dict, steps: int, seq: int = 128, batch: int = 32, lr: float = 3e-3):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
+
+    def loss():
+        starts = torch.randint(0, len(ids) - seq - 1, (batch,))
+        x = torch.stack([ids[s : s + seq] for s in starts])
+        return model(input_ids=x, labels=x).loss
+
+    optimize(model, loss, steps, lr, "target")
     return model.eval()
 
 
@@ -132,21 +141,13 @@ def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int
     for p in target.parameters():
         p.requires_grad_(False)
     w = position_weights(cfg.block_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    for step in (bar := tqdm(range(steps), desc="drafter", unit="step")):
+    def loss():
         ids, labels, ctx, keep, pos = block_batch(seqs, taps, cfg.block_size, cfg.mask_token_id, batch, min_ctx)
-        h = model(F.embedding(ids, emb), ctx, pos, ctx_keep=keep)
-        logits = head(h[:, 1:])
+        logits = head(model(F.embedding(ids, emb), ctx, pos, ctx_keep=keep)[:, 1:])
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
-        loss = (ce * w).sum() / (w.sum() * len(ids))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        return (ce * w).sum() / (w.sum() * len(ids))
+
+    optimize(model, loss, steps, lr, "drafter")
     return model.eval()
 
 
