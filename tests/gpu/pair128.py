@@ -82,7 +82,7 @@ def moe_pair(out: Path, hidden: int = 128, seed: int = 0) -> tuple[Path, Path]:
                num_key_value_heads=4)
     torch.manual_seed(seed)
     conf = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
-    AutoModelForCausalLM.from_config(conf, dtype=torch.float32).save_pretrained(str(tdir))
+    AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16).save_pretrained(str(tdir))   # exllamav3 wants bf16 dt_bias
     copy_tokenizer(tdir)
     dcfg = drafter_config(hidden, spread_taps(4, 3), special["mask"], 16, 2, special["vocab_size"], target_layers=4)
     dcfg["num_key_value_heads"] = 4
