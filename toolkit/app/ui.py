@@ -10,7 +10,7 @@ from .models import Loaded, ModelSpec, gpu_wrap, load
 from .style import CSS
 
 TITLE = "DFlash speculative decoding on ExLlamaV3"
-DEMO_EXAMPLES = ["json.dumps", "textwrap.wrap", "pathlib.Path", "shutil.copy"]   # the tiny target answers stdlib names with docstrings
+DEMO_EXAMPLES = ["pathlib.Path", "shutil.copy", "json.dumps", "textwrap.wrap"]   # the tiny target answers stdlib names with docstrings
 REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
                  "Write a Python function that checks whether a string is a palindrome.",
                  "List five facts about the Moon."]
