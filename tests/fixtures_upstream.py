@@ -10,13 +10,14 @@ import json
 from pathlib import Path
 
 TAPS_40 = [1, 10, 19, 28, 37]
+TAPS_CURRENT = [1, 6, 11, 16, 22, 27, 32, 37]
 
 
 def upstream_drafter_config(shape: str = "pinned") -> dict:
-    if shape == "pinned":
-        layers, types, window = 8, ["full_attention"] * 8, None
-    elif shape == "issue":
-        layers, types, window = 6, ["sliding_attention"] * 5 + ["full_attention"], 2048
+    if shape == "pinned":      # the older revision: 8 full-attention layers, 5 taps
+        layers, types, window, taps, mask, kv = 8, ["full_attention"] * 8, None, TAPS_40, 248070, 4
+    elif shape == "issue":     # the current revision (DEVELOPERS.md facts)
+        layers, types, window, taps, mask, kv = 6, ["sliding_attention"] * 5 + ["full_attention"], 4096, TAPS_CURRENT, 248077, 8
     else:
         raise ValueError(shape)
     return {
@@ -25,7 +26,7 @@ def upstream_drafter_config(shape: str = "pinned") -> dict:
         "attention_dropout": 0.0,
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "block_size": 16,
-        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": list(TAPS_40)},
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": list(taps)},
         "dtype": "bfloat16",
         "eos_token_id": 248046,
         "head_dim": 128,
@@ -39,7 +40,7 @@ def upstream_drafter_config(shape: str = "pinned") -> dict:
         "model_type": "qwen3",
         "num_attention_heads": 32,
         "num_hidden_layers": layers,
-        "num_key_value_heads": 4,
+        "num_key_value_heads": kv,
         "num_target_layers": 40,
         "pad_token_id": 248044,
         "rms_norm_eps": 1e-06,

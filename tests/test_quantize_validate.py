@@ -39,7 +39,9 @@ def target_cfg(**kw):
 def test_shipped_recipe():
     r = load_recipe(RECIPE)
     assert r.model == "z-lab/Qwen3.6-35B-A3B-DFlash" and r.target == "Qwen/Qwen3.6-35B-A3B"
-    assert len(r.revision) == 40 and all(c in "0123456789abcdef" for c in r.revision)
+    # no sha of the current revision could be read offline: "main", guarded by [model.expect]
+    assert r.revision == "main" and r.expect["num_hidden_layers"] == 6
+    assert r.expect["target_layer_ids"] == [1, 6, 11, 16, 22, 27, 32, 37]
     assert r.bits == [3.0, 4.0, 5.0, 6.0, 8.0]
     assert not set(r.calibration_prompts) & set(r.check_prompts) and r.check_prompts
     assert r.thresholds_for(8.0).min_top1 == 0.99 and r.thresholds_for(4.0).min_top1 == 0.80
@@ -128,12 +130,12 @@ def test_plan_status_and_size(tmp_path, drafter):
 
 def test_dry_run_with_upstream_config(tmp_path, capsys):
     """The issue's done-when: the recipe plus a local folder holding only the upstream config.json."""
-    folder = write_upstream_drafter(tmp_path / "Qwen3.6-35B-A3B-DFlash")
+    folder = write_upstream_drafter(tmp_path / "Qwen3.6-35B-A3B-DFlash", shape="issue")
     assert main(["--recipe", RECIPE, "--model", str(folder), "--dry-run", "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     for b in ("3.0bpw", "4.0bpw", "5.0bpw", "6.0bpw", "8.0bpw"):
         assert b in out
-    assert "8 layers, hidden 2048" in out and "taps [1, 10, 19, 28, 37]" in out
+    assert "6 layers, hidden 2048" in out and "taps [1, 6, 11, 16, 22, 27, 32, 37]" in out
     assert not (tmp_path / "o").exists()
 
 
@@ -166,3 +168,23 @@ def test_cli_help_explains(capsys):
     text = capsys.readouterr().out
     for flag in ("--recipe", "--bits", "--dry-run", "--force", "--push", "--no-calibrate", "--no-check", "--work-dir"):
         assert flag in text
+
+
+def test_recipe_refuses_the_older_revision(tmp_path, capsys):
+    """The shipped recipe expects the current 6-layer revision; the older 8-full-layer config is refused in one line."""
+    import json as _json
+    from pathlib import Path as _Path
+
+    from test_dflash_config import CURRENT, OLDER
+    from toolkit.quantize.__main__ import main as _main
+
+    recipe = _Path(__file__).resolve().parents[1] / "quantize" / "qwen3.6-35b-a3b-dflash.toml"
+    for name, cfg in (("current", CURRENT), ("older", OLDER)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(_json.dumps(cfg))
+    _main(["--recipe", str(recipe), "--model", str(tmp_path / "current"), "--out", str(tmp_path / "o1"), "--dry-run"])
+    with pytest.raises(ToolkitError) as e:
+        _main(["--recipe", str(recipe), "--model", str(tmp_path / "older"), "--out", str(tmp_path / "o2"), "--dry-run"])
+    err = one_line(e)
+    assert "num_hidden_layers is 8" in err and "expects 6" in err
+    assert not (tmp_path / "o2").exists()

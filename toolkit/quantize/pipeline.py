@@ -101,6 +101,7 @@ def quantize(recipe: str | None = None, model: str | None = None, revision: str 
             notes.append(f"target {s.target} not checked: not a local folder and not in the Hub cache")
     checked = validate(mdir, tcfg, require_weights=not dry_run)
     config = checked.config
+    s.recipe.check_expected(config)
     manifest = {"model": s.model_id, "revision": s.revision, "target": s.target}
     check_out_dir(s.out, manifest, force)
     steps.update()

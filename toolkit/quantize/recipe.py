@@ -37,7 +37,16 @@ class Recipe:
     max_new_tokens: int = 64
     tap_shift_candidates: list[int] = field(default_factory=lambda: [0, 1])
     thresholds: dict[str, Thresholds] = field(default_factory=dict)   # "4.0" or "default" -> floor
+    expect: dict = field(default_factory=dict)   # [model.expect]: drafter config values the fetched revision must have
     path: Path | None = None
+
+    def check_expected(self, config) -> None:
+        """Refuse a drafter whose config differs from what the recipe was written for (e.g. an older revision)."""
+        for key, want in self.expect.items():
+            have = getattr(config, key, None)
+            if have != want:
+                raise ToolkitError(f"--model: {key} is {have!r}, the recipe {self.path.name if self.path else ''} expects "
+                                   f"{want!r} (another revision of {self.model}? pass --revision)")
 
     def thresholds_for(self, bits: float) -> Thresholds:
         return self.thresholds.get(format_bits(bits)) or self.thresholds.get("default") or Thresholds()
@@ -131,5 +140,6 @@ def load_recipe(path: str | Path) -> Recipe:
         max_new_tokens=int(chk.get("max_new_tokens", 64)),
         tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1])],
         thresholds=_thresholds(raw.get("thresholds") or {}, p),
+        expect=dict(model.get("expect") or {}),
         path=p,
     )
