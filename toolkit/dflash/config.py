@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ToolkitError
+from ..folders import read_config
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -108,14 +108,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
-        p = Path(path) / "config.json"
-        if not p.is_file():
-            raise ToolkitError(f"{path}: no config.json (not a model folder)")
-        try:
-            cfg = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ToolkitError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_config(path))
 
     def check(self) -> None:
         """Self-consistency: each failure is one line naming the field and the values."""
@@ -158,6 +151,8 @@ class DFlashConfig:
                     )
         if tv is not None and not 0 <= self.mask_token_id < tv:
             raise ToolkitError(f"mask_token_id: {self.mask_token_id} is outside the target's vocab_size {tv}")
+        if tv is not None and self.vocab_size is not None and tv != self.vocab_size:
+            raise ToolkitError(f"vocab_size: drafter has {self.vocab_size}, target has {tv}")
         if self.block_size < 2:
             raise ToolkitError(f"block_size must be >= 2, got {self.block_size}")
 

@@ -18,7 +18,8 @@ from . import report as rep
 from .plan import format_plan, make_plan, plan_json
 from .blocks import load_target, run_target
 from .recipe import Recipe, load_recipe, parse_bits
-from .source import read_config, resolve, target_kind
+from ..folders import read_config
+from .source import resolve, target_kind
 from .validate import linear_keys, unquantized_keys, validate
 
 MANIFEST = ".quantize-run.json"

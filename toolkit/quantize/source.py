@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -44,16 +43,6 @@ def resolve(ref: str, revision: str | None = None, what: str = "model", config_o
             ) from None
         raise ToolkitError(f"--{what}: cannot fetch {ref}@{revision or 'main'} ({reason})") from None
     return Path(path)
-
-
-def read_config(folder: Path, what: str = "model") -> dict:
-    p = Path(folder) / "config.json"
-    if not p.is_file():
-        raise ToolkitError(f"--{what}: {folder} has no config.json (not a model folder)")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"--{what}: {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def target_kind(cfg: dict) -> str:

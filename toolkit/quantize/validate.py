@@ -12,6 +12,7 @@ import torch
 from ..dflash import DFlashConfig, DFlashDraft
 from ..dflash.config import ARCHITECTURE
 from ..errors import ToolkitError
+from ..folders import read_config
 
 OPTIONAL = ("mask_embedding",)
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -80,21 +81,11 @@ def check_architecture(cfg: dict, folder: Path) -> None:
 def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool = True) -> Checked:
     """Config, tensors and target fit. Without weights (a config-only folder) only a dry run may go on."""
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ToolkitError(f"--model: {folder} has no config.json (not a model folder)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"--model: {cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    raw = read_config(folder, "model")
     check_architecture(raw, folder)
     config = DFlashConfig.from_dict(raw)
     if target_cfg is not None:
         config.validate_against(target_cfg)
-        t = target_cfg.get("text_config") or target_cfg
-        tv, dv = t.get("vocab_size"), raw.get("vocab_size")
-        if tv is not None and dv is not None and tv != dv:
-            raise ToolkitError(f"vocab_size: drafter has {dv}, target has {tv}")
     headers, size = read_headers(folder)
     if not headers:
         if require_weights:

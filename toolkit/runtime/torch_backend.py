@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -17,17 +16,11 @@ import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
 from ..errors import ToolkitError
+from ..folders import read_config
 from .backend import GenSettings, encode_chat
 from .events import Round
 from .loop import decode
 from .sampling import Sampler
-
-
-def target_config(path: str | Path) -> dict:
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        raise ToolkitError(f"{path}: no config.json (not a model folder)")
-    return json.loads(p.read_text())
 
 
 class TorchSteps:
@@ -112,7 +105,7 @@ class TorchBackend:
         """Load a local target folder (transformers) and drafter folder (upstream layout), checked against each other."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tcfg = target_config(target)
+        tcfg = read_config(target, "target")
         drafter = None
         if draft is not None:
             DFlashConfig.from_dir(draft).validate_against(tcfg)
