@@ -117,7 +117,13 @@ def build_fixtures() -> dict:
         out["pair128_error"] = repr(e)[:600]
         t, d = build(WORK / "rand128", arch="llama", block_size=16, hidden=128)
     FIX["target"], FIX["draft_bf16"] = t, d
-    FIX["moe_target"], FIX["moe_draft"] = moe_pair(WORK / "moe")
+    t0 = time.time()
+    try:                                   # trained: wide top-1 margins, so a divergence means a rollback bug
+        FIX["moe_target"], FIX["moe_draft"] = moe_pair(WORK / "moe", trained=True, **({"target_steps": 300, "draft_steps": 400} if QUICK else {}))
+        out["moe_trained_s"] = round(time.time() - t0, 1)
+    except Exception as e:
+        out["moe_train_error"] = repr(e)[:600]
+        FIX["moe_target"], FIX["moe_draft"] = moe_pair(WORK / "moe-random")
     for key, src in (("draft_exl3", FIX["draft_bf16"]), ("target_exl3", FIX["target"]))[: 1 if QUICK else 2]:
         try:
             out[key] = convert(src, WORK / key)
@@ -135,6 +141,33 @@ def doc_prompts(tokenizer, n: int = 24, length: int = 32) -> list[list[int]]:
     ids = tokenizer.encode(corpus())
     step = (len(ids) - length) // (n + 1)
     return [ids[(k + 1) * step:(k + 1) * step + length] for k in range(n)]
+
+
+def reference_agreement(src: Path, prompts: list[list[int]], exl_ar: list[list[int]], max_new: int) -> dict:
+    """AR tokens of the torch reference (fp32 on the GPU) vs the exllamav3 AR baseline; at each first divergence,
+    the reference's top-1 margin (logit gap to the runner-up) at that position."""
+    from toolkit.runtime.torch_backend import TorchBackend
+
+    tb = TorchBackend.from_dirs(src, device="cuda", dtype=torch.float32)
+    same, parts = 0, []
+    try:
+        for p, e in zip(prompts, exl_ar):
+            t = tokens_of(tb.generate(p, GenSettings(max_new_tokens=max_new), speculative=False))
+            if t == e:
+                same += 1
+                continue
+            i = next((k for k, (a, b) in enumerate(zip(t, e)) if a != b), min(len(t), len(e)))
+            with torch.no_grad():
+                logits = tb.model(input_ids=torch.tensor([p + t[:i]], device="cuda")).logits[0, -1].float()
+            top = logits.topk(2).values
+            parts.append({"at": i, "ref": t[i] if i < len(t) else None, "exl3": e[i] if i < len(e) else None,
+                          "ref_margin": round(float(top[0] - top[1]), 4)})
+    finally:
+        del tb
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"same": f"{same}/{len(prompts)}", "divergences": parts,
+            "max_margin_at_divergence": max((d["ref_margin"] for d in parts), default=None)}
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -171,7 +204,9 @@ def lossless(be, prompts: list[list[int]], B: int, label: str) -> dict:
            "batched_spec_equals_1job": f"{batch_same}/{len(prompts)}", "batched_ar_equals_1job": f"{ar_batch_same}/{len(prompts)}",
            "unhooked_equals_hooked": f"{sum(plain[i] == spec_all[i] for i in range(4))}/4",
            "tau": round(s.tau, 3), "rounds": kinds, "accept_per_position": [round(a, 3) for a in s.accept_per_position]}
-    assert same == len(prompts), f"{label} B={B}: lossless on {same}/{len(prompts)} prompts"
+    res["_ar"], res["_spec"], res["ok"] = ar_all, spec_all, same == len(prompts)
+    res["first_diff"] = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                         for x, y in zip(spec_all, ar_all) if x != y][:10]
     return res
 
 
@@ -198,7 +233,12 @@ def check_lossless() -> dict:
             continue
         for B in (8, 16):
             try:
-                out[f"{label}-B{B}"] = lossless(be, prompts, B, label)
+                res = out[f"{label}-B{B}"] = lossless(be, prompts, B, label)
+                ar, _ = res.pop("_ar"), res.pop("_spec")
+                if not res["ok"]:
+                    failures.append(f"{label} B={B}: lossless on {res['lossless_1job']} prompts")
+                if label == "bf16-drafter" and B == 8:
+                    out["reference_vs_exl3_ar"] = reference_agreement(FIX["target"], prompts, ar, MAX_NEW)
             except Exception as e:
                 failures.append(f"{label} B={B}: {e!r}"[:500])
                 out[f"{label}-B{B}"] = "FAILED: " + "".join(traceback.format_exception(e))[-1500:]
@@ -217,8 +257,15 @@ def check_moe() -> dict:
     try:
         out = {}
         for B in (8, 16):
-            out[f"B{B}"] = lossless(be, prompts, B, "qwen3_5_moe")
+            res = out[f"B{B}"] = lossless(be, prompts, B, "qwen3_5_moe")
+            ar, spec = res.pop("_ar"), res.pop("_spec")
             REPORT["checks"]["recurrent_moe_detail"] = out
+            if B == 8:                     # the reference tells a near-tie from a rollback bug
+                src = FIX["moe_target"].parent / "target-src"
+                out["reference_vs_exl3_ar"] = reference_agreement(src, prompts, ar, MAX_NEW)
+                out["reference_vs_exl3_spec_B8"] = reference_agreement(src, prompts, spec, MAX_NEW)
+        bad = [k for k, v in out.items() if isinstance(v, dict) and v.get("ok") is False]
+        assert not bad, f"qwen3_5_moe: not lossless at {bad}"
         return out
     finally:
         free(be)
@@ -285,12 +332,14 @@ def check_overhead() -> dict:
         st = GenSettings(max_new_tokens=128, block_size=16)
         for name, batches in (("conc1", [[p] for p in prompts[:8]]), ("conc24", [prompts])):
             per = {"plain": [], "hook_only": [], "hook_and_rounds": []}
-            iters = {}
+            iters, direct = {}, []
             for rep in range(6):                       # interleaved; rep 0 is a warm-up
                 tot = {k: [0.0, 0] for k in per}
+                ours = 0.0
                 for batch in batches:
                     for _ in be.generate_many(batch, st):
                         pass
+                    ours += be.overhead_s
                     tot["hook_and_rounds"][0] += be.seconds
                     tot["hook_and_rounds"][1] += be.iterations
                     for k, hooked in (("plain", False), ("hook_only", True)):
@@ -300,9 +349,11 @@ def check_overhead() -> dict:
                 for k, (secs, it) in tot.items():
                     per[k].append(secs / it)
                     iters[k] = it
+                direct.append(ours / tot["hook_and_rounds"][0] * 100)
             med = {k: statistics.median(v[1:]) for k, v in per.items()}
             out[name] = {f"{k}_ms_per_round": round(v * 1000, 4) for k, v in med.items()}
             out[name].update({f"{k}_overhead_pct": round((med[k] / med["plain"] - 1) * 100, 2) for k in ("hook_only", "hook_and_rounds")})
+            out[name]["direct_capture_and_rounds_pct"] = round(statistics.median(direct[1:]), 3)   # timed inside our code
             out[name].update(rounds=iters, all_ms={k: [round(x * 1000, 3) for x in v] for k, v in per.items()})
         return out
     finally:
@@ -330,7 +381,7 @@ def check_cli() -> dict:
     for name, extra, draft in (("bench_doc_bf16", ["--prompts", str(docs), "--raw"], FIX["draft_bf16"]),
                                ("bench_doc_exl3", ["--prompts", str(docs), "--raw"], FIX.get("draft_exl3")),
                                ("bench_builtin_bf16", [], FIX["draft_bf16"])):
-        if time.time() - T0 > (100 if QUICK else 330) or draft is None:
+        if time.time() - T0 > (330 if QUICK else 480) or draft is None:
             out[name] = "skipped"
             continue
         b = subprocess.run([sys.executable, "-m", "toolkit.bench", "--backend", "exllamav3", "--target", str(FIX["target"]),
@@ -372,15 +423,13 @@ if __name__ == "__main__":
     REPORT["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     REPORT["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     build_fixtures()
+    default = "lossless,moe,cli" if QUICK else "lossless,moe,sampling,shape,overhead,errors,cli"
+    chosen = os.environ.get("DEVICE_CHECKS", default).split(",")       # e.g. DEVICE_CHECKS=moe,overhead
+    steps = {"lossless": check_lossless, "moe": check_moe, "sampling": check_sampling, "shape": check_shape,
+             "overhead": check_overhead, "errors": check_errors, "cli": check_cli}
     if "target" in FIX:
-        check_lossless()
-        check_moe()
-        if not QUICK:                     # done in the full run; the quick re-run keeps to its budget
-            check_sampling()
-            check_shape()
-            check_overhead()
-            check_errors()
-        check_cli()
+        for name in chosen:
+            steps[name]()
     (OUT / "pair").write_text(f"{FIX.get('target')}:{FIX.get('draft_bf16')}")
     REPORT["seconds"] = round(time.time() - T0, 1)
     save()

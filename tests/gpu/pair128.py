@@ -67,12 +67,18 @@ def to_language_model_prefix(src: Path, dst: Path) -> Path:
     return dst
 
 
-def moe_pair(out: Path, hidden: int = 128, seed: int = 0) -> tuple[Path, Path]:
-    """A random Qwen3.5-MoE-shaped target whose linear-attention widths are multiples of 128, and a random drafter."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def moe_pair(out: Path, hidden: int = 128, seed: int = 0, trained: bool = False, target_steps: int = 600,
+             draft_steps: int = 800, sequences: int = 256, device: str = "cuda") -> tuple[Path, Path]:
+    """A Qwen3.5-MoE-shaped target whose linear-attention widths are multiples of 128, and a drafter.
+
+    Random by default. trained=True trains both on the docstring corpus (as train_pair does): a random MoE
+    has near-flat logits, so fp16 kernels part from the AR baseline at near-ties and losslessness cannot be
+    told from a rollback bug; a trained one has wide top-1 margins and a drafter that accepts partially."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import copy_tokenizer, drafter_config, random_drafter, spread_taps, target_config
+    from toolkit.fixtures import TOKENIZER, copy_tokenizer, drafter_config, random_drafter, spread_taps, target_config
+    from toolkit.tiny_pair import corpus, self_distill, train_drafter, train_target
 
     tdir, ddir = out / "target-src", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
@@ -80,11 +86,26 @@ def moe_pair(out: Path, hidden: int = 128, seed: int = 0) -> tuple[Path, Path]:
     cfg = target_config("qwen3_5_moe", special["vocab_size"], hidden, 4, special["eos"], special["bos"])
     cfg.update(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                num_key_value_heads=4)
-    torch.manual_seed(seed)
-    conf = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
-    AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16).save_pretrained(str(tdir))   # exllamav3 wants bf16 dt_bias
-    copy_tokenizer(tdir)
     dcfg = drafter_config(hidden, spread_taps(4, 3), special["mask"], 16, 2, special["vocab_size"], target_layers=4)
     dcfg["num_key_value_heads"] = 4
-    save_drafter(random_drafter(dcfg, seed), ddir, dtype=torch.bfloat16)
+    torch.manual_seed(seed)
+    if trained:
+        tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+        cfg["initializer_range"] = 0.02
+        torch.set_default_device(device)
+        try:
+            ids = torch.tensor(tok(corpus())["input_ids"], dtype=torch.long)
+            target = train_target(ids, cfg, target_steps)
+            torch.manual_seed(seed + 1)
+            seqs = self_distill(target, ids, sequences)
+            drafter = train_drafter(target, seqs, dcfg, draft_steps)
+        finally:
+            torch.set_default_device("cpu")
+        target.to("cpu", torch.bfloat16).save_pretrained(str(tdir))      # exllamav3 wants bf16 dt_bias
+        save_drafter(drafter.to("cpu"), ddir, dtype=torch.bfloat16)
+    else:
+        conf = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
+        AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16).save_pretrained(str(tdir))
+        save_drafter(random_drafter(dcfg, seed), ddir, dtype=torch.bfloat16)
+    copy_tokenizer(tdir)
     return to_language_model_prefix(tdir, out / "target"), ddir

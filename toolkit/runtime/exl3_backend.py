@@ -111,6 +111,7 @@ class Exl3Backend:
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
         self.iterations, self.seconds = 0, 0.0   # iterate() calls and wall time (after enqueue) of the last generate_many
+        self.overhead_s = 0.0                    # of which our capture and Round assembly (consumer time excluded)
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
@@ -236,16 +237,19 @@ class Exl3Backend:
         jobs = self._jobs(prompts, settings)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
         gen.enqueue(jobs)
-        self.iterations, start = 0, time.perf_counter()
+        self.iterations, self.overhead_s, start = 0, 0.0, time.perf_counter()
+        consumer = 0.0
         try:
             while gen.num_remaining_jobs():
                 t0 = time.perf_counter()
                 results = gen.iterate()
+                t1 = time.perf_counter()
                 self.iterations += 1
-                t_round = (time.perf_counter() - t0) * 1000.0
+                t_round = (t1 - t0) * 1000.0
                 for r in results:
                     if r.get("stage") == "error":
                         raise RuntimeError(f"exllamav3 job failed: {r.get('error')!r}")
+                done = []
                 for job, tr in zip(jobs, tracks):
                     ids = job.sequences[0].sequence_ids
                     n = len(ids)
@@ -254,9 +258,13 @@ class Exl3Backend:
                     new = ids.torch_slice(tr.seen, n).reshape(-1).tolist()
                     rnd = build_round(tr, new, job.draft_stats, gen.drafted.get(id(job)), gen.t_draft_ms, t_round)
                     if rnd is not None:
-                        yield tr.index, rnd
+                        done.append((tr.index, rnd))
+                self.overhead_s += time.perf_counter() - t1 + getattr(gen, "capture_s", 0.0)
+                t2 = time.perf_counter()
+                yield from done
+                consumer += time.perf_counter() - t2
         finally:
-            self.seconds = time.perf_counter() - start
+            self.seconds = time.perf_counter() - start - consumer
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages
                 gen.clear_queue()
 

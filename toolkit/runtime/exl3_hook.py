@@ -52,19 +52,22 @@ def recording_generator_class(generator_cls: type) -> type:
     class RecordingGenerator(generator_cls):
         drafted: dict = {}
         t_draft_ms: float = 0.0
+        capture_s: float = 0.0            # time spent in the capture itself this round (outside exllamav3's code)
 
         def iterate(self):
-            self.drafted, self.t_draft_ms = {}, 0.0
+            self.drafted, self.t_draft_ms, self.capture_s = {}, 0.0, 0.0
             return super().iterate()
 
         def iterate_draftmodel_dflash_gen(self, results, window):
             t0 = time.perf_counter()
             ids = super().iterate_draftmodel_dflash_gen(results, window)   # host tensor, filled synchronously
-            self.t_draft_ms = (time.perf_counter() - t0) * 1000.0
+            t1 = time.perf_counter()
+            self.t_draft_ms = (t1 - t0) * 1000.0
             if ids is not None:
                 rows = [job for job in self.active_jobs if job.is_prefill_done()]
                 block = ids[: len(rows)].tolist()
                 self.drafted = {id(job): tuple(r) for job, r in zip(rows, block)}
+            self.capture_s = time.perf_counter() - t1
             return ids
 
     RecordingGenerator.__name__ = RecordingGenerator.__qualname__ = "RecordingGenerator"

@@ -1,0 +1,95 @@
+"""Device probe: does exllamav3 1.6.5 take SmolLM2-135M's shapes (hidden 576, 9 Q / 3 KV heads of 64, 30 layers,
+tied 49152-token embeddings) as a target, and a DFlash drafter at hidden 576, BF16 and EXL3? Random weights.
+
+    source .device/on-device.sh && python3 tests/gpu/shape576.py      # writes $OUT/shape576.json
+
+576 and 192 are not multiples of 128 (exllamav3 pads linears to 128), so this is checked before the real
+SmolLM2 pair is carried to the device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT)]
+
+import torch  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+WORK = Path("/tmp/shape576")
+REPORT: dict = {}
+
+
+def smol_like(out: Path, draft_layers: int = 3) -> tuple[Path, Path]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.dflash import save_drafter
+    from toolkit.fixtures import copy_tokenizer, drafter_config, random_drafter, target_config
+
+    tdir, ddir = out / "target", out / "draft"
+    tdir.mkdir(parents=True, exist_ok=True)
+    special = copy_tokenizer(tdir)
+    cfg = target_config("llama", 49152, 576, 30, special["eos"], special["bos"])
+    cfg.update(num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536, tie_word_embeddings=True,
+               initializer_range=0.02, max_position_embeddings=8192, rope_theta=100000.0)
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
+    AutoModelForCausalLM.from_config(conf, dtype=torch.float16).save_pretrained(str(tdir))
+    copy_tokenizer(tdir)
+    dcfg = drafter_config(576, [1, 8, 15, 22, 28], special["mask"], 16, draft_layers, 49152, window=512, target_layers=30,
+                          intermediate=1536)
+    dcfg.update(num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    save_drafter(random_drafter(dcfg, 0, std=0.02), ddir, dtype=torch.bfloat16)
+    return tdir, ddir
+
+
+def step(name: str, fn):
+    t = time.time()
+    try:
+        REPORT[name] = {"ok": True, "result": fn(), "s": round(time.time() - t, 1)}
+    except Exception as e:
+        REPORT[name] = {"ok": False, "error": "".join(traceback.format_exception(e))[-1500:], "s": round(time.time() - t, 1)}
+    print(name, json.dumps(REPORT[name])[:800], flush=True)
+    (OUT / "shape576.json").write_text(json.dumps(REPORT, indent=1))
+
+
+def decode(t: Path, d: Path | None) -> dict:
+    from toolkit.runtime.backend import GenSettings
+    from toolkit.runtime.events import tokens_of
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    be = Exl3Backend.from_dirs(t, d, cache_tokens=4096, max_concurrency=4)
+    try:
+        p = list(range(5, 37))
+        st = GenSettings(max_new_tokens=24, block_size=16)
+        ar = tokens_of(be.generate(p, st, speculative=False))
+        spec = tokens_of(be.generate(p, st)) if d else ar
+        return {"ar": ar[:8], "lossless": spec == ar}
+    finally:
+        be.close()
+
+
+def convert(src: Path, bits: float) -> Path:
+    dst = WORK / f"draft-{bits}"
+    p = subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(src), "-o", str(dst),
+                        "-w", str(WORK / f"w{bits}"), "-b", str(bits)], capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError((p.stdout + p.stderr)[-1200:])
+    return dst
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    t, d = smol_like(WORK)
+    step("target_alone", lambda: decode(t, None))
+    step("bf16_drafter", lambda: decode(t, d))
+    for b in (2.0, 4.0):
+        step(f"exl3_{b}_drafter", lambda b=b: decode(t, convert(d, b)))
