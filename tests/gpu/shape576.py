@@ -1,5 +1,9 @@
 """Device probe: does exllamav3 1.6.5 take SmolLM2-135M's shapes (hidden 576, 9 Q / 3 KV heads of 64, 30 layers,
 tied 49152-token embeddings) as a target, and a DFlash drafter at hidden 576, BF16 and EXL3? Random weights.
+With --padded, both go through toolkit.pad first (hidden 768, 12 Q / 4 KV heads; same function).
+
+2026-12-02 15:20 UTC on the H200: unpadded, loading fails (`size of tensor a (576) must match ... (640)`)
+and EXL3 conversion fails (`assert n % had_dim == 0`).
 
     source .device/on-device.sh && python3 tests/gpu/shape576.py      # writes $OUT/shape576.json
 
@@ -89,6 +93,10 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     t, d = smol_like(WORK)
+    if "--padded" in sys.argv:
+        from toolkit.pad import pad
+
+        t, d = pad(str(t), str(WORK / "target-pad")), pad(str(d), str(WORK / "draft-pad"))
     step("target_alone", lambda: decode(t, None))
     step("bf16_drafter", lambda: decode(t, d))
     for b in (2.0, 4.0):
