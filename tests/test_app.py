@@ -198,3 +198,87 @@ def test_mismatched_drafter_is_reported(tmp_path):
     assert got.backend is None and "hidden_size: drafter has 128, target has 32" in got.error
     out = run(ChatHandler(got))[0]
     assert got.error in html.unescape(out["message"])
+
+
+class ChatFake(FakeBackend):
+    """The scripted backend with a real chat template (the tiny pair's tokenizer) that records each prompt's ids."""
+
+    def __init__(self, **kw):
+        from transformers import AutoTokenizer
+
+        from toolkit.fixtures import tiny_pair
+
+        super().__init__(tokenizer=AutoTokenizer.from_pretrained(str(tiny_pair()[0])), **kw)
+        self.prompts: list[tuple[bool, list[int]]] = []
+
+    def encode(self, prompt, system=None, thinking=None):
+        from toolkit.runtime.backend import encode_chat
+
+        self.calls.append(("encode", prompt, system, thinking))
+        return encode_chat(self.tokenizer, prompt, system, thinking)
+
+    def generate(self, prompt_ids, settings, speculative=True):
+        self.prompts.append((speculative, list(prompt_ids)))
+        return super().generate(prompt_ids, settings, speculative)
+
+
+def gradio_history(chat: list) -> list:
+    """The chat as gradio 6 hands it back to the handler: content normalised to a list of text parts."""
+    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}], "metadata": None, "options": None}
+            for m in chat]
+
+
+def test_second_turn_sends_the_whole_conversation():
+    be = ChatFake(step_s=0, answer_len=12)
+    h = ChatHandler(Loaded(be))
+    first = [dict(zip(OUT, o)) for o in h.respond("json.dumps", [], 16, 20, 0.0, 0, "be brief", False)][-1]
+    answer = first["result"]["text"]
+    assert answer and first["chat"][-1]["content"] == answer
+    (_, ids1), (_, ar1) = be.prompts
+    assert ids1 == ar1
+    second = [dict(zip(OUT, o)) for o in h.respond("pathlib.Path", gradio_history(first["chat"]), 16, 20, 0.0, 0,
+                                                   "be brief", False)][-1]
+    (spec, ids2), (ar, ar2) = be.prompts[2:]
+    assert (spec, ar) == (True, False) and ids2 == ar2            # both runs decode the same, whole conversation
+    assert ids2[: len(ids1)] == ids1 and len(ids2) > len(ids1)    # the first turn's prompt is a prefix of the second's
+    text = be.tokenizer.decode(ids2)
+    assert text.index("be brief") < text.index("json.dumps") < text.index(answer) < text.index("pathlib.Path")
+    assert text.endswith("<|im_start|>assistant\n") and text.count("<|im_start|>user") == 2
+    res = second["result"]
+    assert res["lossless"] and res["tokens"] == res["ar_tokens"] and res["text"] == res["ar_text"]
+    assert [m["role"] for m in second["chat"]] == ["user", "assistant"] * 2 and second["chat"][-1]["content"] == res["text"]
+
+
+def test_failed_turn_is_not_sent_and_the_conversation_counts_against_the_context():
+    be = ChatFake(step_s=0, max_context=300)
+    h = ChatHandler(Loaded(be))
+    failed = [{"role": "user", "content": "json.dumps"}, {"role": "assistant", "content": "⚠️ The GPU ran out of memory."}]
+    [dict(zip(OUT, o)) for o in h.respond("pathlib.Path", gradio_history(failed), 16, 8, 0.0, 0, "", False)]
+    assert be.calls[0] == ("encode", "pathlib.Path", None, None)     # nothing left of the failed turn: a first turn
+    long = [{"role": "user", "content": "json.dumps"}, {"role": "assistant", "content": "speculative decoding " * 80}]
+    assert len(be.encode("pathlib.Path")) + 16 < 300                 # the new message alone would fit
+    outs = [dict(zip(OUT, o)) for o in h.respond("pathlib.Path", gradio_history(long), 16, 16, 0.0, 0, "", False)]
+    msg = html.unescape(outs[-1]["message"])
+    assert len(outs) == 1 and "conversation (3 messages)" in msg and "exceeds the model's context of 300" in msg
+    assert "Clear the chat" in msg and len(be.prompts) == 2             # no generation for the long one
+
+
+def test_history_messages_take_text_parts():
+    from toolkit.app.handlers import history_messages
+
+    hist = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "file", "file": {"path": "x.png"}}]},
+            {"role": "assistant", "content": "b"}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}]
+    assert history_messages(hist) == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                      {"role": "user", "content": "c\nd"}]
+
+
+def test_a_failing_chat_template_is_a_message():
+    class Broken(FakeBackend):
+        def encode(self, prompt, system=None, thinking=None):
+            raise TypeError("can only concatenate str (not \"list\") to str")
+
+    h = ChatHandler(Loaded(Broken(step_s=0)))
+    outs = [dict(zip(OUT, o)) for o in h.respond("again", [{"role": "user", "content": "hi"},
+                                                           {"role": "assistant", "content": "yo"}], 16, 8, 0.0, 0, "", False)]
+    assert len(outs) == 1 and "TypeError" in outs[0]["message"] and "keeps serving" in outs[0]["message"]

@@ -67,6 +67,33 @@ def test_chat_round_on_the_tiny_pair(real_app):
     assert 'class="tok ' in out["spec"] and "tok/s" in out["spec"] and "tok/s" in out["ar"]
 
 
+def test_second_turn_sees_the_first_on_the_tiny_pair(real_app):
+    be = real_app.handler.loaded.backend
+    seen: list[tuple[bool, list[int]]] = []
+    generate = be.generate
+
+    def recording(ids, settings, speculative=True):
+        seen.append((speculative, list(ids)))
+        return generate(ids, settings, speculative)
+
+    be.generate = recording
+    try:
+        client = Client(real_app.local_url, verbose=False)
+        first = dict(zip(OUT, client.predict("json.dumps", [], 16, 16, 0.0, 0, "", False, api_name="/chat")))
+        second = dict(zip(OUT, client.predict("pathlib.Path", first["chat"], 16, 16, 0.0, 0, "", False, api_name="/chat")))
+    finally:
+        del be.generate
+    (s1, ids1), (a1, ar1), (s2, ids2), (a2, ar2) = seen
+    assert (s1, a1, s2, a2) == (True, False, True, False) and ids1 == ar1 and ids2 == ar2
+    assert ids2[: len(ids1)] == ids1 and len(ids2) > len(ids1)    # turn 2's prompt starts with all of turn 1's
+    text = be.tokenizer.decode(ids2)
+    answer = first["result"]["text"]
+    assert text.index("json.dumps") < text.index(answer.strip()) < text.index("pathlib.Path")
+    res = second["result"]
+    assert res["lossless"] and res["text"] == res["ar_text"] and res["tokens"] == res["ar_tokens"]
+    assert [content(m) for m in second["chat"]] == ["json.dumps", answer, "pathlib.Path", res["text"]]
+
+
 def test_queue_shows_the_second_user_its_place(fake_app):
     demo, be = fake_app
     first = Client(demo.local_url, verbose=False).submit("hello", [], 16, 80, 0.0, 0, "", False, api_name="/chat")

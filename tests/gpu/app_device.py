@@ -1,15 +1,20 @@
 """Device check for the app: its handler runs with the exllamav3 backend on fixtures, headless, via gradio_client.
 
-    source .device/on-device.sh && python3 tests/gpu/app_device.py [--trained]
+    source .device/on-device.sh && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/app/*.whl && python3 tests/gpu/app_device.py [--trained]
 
+(one line on the device, carry [".device", ".whl/app"]; on-device.sh already puts /tmp/site on PYTHONPATH.)
 Builds a hidden-128 llama fixture pair (exllamav3 pads linears to 128; --trained trains the pair128 recipe on
 the GPU for a drafter that accepts, under a minute; default: a random pair, seconds), loads it through the
 app's own model choice with backend exllamav3, serves the page in-process (no browser), and drives /chat
-through gradio_client: a greedy round at the native block, one at block 8, an empty prompt, and a queue of
-two. Results go to $OUT/app_device.json; exit 1 when a check fails.
+through gradio_client: a greedy round at the native block, one at block 8, a second turn that must carry the
+first (the whole conversation is encoded), an empty prompt, and a queue of two. Results go to
+$OUT/app_device.json; exit 1 when a check fails.
 
-The device needs gradio and gradio_client as carried wheels (cp312): see the lead's device prep. gradio's
-templates/node and media_assets can be dropped from its wheel to fit the carry (the API and page still work).
+The device has no network and lacks gradio: `python tests/gpu/app_device.py --build-wheels .whl/app` (here, with
+PyPI) downloads the cp312 manylinux wheels of gradio 6.31.0, gradio_client 2.7.2 and the dependencies the device
+does not have (WHEELS), and slims gradio's wheel (SLIM: the SSR node server, the ffmpeg.wasm of the browser's
+audio/video tools, the media and test assets; the API and the page still work), about 11 MiB in all.
 """
 
 from __future__ import annotations
@@ -27,6 +32,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
 
+# what the device lacks of gradio 6.31.0's and gradio_client 2.7.2's Requires-Dist, recursively (it has numpy, pandas,
+# pillow, httpx, huggingface-hub, jinja2, pydantic, typer, rich, pyyaml, anyio, click, h11, ... already)
+WHEELS = ["gradio==6.31.0", "gradio_client==2.7.2", "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.55.0",
+          "python-multipart==0.0.34", "orjson==3.13.0", "brotli==1.2.1", "groovy==0.1.2", "hf-gradio==0.4.1",
+          "safehttpx==0.1.7", "semantic-version==2.10.0", "tomlkit==0.14.0", "pydub==0.25.1", "pytz==2026.6",
+          "annotated-doc==0.0.7", "opentelemetry-api==1.45.2"]
+SLIM = ("gradio/templates/node/", "gradio/templates/frontend/static/ffmpeg/", "gradio/media_assets/", "gradio/test_data/",
+        "gradio/CHANGELOG.md")
+PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 WORK = Path("/tmp/dev_app")
 REPORT: dict = {"checks": {}, "errors": {}}
@@ -71,6 +86,44 @@ def chat(client, prompt: str, block: int, max_new: int = 48) -> dict:
     return dict(zip(FIELDS, client.predict(prompt, [], block, max_new, 0.0, 0, "", False, api_name="/chat")))
 
 
+def slim_wheel(src: Path, dst: Path, drop=SLIM) -> tuple[int, int]:
+    """Copy a wheel without the members under `drop` (and their RECORD lines); the rest stays byte-identical."""
+    import zipfile
+
+    dropped = lambda name: any(name == d or name.startswith(d) for d in drop)  # noqa: E731
+    n = 0
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+        for info in zin.infolist():
+            if dropped(info.filename):
+                n += 1
+                continue
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines()
+                data = ("\n".join(ln for ln in lines if not dropped(ln.split(",", 1)[0])) + "\n").encode()
+            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    return n, dst.stat().st_size
+
+
+def build_wheels(dest: Path) -> int:
+    """Here, with PyPI: the app's cp312 wheels for the device into `dest`, gradio's slimmed."""
+    import subprocess
+    import tempfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d", tmp, *WHEELS], check=True)
+        for w in sorted(Path(tmp).glob("*.whl")):
+            if w.name.startswith("gradio-"):
+                n, size = slim_wheel(w, dest / w.name)
+                print(f"{w.name}: {w.stat().st_size / 2**20:.1f} MiB -> {size / 2**20:.1f} MiB ({n} files dropped)")
+            else:
+                (dest / w.name).write_bytes(w.read_bytes())
+    total = sum(f.stat().st_size for f in dest.glob("*.whl"))
+    print(f"{dest}: {len(list(dest.glob('*.whl')))} wheels, {total / 2**20:.1f} MiB")
+    return 0
+
+
 def main(trained: bool = False) -> int:
     import torch
     from gradio_client import Client
@@ -104,6 +157,32 @@ def main(trained: bool = False) -> int:
         check("chat_native_block", greedy, loaded.block_size)
         check("chat_block_8", greedy, 8)
 
+        def two_turns():
+            be, seen = loaded.backend, []
+            generate = be.generate
+
+            def recording(ids, settings, speculative=True):
+                seen.append(list(ids))
+                return generate(ids, settings, speculative)
+
+            be.generate = recording
+            try:
+                first = chat(client, "Return the", loaded.block_size, 24)
+                second = dict(zip(FIELDS, client.predict("Create a new", first["chat"], loaded.block_size, 24, 0.0, 0, "",
+                                                         False, api_name="/chat")))
+            finally:
+                del be.generate
+            ids1, ar1, ids2, ar2 = seen
+            r = second["result"]
+            assert ids1 == ar1 and ids2 == ar2, "speculative and AR runs got different prompts"
+            text = be.tokenizer.decode(ids2)
+            assert len(ids2) > len(ids1) and "Return the" in text and "Create a new" in text, "turn 2 lacks turn 1"
+            assert r["lossless"] and r["text"] == r["ar_text"] and r["tokens"], "speculative != AR on the second turn"
+            return {"prompt_1": len(ids1), "prompt_2": len(ids2), "prefix": ids2[: len(ids1)] == ids1, "tau": r["tau"],
+                    "template": bool(getattr(be.tokenizer, "chat_template", None)), "text": r["text"][:120]}
+
+        check("second_turn_carries_the_first", two_turns)
+
         def empty():
             out = chat(client, "   ", loaded.block_size)
             assert "prompt is empty" in out["message"], out["message"]
@@ -130,4 +209,14 @@ def main(trained: bool = False) -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trained", action="store_true", help="train the hidden-128 pair on the GPU (accepting drafter)")
-    sys.exit(main(**vars(ap.parse_args())))
+    ap.add_argument("--build-wheels", type=Path, metavar="DIR", help="here, not on the device: download and slim the wheels")
+    args = ap.parse_args()
+    if args.build_wheels:
+        sys.exit(build_wheels(args.build_wheels))
+    try:
+        code = main(args.trained)
+    except Exception as e:      # an import or serve failure: still leave the report
+        REPORT["errors"]["main"] = "".join(traceback.format_exception(e))[-3000:]
+        save()
+        raise
+    sys.exit(code)

@@ -24,6 +24,7 @@ from .models import Loaded
 log = logging.getLogger("toolkit.app")
 UI_INTERVAL = 0.08      # seconds between live updates of the panels
 PLOT_INTERVAL = 0.5     # seconds between live updates of the plots
+FAILED = "⚠️ "          # the start of the chat reply of a turn that failed
 
 
 @dataclass
@@ -117,6 +118,37 @@ def result_json(spec: Run, ar: Run, block: int, thinking: bool | None) -> dict:
     }
 
 
+def message_text(content) -> str:
+    """A chat message's text: a string, or gradio 6's list of parts (text parts only; files and media dropped)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text") or "") if content.get("type", "text") == "text" else ""
+    if isinstance(content, (list, tuple)):
+        return "\n".join(t for t in map(message_text, content) if t)
+    return ""
+
+
+def history_messages(history) -> list[dict]:
+    """The earlier turns as [{"role", "content": str}] for the chat template, oldest first.
+
+    Only user and assistant text; empty messages are dropped, and so is a failed turn (the reply is the app's
+    warning, not the model's) together with the user message it answered.
+    """
+    out: list[dict] = []
+    for m in history or []:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            continue
+        text = message_text(m.get("content"))
+        if m["role"] == "assistant" and text.startswith(FAILED):
+            if out and out[-1]["role"] == "user":
+                out.pop()
+            continue
+        if text.strip():
+            out.append({"role": m["role"], "content": text})
+    return out
+
+
 def free_gpu() -> None:
     try:
         import torch
@@ -168,7 +200,7 @@ class ChatHandler:
 
     def respond(self, message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
                 request: gr.Request = None):
-        """Stream one chat turn: speculative first, then plain AR on the same prompt."""
+        """Stream one chat turn: speculative first, then plain AR on the same prompt (the whole conversation)."""
         chat = list(history or [])
         stop = self._flag(request)
         stop.clear()
@@ -185,12 +217,21 @@ class ChatHandler:
             settings = GenSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature or 0),
                                    seed=int(seed or 0), block_size=block)
             think = bool(thinking) if self.loaded.thinking else None
-            ids = be.encode(text, system=(system or "").strip() or None, thinking=think)
+            turns = history_messages(chat) + [{"role": "user", "content": text}]
+            # the whole conversation through the chat template; a first turn is passed as the plain message
+            ids = be.encode(text if len(turns) == 1 else turns, system=(system or "").strip() or None, thinking=think)
             if len(ids) + settings.max_new_tokens > be.max_context:
-                raise ToolkitError(f"The prompt is {len(ids)} tokens; with {settings.max_new_tokens} new tokens that exceeds the "
-                                   f"model's context of {be.max_context}. Shorten the prompt or lower max new tokens.")
+                what = "prompt" if len(turns) == 1 else f"conversation ({len(turns)} messages)"
+                raise ToolkitError(f"The {what} is {len(ids)} tokens; with {settings.max_new_tokens} new tokens that exceeds "
+                                   f"the model's context of {be.max_context}. "
+                                   + ("Shorten the prompt or lower max new tokens." if len(turns) == 1 else
+                                      "Clear the chat, shorten the prompt or lower max new tokens."))
         except (ToolkitError, ValueError) as e:
             yield self._idle(chat, str(e)).values()
+            return
+        except Exception as e:  # the tokenizer or its chat template failed: a message, not a traceback
+            log.exception("encoding the prompt failed")
+            yield self._idle(chat, friendly(e)).values()
             return
         mode = "" if think is None else f" · thinking {'on' if think else 'off'}"
         chat += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
@@ -226,6 +267,6 @@ class ChatHandler:
             log.exception("generation failed")
             free_gpu()
             if chat and chat[-1]["role"] == "assistant" and not chat[-1]["content"]:
-                chat[-1] = {"role": "assistant", "content": "⚠️ " + friendly(e)}
+                chat[-1] = {"role": "assistant", "content": FAILED + friendly(e)}
             v = self._view(chat, spec, ar, "failed", True, block, mode, render.message_html("error", friendly(e)))
             yield v.values(clear_box=True)

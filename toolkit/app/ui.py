@@ -45,7 +45,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
         with gr.Row(equal_height=False):
             with gr.Column(scale=5):
                 chat = gr.Chatbot(label="Chat — answered by DFlash speculative decoding", height=330, elem_id="dfl-chat",
-                                  placeholder="Each message is answered on its own (earlier turns are not sent to the model).")
+                                  placeholder="Each answer sees the whole conversation (earlier turns and the system prompt).")
                 with gr.Row():
                     box = gr.Textbox(show_label=False, placeholder="Type a prompt and press Enter…", scale=6, autofocus=True,
                                      elem_id="dfl-input", max_lines=6)

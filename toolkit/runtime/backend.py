@@ -27,16 +27,34 @@ class GenSettings:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
 
-def encode_chat(tokenizer, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
-    """Ids of one user message through the tokenizer's chat template, or plain ids when it has none."""
+def encode_chat(tokenizer, prompt, system: str | None = None, thinking: bool | None = None) -> list[int]:
+    """Ids of a chat through the tokenizer's chat template, or plain ids when it has none.
+
+    `prompt` is one user message (a string) or the whole conversation: a list of {"role", "content"} dicts,
+    oldest first, ending with the user's new message (content a string, or a list of parts whose text parts
+    count). The system prompt, when given, goes first. Without a template the turns' texts are joined by newlines.
+    """
+    def text(content) -> str:   # a string, or the text parts of a list of parts (gradio 6); files and media dropped
+        if isinstance(content, str):
+            return content
+        if isinstance(content, dict):
+            return str(content.get("text") or "") if content.get("type", "text") == "text" else ""
+        if isinstance(content, (list, tuple)):
+            return "\n".join(t for t in map(text, content) if t)
+        return ""
+
+    if isinstance(prompt, str):
+        msgs = [{"role": "user", "content": prompt}]
+    else:
+        msgs = [{"role": m["role"], "content": text(m.get("content"))} for m in prompt]
     if getattr(tokenizer, "chat_template", None):
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        msgs = ([{"role": "system", "content": system}] if system else []) + msgs
         kw = {} if thinking is None else {"enable_thinking": thinking}
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
-    return tokenizer.encode(prompt)
+    return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in msgs))
 
 
 @runtime_checkable
