@@ -4,7 +4,8 @@ Deterministic from --seed on one torch version. Steps: a byte-level BPE tokenize
 docstrings; a 3-layer Llama target (hidden 128) trained for a few minutes on them as chat turns (ask for
 `json.dumps`, get its docstring); a 2-layer DFlash drafter (sliding + full layer, block 16) trained against the target's
 hidden states to predict the target's own greedy continuations. Loss weights decay with block position,
-exp(-(k-1)/gamma), as in the DFlash paper (gamma 7 for block 16).
+exp(-(k-1)/gamma), as in the DFlash paper (gamma 7 for block 16). The optimiser, loss weights and block
+sampling are toolkit/train's, shared with `python -m toolkit.train_drafter` (real targets).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import argparse
 import inspect
 import importlib
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -26,6 +26,7 @@ from tqdm import tqdm
 from .dflash import DFlashConfig, DFlashDraft, gather_taps, save_drafter
 from .errors import run_cli
 from .fixtures import CHAT_TEMPLATE, MASK_TOKEN, PAIR, drafter_config, target_config
+from .train import block_batch, optimize, position_weights  # noqa: F401  (position_weights: re-exported)
 
 MODULES = ["argparse", "collections", "json", "pathlib", "textwrap", "functools", "itertools", "string", "random",
            "datetime", "shutil", "subprocess", "logging", "unittest", "email", "http.client", "urllib.parse", "csv",
@@ -67,21 +68,6 @@ def train_tokenizer(text: str, out: Path, vocab_size: int = 512):
     return fast
 
 
-def optimize(model, loss_fn, steps: int, lr: float, desc: str) -> None:
-    """AdamW with 50 warm-up steps and a cosine decay, gradients clipped at 1; loss_fn() gives one batch's loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    for step in (bar := tqdm(range(steps), desc=desc, unit="step")):
-        loss = loss_fn()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-
-
 def train_target(ids: torch.Tensor, cfg: dict, steps: int, seq: int = 128, batch: int = 32, lr: float = 3e-3):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -108,27 +94,6 @@ def self_distill(model, ids: torch.Tensor, n: int, prompt_len: int = 32, gen_len
                            do_sample=False, pad_token_id=0, eos_token_id=None)
         out.append(g)
     return torch.cat(out)
-
-
-def position_weights(block: int) -> torch.Tensor:
-    """DFlash loss weights over block positions k = 1..B-1: exp(-(k-1)/gamma), gamma 7 for B=16 (5 for 10, 4 for 8)."""
-    gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block, max(block / 2.3, 1.0))
-    return torch.exp(-torch.arange(block - 1, dtype=torch.float32) / gamma)
-
-
-def block_batch(seqs, taps, block: int, mask_id: int, batch: int, min_ctx: int = 8):
-    """Random anchors p >= min_ctx: block ids [x_p, MASK...], labels x_{p+1..p+B-1}, context rows < p, positions.
-    With min_ctx = prompt length - 1 every label is one of the target's own greedy tokens."""
-    n, L = seqs.shape
-    rows = torch.randint(0, n, (batch,))
-    anchors = torch.randint(min_ctx, L - block + 1, (batch,))
-    ar = torch.arange(block)
-    labels = torch.stack([seqs[r, a + 1 : a + block] for r, a in zip(rows.tolist(), anchors.tolist())])
-    ids = torch.full((batch, block), mask_id, dtype=torch.long)
-    ids[:, 0] = seqs[rows, anchors]
-    keep = torch.arange(L)[None] < anchors[:, None]
-    pos = torch.cat([torch.arange(L)[None].expand(batch, -1), anchors[:, None] + ar[None]], 1)
-    return ids, labels, taps[rows], keep, pos
 
 
 def train_drafter(target, seqs: torch.Tensor, dcfg: dict, steps: int, batch: int = 128, lr: float = 3e-3, min_ctx: int = 31) -> DFlashDraft:

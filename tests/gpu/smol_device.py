@@ -1,0 +1,229 @@
+"""Train and measure the SmolLM2-135M-Instruct DFlash drafter on one GPU, inside 9.5 minutes.
+
+Here (CPU, once):   python tests/gpu/smol_device.py pack
+    writes .smol/part1, .smol/part2 (the 98 MB GGUF in halves), .smol/LICENSE, .smol/prompts.jsonl (the
+    ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
+Device, call 1:     carry [".smol/part1"], command `ls -la .smol`
+Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
+                    command `python3 tests/gpu/smol_device.py run`   (about 9 minutes)
+Here, afterwards:   python tests/gpu/smol_device.py install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
+
+`run`: (a) joins the parts and checks the sha256, (b) `toolkit.demo prepare --gguf`, (c) trains the drafter
+with a --minutes budget (the target's own greedy answers to ~4000 prompts, batched on the GPU), (d) measures
+tau at B=8 and 16 on the held-out chat and code prompts (torch backend, fp16), (e) writes the drafter (its
+safetensors in two shards, each < 16 MiB), results.json and tau.json into $OUT. Partial results are written
+after each stage, so a timeout still returns what was done. SMOL_QUICK=1 runs the same flow tiny, on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+T0 = time.time()
+BUDGET = float(os.environ.get("SMOL_BUDGET_S", 550))     # the call's 570 s, less a margin for the copy-back
+EVAL_RESERVE = float(os.environ.get("SMOL_EVAL_S", 105))
+SMOL, WHL = ROOT / ".smol", ROOT / ".whl"
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+WORK = Path("/tmp/smol-run")
+QUICK = os.environ.get("SMOL_QUICK") == "1"
+RESULTS: dict = {"stages": {}, "errors": {}}
+
+
+def log(*a) -> None:
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def save() -> None:
+    RESULTS["elapsed_s"] = round(time.time() - T0, 1)
+    OUT.mkdir(parents=True, exist_ok=True)
+    tmp = OUT / ".results.json.tmp"
+    tmp.write_text(json.dumps(RESULTS, indent=1) + "\n")
+    os.replace(tmp, OUT / "results.json")
+
+
+def stage(name: str, fn, *a, **k):
+    log("begin", name)
+    t = time.time()
+    try:
+        out = fn(*a, **k)
+        RESULTS["stages"][name] = {"seconds": round(time.time() - t, 1), "result": out}
+        log("ok", name, json.dumps(out, default=str)[:500])
+        return out
+    except BaseException as e:                               # record it; later stages see None
+        RESULTS["errors"][name] = "".join(traceback.format_exception(e))[-3000:]
+        log("FAILED", name, repr(e)[:400])
+        return None
+    finally:
+        save()
+
+
+def pack() -> None:
+    """Local: split the GGUF, copy its license, write the prompt pool, fetch the gguf wheel."""
+    from toolkit.demo import GGUF_SHA256, locate_source, sha256
+    from toolkit.train.data import prompt_pool, write_pool
+
+    SMOL.mkdir(exist_ok=True)
+    src, lic = locate_source(None, None, SMOL / "src")
+    assert sha256(src) == GGUF_SHA256
+    data = src.read_bytes()
+    half = len(data) // 2
+    (SMOL / "part1").write_bytes(data[:half])
+    (SMOL / "part2").write_bytes(data[half:])
+    (SMOL / "LICENSE").write_text(lic)
+    shutil.rmtree(SMOL / "src", ignore_errors=True)
+    pool = prompt_pool(None, None, chat_needed=3200)
+    write_pool(SMOL / "prompts.jsonl", pool)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                    "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+                    "-d", str(WHL), "gguf"], check=True)
+    for p in sorted([*SMOL.iterdir(), *WHL.glob("gguf-*.whl")]):
+        print(f"{p.relative_to(ROOT)}  {p.stat().st_size / 2**20:.1f} MiB")
+    print(f"prompt pool: {len(pool)} prompts")
+
+
+def join_gguf() -> dict:
+    from toolkit.demo import GGUF_NAME, GGUF_SHA256, sha256
+
+    parts = [SMOL / "part1", SMOL / "part2"]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"missing {missing}: carry .smol/part1 in one call and .smol/part2 in the next (same warm machine)")
+    dst = WORK / "gguf" / GGUF_NAME
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "wb") as f:
+        for p in parts:
+            f.write(p.read_bytes())
+    got = sha256(dst)
+    if got != GGUF_SHA256:
+        raise ValueError(f"joined GGUF sha256 {got} != {GGUF_SHA256}")
+    shutil.copy(SMOL / "LICENSE", dst.parent / "LICENSE")
+    return {"gguf": str(dst), "bytes": dst.stat().st_size, "sha256": got}
+
+
+def install_gguf() -> dict:
+    """The gguf wheel into a private folder on sys.path (before transformers is imported)."""
+    try:
+        import gguf  # noqa: F401
+        return {"gguf": "already installed"}
+    except ImportError:
+        pass
+    lib = WORK / "pylib"
+    whl = sorted(WHL.glob("gguf-*.whl"))
+    if not whl:
+        raise FileNotFoundError("no .whl/gguf-*.whl: carry it")
+    with zipfile.ZipFile(whl[-1]) as z:                     # a pure-Python wheel is a zip of the package + dist-info
+        z.extractall(lib)
+    sys.path.insert(0, str(lib))
+    importlib.import_module("gguf")
+    return {"gguf": str(whl[-1].name)}
+
+
+def shard(src: Path, dst: Path, n: int = 2) -> list[str]:
+    """model.safetensors split into n files of about equal size (read back by load_drafter, which globs)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(src))
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    groups: list[dict] = [{} for _ in range(n)]
+    acc = 0
+    for k in sorted(sd):
+        groups[min(n - 1, acc * n // total)][k] = sd[k]
+        acc += sd[k].numel() * sd[k].element_size()
+    names = []
+    for i, g in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(g, str(dst / name), metadata={"format": "pt"})
+        names.append(name)
+    return names
+
+
+def copy_drafter(draft: Path) -> dict:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "README.md", "heldout.json", "training.json"):
+        shutil.copy(draft / name, OUT / name)
+    names = shard(draft / "model.safetensors", OUT)
+    return {"files": names, "mib": [round((OUT / n).stat().st_size / 2**20, 2) for n in names]}
+
+
+def run() -> None:
+    os.environ.setdefault("TQDM_MININTERVAL", "20")        # a progress line every 20 s, not every 0.1 s
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    WORK.mkdir(parents=True, exist_ok=True)
+    joined = stage("join_gguf", join_gguf)
+    stage("install_gguf", install_gguf)
+    import torch
+
+    RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    RESULTS["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    from toolkit.demo import prepare
+
+    target = WORK / "smollm2-135m-instruct"
+    prep = stage("prepare", lambda: vars(prepare(out=str(target), gguf=joined["gguf"], check_prompts=3))) if joined else None
+    if prep is None:
+        return
+    from toolkit.train_drafter import train_drafter
+
+    draft = WORK / "smollm2_dflash"
+    minutes = (BUDGET - EVAL_RESERVE - 15 - (time.time() - T0)) / 60
+    kw = dict(chat=3000, code=1000, heldout_chat=24, heldout_code=24, max_new_tokens=192, gen_batch=512, steps=100_000,
+              batch_seqs=32, anchors=16, lr=1e-3, warmup=100, device="cuda", checkpoint_every=2000, log_every=100)
+    if QUICK:                                               # a CPU dry run of the whole flow
+        kw.update(chat=6, code=2, heldout_chat=1, heldout_code=1, max_new_tokens=16, gen_batch=8, steps=6, batch_seqs=2,
+                  anchors=2, warmup=2, device="auto", log_every=1)
+    RESULTS["train_options"] = kw
+    info = stage("train", lambda: {k: v for k, v in train_drafter(
+        str(target), str(draft), prompts=str(SMOL / "prompts.jsonl"), minutes=minutes, **kw).items() if k != "config"})
+    if info is None:
+        return
+    stage("copy_drafter", copy_drafter, draft)
+    from toolkit.eval_tau import eval_tau
+
+    left = (BUDGET - 10 - (time.time() - T0)) / 60
+    tau = stage("eval_tau", lambda: eval_tau(str(target), str(draft), max_new_tokens=16 if QUICK else 128,
+                                             device="auto" if QUICK else "cuda", minutes=left,
+                                             out=str(OUT / "tau.json"), write_card=True, quiet=True))
+    if tau is not None:
+        shutil.copy(draft / "README.md", OUT / "README.md")
+        RESULTS["tau"] = tau["tau"]
+    save()
+    log("done", json.dumps(RESULTS.get("tau")))
+
+
+def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_dflash")) -> None:
+    """Local: the device's files as a drafter folder (one model.safetensors), written atomically."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(files_at), Path(to)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        sd = {}
+        for f in sorted(src.glob("model-*.safetensors")):
+            sd.update(load_file(str(f)))
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in ("config.json", "README.md", "heldout.json", "training.json"):
+            shutil.copy(src / name, tmp / name)
+        tmp.chmod(0o755)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {dst}")
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "run"
+    {"pack": pack, "run": run, "install": lambda: install(*sys.argv[2:])}[cmd]()

@@ -1,0 +1,133 @@
+"""`python -m toolkit.eval_tau`: tau of a drafter on its held-out prompts, chat and code apart, per block size.
+
+It decodes every held-out prompt (heldout.json beside the drafter, written by toolkit.train_drafter) greedily
+through the torch backend's speculative loop and reports tau (mean accepted + 1 per verification round) and
+acceptance per block position from the runtime's `summarize`, as JSON. A smaller block size drafts fewer
+positions of the same drafter. --write-card puts the numbers into the drafter's README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .errors import ToolkitError, run_cli
+from .runtime.backend import GenSettings
+from .runtime.events import Round, summarize
+
+CARD_TAU = re.compile(r"<!-- tau -->.*?<!-- /tau -->", re.S)
+
+
+def read_heldout(path: Path) -> dict[str, list[str]]:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ToolkitError(f"--heldout: cannot read {path} ({e})") from None
+    if not isinstance(d, dict) or not all(isinstance(v, list) and all(isinstance(p, str) for p in v) for v in d.values()):
+        raise ToolkitError(f"--heldout: {path} must be {{\"chat\": [prompts], \"code\": [prompts]}}")
+    return d
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def card_text(result: dict) -> str:
+    rows = [f"tau measured by `python -m toolkit.eval_tau` on {result['device']} ({result['dtype']}), greedy, "
+            f"{result['max_new_tokens']} new tokens, held-out prompts:", "", "| prompts | " + " | ".join(f"B={b}" for b in result["block_sizes"]) + " |",
+            "| --- |" + " --- |" * len(result["block_sizes"])]
+    for cat, per in result["tau"].items():
+        rows.append(f"| {cat} ({result['prompts'][cat]}) | " + " | ".join(f"{per[str(b)]:.2f}" for b in result["block_sizes"]) + " |")
+    return "<!-- tau -->\n" + "\n".join(rows) + "\n<!-- /tau -->"
+
+
+def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int] = (8, 16), max_new_tokens: int = 128,
+             limit: int | None = None, device: str = "auto", dtype: str = "auto", minutes: float | None = None,
+             out: str | None = None, write_card: bool = False, quiet: bool = False) -> dict:
+    """Run the held-out prompts at each block size; returns (and with `out`, writes after every prompt) the result."""
+    import torch
+
+    from .runtime.torch_backend import TorchBackend
+
+    if not block_sizes or any(b < 2 for b in block_sizes):
+        raise ToolkitError(f"--block-sizes must be integers >= 2, got {list(block_sizes)}")
+    if limit is not None and limit < 1:
+        raise ToolkitError(f"--limit must be >= 1, got {limit}")
+    for name, p in (("--target", target), ("--draft", draft)):
+        if not Path(p).is_dir():
+            raise ToolkitError(f"{name}: {p} is not a folder")
+    held = read_heldout(Path(heldout) if heldout else Path(draft) / "heldout.json")
+    held = {c: v[:limit] for c, v in held.items() if v}
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
+    if dt is None:
+        raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
+    be = TorchBackend.from_dirs(target, draft, device=dev, dtype=dt)
+    sizes = sorted({min(b, be.block_size) for b in block_sizes})
+    deadline = time.time() + minutes * 60 if minutes else None
+    rounds: dict[tuple[str, int], list[Round]] = {(c, b): [] for c in held for b in sizes}
+    done = {c: 0 for c in held}
+    result: dict = {}
+    jobs = [(i, c) for i in range(max(len(v) for v in held.values())) for c in held if i < len(held[c])]
+    for i, cat in tqdm(jobs, desc="eval", unit="prompt", disable=quiet, file=sys.stderr):
+        if deadline is not None and time.time() > deadline:
+            break
+        ids = be.encode(held[cat][i])
+        for b in sizes:
+            rounds[(cat, b)] += list(be.generate(ids, GenSettings(max_new_tokens=max_new_tokens, block_size=b)))
+        done[cat] += 1
+        result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, len(jobs))
+        if out:
+            write_atomic(Path(out), json.dumps(result, indent=1) + "\n")
+    if not result:
+        raise ToolkitError("no prompt was evaluated (empty heldout.json or --minutes too small)")
+    if write_card:
+        readme = Path(draft) / "README.md"
+        text = readme.read_text() if readme.is_file() else ""
+        block = card_text(result)
+        write_atomic(readme, CARD_TAU.sub(lambda _: block, text) if CARD_TAU.search(text) else text + "\n" + block + "\n")
+    return result
+
+
+def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) -> dict:
+    tau, detail = {}, {}
+    for (cat, b), rs in rounds.items():
+        s = summarize(rs)
+        tau.setdefault(cat, {})[str(b)] = round(s.tau, 3)
+        detail.setdefault(cat, {})[str(b)] = {"rounds": s.rounds, "tokens": s.tokens,
+                                             "accept_per_position": [round(a, 3) for a in s.accept_per_position]}
+    return {"target": str(target), "draft": str(draft), "device": dev, "dtype": str(dt).removeprefix("torch."),
+            "block_sizes": sizes, "max_new_tokens": max_new_tokens, "prompts": done, "complete": sum(done.values()) == total,
+            "tau": tau, "detail": detail}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.eval_tau", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n")[1])
+    ap.add_argument("--target", required=True, help="target model folder")
+    ap.add_argument("--draft", required=True, help="DFlash drafter folder")
+    ap.add_argument("--heldout", help="held-out prompts JSON (default DRAFT/heldout.json)")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16], help="block sizes B (default 8 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, help="at most N prompts per category")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="auto (float16 on cuda, float32 on cpu), float16, bfloat16 or float32")
+    ap.add_argument("--minutes", type=float, help="stop starting new prompts after this long (partial result, complete: false)")
+    ap.add_argument("--out", help="also write the JSON here (rewritten after every prompt)")
+    ap.add_argument("--write-card", action="store_true", help="put the tau table into DRAFT/README.md")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    print(json.dumps(eval_tau(**vars(ap.parse_args(argv))), indent=1))
+
+
+if __name__ == "__main__":
+    run_cli(main)

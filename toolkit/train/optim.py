@@ -1,0 +1,81 @@
+"""One optimisation loop for every model the toolkit trains: AdamW, linear warm-up, cosine decay, clipping.
+
+The tiny pair calls it plainly; the drafter trainer adds resumable state, a checkpoint callback and a
+wall-clock deadline (the cosine is then fitted to the steps the deadline leaves, measured after a few steps).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class OptimState:
+    """Where a run stands: resumable from a checkpoint (optimizer state, step, planned steps, the loss log)."""
+
+    step: int = 0
+    steps: int = 0
+    losses: list = field(default_factory=list)    # [step, loss] every log_every steps
+    optimizer: dict | None = None
+    stopped: str = ""                              # "", "deadline"
+
+
+def _now() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()                  # time the steps, not the kernel queue
+    return time.time()
+
+
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    return min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, desc: str, warmup: int = 50,
+             state: OptimState | None = None, on_step: Callable[[OptimState], None] | None = None,
+             deadline: float | None = None, log_every: int = 50, weight_decay: float = 0.01, quiet: bool = False) -> OptimState:
+    """AdamW with `warmup` warm-up steps and a cosine decay, gradients clipped at 1; loss_fn() gives one batch's loss.
+    `state` resumes a run; `on_step(state)` runs after every step; `deadline` (time.time()) ends it early."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    st = state or OptimState(steps=steps)
+    if st.optimizer is not None:
+        opt.load_state_dict(st.optimizer)
+    st.steps = st.steps or steps
+    probe = st.step + 20                         # fit the schedule to the deadline once, after 20 timed steps
+    t_probe = None
+    bar = tqdm(total=st.steps, initial=st.step, desc=desc, unit="step", disable=quiet)
+    while st.step < st.steps:
+        if deadline is not None:
+            if st.step == probe - 15:
+                t_probe = _now()
+            elif st.step == probe and t_probe is not None:
+                per = (_now() - t_probe) / 15
+                st.steps = max(st.step + 1, min(st.steps, st.step + int((deadline - time.time()) / per)))
+                bar.total = st.steps
+            if time.time() >= deadline:
+                st.stopped = "deadline"
+                break
+        for g in opt.param_groups:
+            g["lr"] = lr * lr_factor(st.step, st.steps, warmup)
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if st.step % log_every == 0:
+            st.losses.append([st.step, round(loss.item(), 4)])
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        st.step += 1
+        bar.update()
+        if on_step is not None:
+            st.optimizer = opt.state_dict()
+            on_step(st)
+    bar.close()
+    st.optimizer = opt.state_dict()
+    return st
