@@ -1,0 +1,180 @@
+"""synth(): write a synthetic EXL3 checkpoint of a config's exact shape (random trellis, realistic scales)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import ToolkitError
+from .codebook import CODEBOOKS, codebook_table, decode_linear
+from .layout import Plan, TensorSpec, build_plan
+from .tokenizer import write_tokenizer
+from .writer import SMALL, Staging, atomic_dir, check_space, human, plan_shards, shard_names, write_index, write_shard
+
+EXL3_VERSION = "1.6.5"
+BITS = range(1, 9)
+CHECKED_LINEARS = 3          # linears whose leading 128x128 block is decoded back as a check
+CHECK_TOL = 0.15             # decoded std must be within 15% of the requested std
+
+
+@dataclass
+class SynthOptions:
+    """Validated inputs of synth()."""
+
+    config: Path
+    bits: int
+    out: Path
+    head_bits: int = 6
+    codebook: str = "mul1"
+    seed: int = 0
+    std: float | None = None
+    shard_gb: float = 4.0
+    device: str = "cpu"
+    overwrite: bool = False
+    quiet: bool = False
+
+
+def _bits(value: float, flag: str, allow16: bool = False) -> int:
+    ok = float(value).is_integer() and (int(value) in BITS or (allow16 and int(value) == 16))
+    if not ok:
+        extra = " or 16 (unquantized)" if allow16 else ""
+        raise ToolkitError(f"{flag} must be an integer from 1 to 8{extra}, got {value:g} "
+                           "(exllamav3's half rates 1.5/2.5/3.5 are not synthesised)")
+    return int(value)
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ToolkitError(f"--device {device}: no CUDA GPU is available here")
+    return device
+
+
+def read_shape(path: Path) -> dict:
+    if path.is_dir():                                # a model folder: its config.json
+        path = path / "config.json"
+    if not path.is_file():
+        raise ToolkitError(f"--config {path}: no such file")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ToolkitError(f"--config {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise ToolkitError(f"--config {path}: expected a JSON object")
+    return cfg
+
+
+class Filler:
+    """Makes each planned tensor: big ones with one random call on the device, small ones on the host."""
+
+    def __init__(self, device: str, seed: int, codebook: str):
+        self.device = device
+        self.gens = {d: torch.Generator(device=d).manual_seed(seed + i) for i, d in enumerate(dict.fromkeys(["cpu", device]))}
+        self.cb_std = float(codebook_table(codebook).double().std())
+
+    def __call__(self, t: TensorSpec) -> torch.Tensor:
+        dev = "cpu" if t.nbytes < SMALL else self.device
+        g = self.gens[dev]
+        if t.fill == "trellis":                     # uniform random bits: every trellis state equally likely
+            return torch.randint(-32768, 32768, t.shape, dtype=torch.int16, device=dev, generator=g)
+        if t.fill in ("suh", "svh"):                # random signs times the scale (svh: 1, 0 past the real width)
+            s = torch.randint(0, 2, t.shape, device=dev, generator=g).to(torch.float32) * 2 - 1
+            if t.fill == "suh":
+                return (s * (t.value / self.cb_std)).to(t.dtype)
+            s[int(t.value):] = 0
+            return s.to(t.dtype)
+        if t.fill == "normal":
+            return (torch.randn(t.shape, device=dev, generator=g, dtype=torch.float32) * t.value).to(t.dtype)
+        if t.fill == "const":
+            return torch.full(t.shape, t.value, dtype=t.dtype, device=dev)
+        if t.fill == "marker":
+            return torch.tensor(int(t.value), dtype=torch.int32)
+        if t.fill == "a_log":                       # log of A ~ U(1, 16), as the HF initialiser draws it
+            return torch.empty(t.shape, dtype=torch.float32).uniform_(1.0, 16.0, generator=self.gens["cpu"]).log().to(t.dtype)
+        raise RuntimeError(f"{t.name}: unknown fill {t.fill!r}")
+
+
+class Checker:
+    """Keeps the leading block of a few linears as they are written and decodes them with the reference decoder."""
+
+    def __init__(self, plan: Plan, codebook: str, std: float):
+        self.keys = set(plan.linears[:CHECKED_LINEARS] + plan.linears[-1:])
+        self.parts: dict[str, dict] = {}
+        self.codebook, self.std = codebook, std
+
+    def keep(self, t: TensorSpec, x: torch.Tensor) -> torch.Tensor:
+        key, _, sub = t.name.rpartition(".")
+        if key in self.keys and sub in ("trellis", "suh", "svh"):
+            self.parts.setdefault(key, {})[sub] = (x[:8, :8] if sub == "trellis" else x[:128]).cpu()
+        return x
+
+    def results(self) -> list[dict]:
+        out = []
+        for key, p in self.parts.items():
+            w = decode_linear(p["trellis"], p["suh"], p["svh"], self.codebook)
+            live = w[:, p["svh"] != 0]
+            mean, std = float(live.mean()), float(live.std())
+            out.append({"tensor": key, "mean": round(mean, 6), "std": round(std, 6), "expected_std": self.std})
+            if abs(std / self.std - 1) > CHECK_TOL or abs(mean) > 0.1 * self.std:
+                raise RuntimeError(f"{key}: decoded weights have mean {mean:.4g} std {std:.4g}, expected 0 / {self.std:.4g}")
+        return out
+
+
+def quantization_config(o: SynthOptions, plan: Plan) -> dict:
+    """quantization_config as exllamav3's compile step writes it, plus a `synthetic` note."""
+    q = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": float(o.bits), "head_bits": o.head_bits,
+         "out_scales": "auto", "codebook": o.codebook}
+    q["synthetic"] = {"tool": "toolkit.synth", "source_config": str(o.config), "seed": o.seed, "weight_std": o.std,
+                      "note": "random trellis codes: the shape and cost of a real checkpoint, not its outputs"}
+    return q
+
+
+def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: str = "mul1", seed: int = 0,
+          std: float | None = None, shard_gb: float = 4.0, device: str | None = None, overwrite: bool = False,
+          quiet: bool = False) -> dict:
+    """Write the checkpoint into `out` atomically; returns a summary (also printed as one JSON line by the CLI)."""
+    t0 = time.time()
+    if codebook not in CODEBOOKS:
+        raise ToolkitError(f"--codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
+    if not shard_gb > 0:
+        raise ToolkitError(f"--shard-gb must be positive, got {shard_gb}")
+    o = SynthOptions(Path(config), _bits(bits, "--bits"), Path(out), _bits(head_bits, "--head-bits", allow16=True),
+                     codebook, seed, std, shard_gb, resolve_device(device), overwrite, quiet)
+    cfg = read_shape(o.config)
+    o.std = float(std if std is not None else cfg.get("initializer_range") or (cfg.get("text_config") or {}).get("initializer_range") or 0.02)
+    if not (o.std > 0 and math.isfinite(o.std)):
+        raise ToolkitError(f"--std must be a positive number, got {o.std}")
+    plan = build_plan(cfg, o.bits, o.head_bits, o.codebook, o.std)
+    shards = plan_shards(plan.groups, int(o.shard_gb * 1024**3))
+    names = shard_names(len(shards))
+    make, check = Filler(o.device, o.seed, o.codebook), Checker(plan, o.codebook, o.std)
+    with atomic_dir(o.out, o.overwrite) as tmp:
+        check_space(tmp, plan.nbytes)
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"synth {o.out.name}", disable=quiet, file=sys.stderr)
+        staging = Staging()
+        with torch.inference_mode(), bar:
+            for name, specs in zip(names, shards):
+                write_shard(tmp / name, specs, lambda t: check.keep(t, make(t)), bar.update, staging)
+        decoded = check.results()
+        write_index(tmp, shards)
+        cfg_out = {**plan.config, "quantization_config": quantization_config(o, plan)}
+        specials = None
+        if plan.kind == "qwen3_5_moe":
+            sp = write_tokenizer(tmp, plan.vocab_size)
+            cfg_out.update(bos_token_id=None, eos_token_id=sp.im_end, pad_token_id=sp.endoftext)
+            specials = {"endoftext": sp.endoftext, "im_start": sp.im_start, "im_end": sp.im_end}
+        (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
+    if o.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return {"out": str(o.out), "kind": plan.kind, "bits": o.bits, "head_bits": o.head_bits if plan.kind != "dflash" else None,
+            "codebook": o.codebook, "tensors": len(plan.tensors), "linears": len(plan.linears), "bytes": plan.nbytes,
+            "size": human(plan.nbytes), "shards": len(shards), "device": o.device, "weight_std": o.std,
+            "decoded_check": decoded, "specials": specials, "seconds": round(time.time() - t0, 1)}
