@@ -8,6 +8,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DFLASH_DEMO", "tiny")          # app tests run the fast toy pair; test_demo_app.py runs SmolLM2
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(1)  # tiny models: one thread beats two on a 2-core machine
 

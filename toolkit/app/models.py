@@ -1,7 +1,8 @@
 """Which backend and models the app runs: flags > env vars > the embedded demo pair; Space hardware aware.
 
 Env vars: DFLASH_TARGET, DFLASH_DRAFT (Hub ids or local folders), DFLASH_BACKEND (auto|torch|exllamav3),
-DFLASH_DEVICE. On a Space, SPACE_ID and ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
+DFLASH_DEVICE, DFLASH_DEMO (smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls
+back to tiny when its target cannot be prepared offline). On a Space, SPACE_ID and ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
 Loading never raises: a failure is kept as a message that the page shows.
 """
 
@@ -93,6 +94,7 @@ class Loaded:
     draft: str = ""
     notes: list[str] = field(default_factory=list)
     hardware: Hardware = field(default_factory=Hardware)
+    demo_kind: str = ""               # "smollm2" or "tiny" when demo
 
     @property
     def block_size(self) -> int:
@@ -169,6 +171,24 @@ def warm_up(backend) -> None:
             pass
 
 
+def demo_pair(out: Loaded) -> tuple[str, str]:
+    """The embedded pair: SmolLM2-135M-Instruct + its trained drafter, else (or with DFLASH_DEMO=tiny) the tiny pair."""
+    from ..fixtures import tiny_pair
+
+    if os.environ.get("DFLASH_DEMO", "smollm2").lower() != "tiny":
+        try:
+            from ..demo import default_pair
+
+            t, d = default_pair()
+            out.demo_kind, out.target, out.draft = "smollm2", "SmolLM2-135M-Instruct (embedded demo)", "DFlash drafter trained for it (toolkit/data/smollm2_dflash)"
+            return str(t), str(d)
+        except ToolkitError as e:
+            out.notes.append(f"The SmolLM2 demo pair is unavailable ({e}); running the tiny toy pair instead.")
+    t, d = tiny_pair()
+    out.demo_kind, out.target, out.draft = "tiny", "embedded tiny pair (toolkit/data/tiny_pair/target)", "tiny DFlash drafter, block 16"
+    return str(t), str(d)
+
+
 def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_backend) -> Loaded:
     """Load the backend for `spec`; never raises (a failure becomes Loaded.error, shown in the page)."""
     hw = hw or Hardware.detect()
@@ -176,10 +196,7 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
     out = Loaded(None, demo=spec.demo, backend_name=name, device=device, notes=notes, hardware=hw)
     try:
         if spec.demo:
-            from ..fixtures import tiny_pair
-
-            target, draft = (str(p) for p in tiny_pair())
-            out.target, out.draft = "embedded tiny pair (toolkit/data/tiny_pair/target)", "tiny DFlash drafter, block 16"
+            target, draft = demo_pair(out)
         else:
             if spec.draft is None:
                 raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")

@@ -21,7 +21,13 @@ def header_html(loaded: Loaded) -> str:
              "in a single forward and keeps the longest prefix it agrees with, plus one token of its own. The text is "
              "exactly what the target alone would write (under greedy), produced in fewer target forwards.")
     demo = ""
-    if loaded.demo:
+    if loaded.demo and loaded.demo_kind == "smollm2":
+        demo = ('<div class="dfl-demo"><b>Demo on a small real model.</b> This page runs SmolLM2-135M-Instruct (a 135M-parameter '
+                "chat model) with a DFlash drafter trained for it here, on CPU. Answers are those of a very small model; "
+                "on a CPU at this size the drafter costs a good part of a target forward, so look at the colours, τ and the "
+                "measured speedup rather than absolute speed. For real models start it with "
+                "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
+    elif loaded.demo:
         demo = ('<div class="dfl-demo"><b>Demo on tiny models.</b> This page runs a 3-layer toy target (trained to answer a '
                 "Python stdlib name such as <code>json.dumps</code> with its docstring) and a trained tiny DFlash drafter, on CPU. "
                 "Expect docstring-like text, not a useful assistant; at this size drafting costs about as much as verifying, "
@@ -52,7 +58,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="dfl-send")
                     stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="dfl-stop")
                 message = gr.HTML(render.message_html("error", loaded.error or ""), elem_id="dfl-message")
-                gr.Examples(DEMO_EXAMPLES if loaded.demo else REAL_EXAMPLES, inputs=box, label="Try one")
+                gr.Examples(DEMO_EXAMPLES if loaded.demo_kind == "tiny" else REAL_EXAMPLES, inputs=box, label="Try one")
             with gr.Column(scale=3):
                 with gr.Accordion("Settings", open=True):
                     block = gr.Slider(2, max(B, 2), value=B, step=1, label=f"Block size B (drafter's native: {B})",
