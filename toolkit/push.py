@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import fnmatch
 import hashlib
-import json
 import os
 import re
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from .card import check_report, human_size, pick_pushed, render_card
 from .errors import ToolkitError, run_cli
+from .folders import read_json, sha256
 
 MAIN = "main"
 MAIN_FILES = ("report.json", "report.md", "tau_top1.png")
@@ -60,10 +60,7 @@ def load_report(from_dir: Path) -> dict:
     path = from_dir / "report.json"
     if not path.is_file():
         raise ToolkitError(f"--from: {from_dir} has no report.json (run python -m toolkit.quantize first)")
-    try:
-        report = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"--from: {path} is not valid JSON ({e.msg} at line {e.lineno})")
+    report = read_json(path, "--from: ")
     check_report(report)
     return report
 
@@ -140,13 +137,6 @@ def _git_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def is_unchanged(api, repo: str, up: Upload) -> bool:
     """True when the branch holds every file of `up` with the same content (sizes, then hashes), and for a
@@ -165,7 +155,7 @@ def is_unchanged(api, repo: str, up: Upload) -> bool:
         if f is None or f.size != size:
             return False
         local = up.folder / rel
-        same = (f.lfs.sha256 == _sha256(local)) if f.lfs is not None else (f.blob_id == _git_sha1(local))
+        same = (f.lfs.sha256 == sha256(local)) if f.lfs is not None else (f.blob_id == _git_sha1(local))
         if not same:
             return False
     return True

@@ -176,7 +176,7 @@ def reference_agreement(src: Path, prompts: list[list[int]], exl_ar: list[list[i
             margin(p + r[:k]) for p, r in zip(prompts[:4], ref[:4]) for k in range(0, len(r), 8)), 4)
         out["max_margin_at_divergence"] = max(ms, default=None)
     finally:
-        del tb
+        tb = None                          # frees the reference model before the next check
         gc.collect()
         torch.cuda.empty_cache()
     return out

@@ -16,7 +16,7 @@ from typing import Iterator
 import gradio as gr
 
 from ..errors import ToolkitError
-from ..runtime.backend import GenSettings
+from ..runtime.backend import GenSettings, message_text
 from ..runtime.events import Round, Summary, summarize
 from . import render
 from .models import Loaded
@@ -116,17 +116,6 @@ def result_json(spec: Run, ar: Run, block: int, thinking: bool | None) -> dict:
         "seconds": spec.seconds, "ar_seconds": ar.seconds, "speedup": s.tok_s / ar_tok_s if ar_tok_s else 0.0,
         "lossless": spec.tokens == ar.tokens, "block_size": block, "thinking": thinking, "stopped": ar.stopped,
     }
-
-
-def message_text(content) -> str:
-    """A chat message's text: a string, or gradio 6's list of parts (text parts only; files and media dropped)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text") or "") if content.get("type", "text") == "text" else ""
-    if isinstance(content, (list, tuple)):
-        return "\n".join(t for t in map(message_text, content) if t)
-    return ""
 
 
 def history_messages(history) -> list[dict]:

@@ -27,6 +27,17 @@ class GenSettings:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
 
+def message_text(content) -> str:
+    """A chat message's text: a string, or gradio 6's list of parts (text parts only; files and media dropped)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text") or "") if content.get("type", "text") == "text" else ""
+    if isinstance(content, (list, tuple)):
+        return "\n".join(t for t in map(message_text, content) if t)
+    return ""
+
+
 def encode_chat(tokenizer, prompt, system: str | None = None, thinking: bool | None = None) -> list[int]:
     """Ids of a chat through the tokenizer's chat template, or plain ids when it has none.
 
@@ -34,19 +45,10 @@ def encode_chat(tokenizer, prompt, system: str | None = None, thinking: bool | N
     oldest first, ending with the user's new message (content a string, or a list of parts whose text parts
     count). The system prompt, when given, goes first. Without a template the turns' texts are joined by newlines.
     """
-    def text(content) -> str:   # a string, or the text parts of a list of parts (gradio 6); files and media dropped
-        if isinstance(content, str):
-            return content
-        if isinstance(content, dict):
-            return str(content.get("text") or "") if content.get("type", "text") == "text" else ""
-        if isinstance(content, (list, tuple)):
-            return "\n".join(t for t in map(text, content) if t)
-        return ""
-
     if isinstance(prompt, str):
         msgs = [{"role": "user", "content": prompt}]
     else:
-        msgs = [{"role": m["role"], "content": text(m.get("content"))} for m in prompt]
+        msgs = [{"role": m["role"], "content": message_text(m.get("content"))} for m in prompt]
     if getattr(tokenizer, "chat_template", None):
         msgs = ([{"role": "system", "content": system}] if system else []) + msgs
         kw = {} if thinking is None else {"enable_thinking": thinking}

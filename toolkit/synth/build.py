@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ToolkitError
+from ..folders import read_json
 from .codebook import CODEBOOKS, codebook_table, decode_linear
 from .layout import Plan, TensorSpec, build_plan
 from .tokenizer import write_tokenizer
@@ -61,12 +62,7 @@ def resolve_device(device: str | None) -> str:
 def read_shape(path: Path) -> dict:
     if path.is_dir():                                # a model folder: its config.json
         path = path / "config.json"
-    if not path.is_file():
-        raise ToolkitError(f"--config {path}: no such file")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"--config {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = read_json(path, "--config ")
     if not isinstance(cfg, dict):
         raise ToolkitError(f"--config {path}: expected a JSON object")
     return cfg
