@@ -71,6 +71,7 @@ def test_requirements_match_pyproject():
     proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert space.BASE_REQUIREMENTS == proj["dependencies"]
     assert space.GPU_REQUIREMENTS == proj["optional-dependencies"]["gpu"]
+    assert space.DEMO_REQUIREMENTS == proj["optional-dependencies"]["demo"]
     lines = [ln for ln in (ROOT / "requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
     assert lines == space.requirements("l4x1")
 

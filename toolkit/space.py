@@ -22,6 +22,7 @@ PYTHON_VERSION = "3.11"
 BASE_REQUIREMENTS = ["torch>=2.6", "transformers>=5.0,<6", "safetensors>=0.4", "huggingface-hub>=1.0,<3", "accelerate>=1.0",
                      "tokenizers>=0.21", "tqdm>=4.60", "numpy>=1.26", "matplotlib>=3.8"]
 GPU_REQUIREMENTS = ["exllamav3==1.6.5"]
+DEMO_REQUIREMENTS = ["gguf>=0.10"]                       # converts the SmolLM2 demo target when no models are given
 HARDWARE = ("cpu-basic", "cpu-upgrade", "t4-small", "t4-medium", "l4x1", "l4x4", "a10g-small", "a10g-large",
             "a10g-largex2", "a10g-largex4", "a100-large", "h100", "zero-a10g")
 GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
@@ -30,10 +31,10 @@ GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter
 def requirements(hardware: str) -> list[str]:
     """What the Space installs: the app's dependencies, plus exllamav3 on GPU hardware, plus spaces on ZeroGPU."""
     if hardware.startswith("cpu"):
-        return list(BASE_REQUIREMENTS)
+        return BASE_REQUIREMENTS + DEMO_REQUIREMENTS
     if hardware.startswith("zero"):
-        return BASE_REQUIREMENTS + ["spaces"]           # ZeroGPU runs the torch backend (docs/space.md says why)
-    return BASE_REQUIREMENTS + GPU_REQUIREMENTS
+        return BASE_REQUIREMENTS + DEMO_REQUIREMENTS + ["spaces"]   # ZeroGPU runs the torch backend (docs/space.md says why)
+    return BASE_REQUIREMENTS + GPU_REQUIREMENTS + DEMO_REQUIREMENTS
 
 
 def sdk_version() -> str:
