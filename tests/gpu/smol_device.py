@@ -3,9 +3,11 @@
 Here (CPU, once):   python tests/gpu/smol_device.py pack
     writes .smol/part1, .smol/part2 (the 98 MB GGUF in halves), .smol/LICENSE, .smol/prompts.jsonl (the
     ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
-Device, call 1:     carry [".smol/part1"], command `ls -la .smol`
+Device, call 1:     mv .smol/part1 .smol1/part1; carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/`
+                    (ignored files that a call does not carry are deleted from the device's checkout, but /tmp
+                    survives while the machine stays warm: issue call 2 within its 30 s idle window)
 Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
-                    command `python3 tests/gpu/smol_device.py run`   (about 9 minutes)
+                    command `cp /tmp/parts/part1 .smol/ && python3 tests/gpu/smol_device.py run`   (7.5 minutes on an H200)
 Here, afterwards:   python tests/gpu/smol_device.py install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
 
 `run`: (a) joins the parts and checks the sha256, (b) `toolkit.demo prepare --gguf`, (c) trains the drafter
@@ -77,9 +79,9 @@ def pack() -> None:
     src, lic = locate_source(None, None, SMOL / "src")
     assert sha256(src) == GGUF_SHA256
     data = src.read_bytes()
-    half = len(data) // 2
-    (SMOL / "part1").write_bytes(data[:half])
-    (SMOL / "part2").write_bytes(data[half:])
+    cut = 60 * 2**20                                       # call 1 carries 60 MiB (no .device), call 2 the rest
+    (SMOL / "part1").write_bytes(data[:cut])
+    (SMOL / "part2").write_bytes(data[cut:])
     (SMOL / "LICENSE").write_text(lic)
     shutil.rmtree(SMOL / "src", ignore_errors=True)
     pool = prompt_pool(None, None, chat_needed=3200)
@@ -150,7 +152,7 @@ def shard(src: Path, dst: Path, n: int = 2) -> list[str]:
 
 def copy_drafter(draft: Path) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "README.md", "heldout.json", "training.json"):
+    for name in ("config.json", "README.md", "heldout.json"):     # training.json is in results.json: 8 files come back
         shutil.copy(draft / name, OUT / name)
     names = shard(draft / "model.safetensors", OUT)
     return {"files": names, "mib": [round((OUT / n).stat().st_size / 2**20, 2) for n in names]}
@@ -213,8 +215,11 @@ def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_df
         for f in sorted(src.glob("model-*.safetensors")):
             sd.update(load_file(str(f)))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name in ("config.json", "README.md", "heldout.json", "training.json"):
+        for name in ("config.json", "README.md", "heldout.json"):
             shutil.copy(src / name, tmp / name)
+        res = json.loads((src / "results.json").read_text())       # training.json rides in results.json (8 files back)
+        info = {"config": res.get("train_options", {})} | res["stages"]["train"]["result"]
+        (tmp / "training.json").write_text(json.dumps(info, indent=1) + "\n")
         tmp.chmod(0o755)
         if dst.exists():
             shutil.rmtree(dst)
