@@ -1,7 +1,7 @@
 """One optimisation loop for every model the toolkit trains: AdamW, linear warm-up, cosine decay, clipping.
 
 The tiny pair calls it plainly; the drafter trainer adds resumable state, a checkpoint callback and a
-wall-clock deadline (the cosine is then fitted to the steps the deadline leaves, measured after a few steps).
+wall-clock deadline (the cosine is refitted every 50 steps to the steps the deadline leaves).
 """
 
 from __future__ import annotations
@@ -47,17 +47,17 @@ def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, 
     if st.optimizer is not None:
         opt.load_state_dict(st.optimizer)
     st.steps = st.steps or steps
-    probe = st.step + 20                         # fit the schedule to the deadline once, after 20 timed steps
-    t_probe = None
+    mark, t_mark = st.step + 5, None              # refit the schedule to the deadline every 50 timed steps
     bar = tqdm(total=st.steps, initial=st.step, desc=desc, unit="step", disable=quiet)
     while st.step < st.steps:
         if deadline is not None:
-            if st.step == probe - 15:
-                t_probe = _now()
-            elif st.step == probe and t_probe is not None:
-                per = (_now() - t_probe) / 15
-                st.steps = max(st.step + 1, min(st.steps, st.step + int((deadline - time.time()) / per)))
-                bar.total = st.steps
+            if st.step == mark:
+                now = _now()
+                if t_mark is not None:             # early steps are slow (warm-up, allocator): refitting keeps up
+                    per = (now - t_mark) / 50
+                    st.steps = max(st.step + 1, min(steps, st.step + int((deadline - time.time()) / per)))
+                    bar.total = st.steps
+                mark, t_mark = st.step + 50, now
             if time.time() >= deadline:
                 st.stopped = "deadline"
                 break
