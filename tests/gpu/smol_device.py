@@ -1,9 +1,9 @@
 """Train and measure the SmolLM2-135M-Instruct DFlash drafter on one GPU, inside 9.5 minutes.
 
 Here (CPU, once):   python tests/gpu/smol_device.py pack
-    writes .smol/part1, .smol/part2 (the 98 MB GGUF in halves), .smol/LICENSE, .smol/prompts.jsonl (the
-    ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
-Device, call 1:     mv .smol/part1 .smol1/part1; carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/`
+    writes .smol1/part1 (the GGUF's first 60 MiB), .smol/part2 (the rest), .smol/LICENSE, .smol/prompts.jsonl
+    (the ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
+Device, call 1:     carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/`
                     (ignored files that a call does not carry are deleted from the device's checkout, but /tmp
                     survives while the machine stays warm: issue call 2 within its 30 s idle window)
 Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 T0 = time.time()
 BUDGET = float(os.environ.get("SMOL_BUDGET_S", 550))     # the call's 570 s, less a margin for the copy-back
 EVAL_RESERVE = float(os.environ.get("SMOL_EVAL_S", 105))
-SMOL, WHL = ROOT / ".smol", ROOT / ".whl"
+SMOL, SMOL1, WHL = ROOT / ".smol", ROOT / ".smol1", ROOT / ".whl"   # .smol1: call 1's part, apart from call 2's
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 WORK = Path("/tmp/smol-run")
 QUICK = os.environ.get("SMOL_QUICK") == "1"
@@ -76,11 +76,12 @@ def pack() -> None:
     from toolkit.train.data import prompt_pool, write_pool
 
     SMOL.mkdir(exist_ok=True)
+    SMOL1.mkdir(exist_ok=True)
     src, lic = locate_source(None, None, SMOL / "src")
     assert sha256(src) == GGUF_SHA256
     data = src.read_bytes()
     cut = 60 * 2**20                                       # call 1 carries 60 MiB (no .device), call 2 the rest
-    (SMOL / "part1").write_bytes(data[:cut])
+    (SMOL1 / "part1").write_bytes(data[:cut])
     (SMOL / "part2").write_bytes(data[cut:])
     (SMOL / "LICENSE").write_text(lic)
     shutil.rmtree(SMOL / "src", ignore_errors=True)
@@ -89,7 +90,7 @@ def pack() -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
                     "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
                     "-d", str(WHL), "gguf"], check=True)
-    for p in sorted([*SMOL.iterdir(), *WHL.glob("gguf-*.whl")]):
+    for p in sorted([*SMOL1.iterdir(), *SMOL.iterdir(), *WHL.glob("gguf-*.whl")]):
         print(f"{p.relative_to(ROOT)}  {p.stat().st_size / 2**20:.1f} MiB")
     print(f"prompt pool: {len(pool)} prompts")
 
@@ -204,29 +205,24 @@ def run() -> None:
 
 def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_dflash")) -> None:
     """Local: the device's files as a drafter folder (one model.safetensors), written atomically."""
-    import tempfile
-
     from safetensors.torch import load_file, save_file
 
-    src, dst = Path(files_at), Path(to)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    from toolkit.synth.writer import atomic_dir
+
+    src = Path(files_at)
+    with atomic_dir(Path(to), overwrite=True) as tmp:
         sd = {}
         for f in sorted(src.glob("model-*.safetensors")):
             sd.update(load_file(str(f)))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name in ("config.json", "README.md", "heldout.json"):
-            shutil.copy(src / name, tmp / name)
+            shutil.copyfile(src / name, tmp / name)              # not copy: files_at is read-only
         res = json.loads((src / "results.json").read_text())       # training.json rides in results.json (8 files back)
         info = {"config": res.get("train_options", {})} | res["stages"]["train"]["result"]
         (tmp / "training.json").write_text(json.dumps(info, indent=1) + "\n")
-        tmp.chmod(0o755)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {dst}")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+    print(f"wrote {to}")
 
 
 if __name__ == "__main__":

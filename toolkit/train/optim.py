@@ -1,7 +1,7 @@
 """One optimisation loop for every model the toolkit trains: AdamW, linear warm-up, cosine decay, clipping.
 
 The tiny pair calls it plainly; the drafter trainer adds resumable state, a checkpoint callback and a
-wall-clock deadline (the cosine is refitted every 50 steps to the steps the deadline leaves).
+wall-clock deadline (the cosine is refitted every REFIT steps to the steps the deadline leaves).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from typing import Callable
 
 import torch
 from tqdm import tqdm
+
+
+REFIT = 50                                         # steps between refits of the schedule to a deadline
 
 
 @dataclass
@@ -47,17 +50,17 @@ def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, 
     if st.optimizer is not None:
         opt.load_state_dict(st.optimizer)
     st.steps = st.steps or steps
-    mark, t_mark = st.step + 5, None              # refit the schedule to the deadline every 50 timed steps
+    mark, t_mark = st.step + 5, None              # refit the schedule to the deadline every REFIT timed steps
     bar = tqdm(total=st.steps, initial=st.step, desc=desc, unit="step", disable=quiet)
     while st.step < st.steps:
         if deadline is not None:
             if st.step == mark:
                 now = _now()
                 if t_mark is not None:             # early steps are slow (warm-up, allocator): refitting keeps up
-                    per = (now - t_mark) / 50
-                    st.steps = max(st.step + 1, min(steps, st.step + int((deadline - time.time()) / per)))
+                    per = (now - t_mark) / REFIT
+                    st.steps = max(st.step + 1, min(steps, st.step + int((deadline - now) / per)))
                     bar.total = st.steps
-                mark, t_mark = st.step + 50, now
+                mark, t_mark = st.step + REFIT, now
             if time.time() >= deadline:
                 st.stopped = "deadline"
                 break
