@@ -1,7 +1,8 @@
 """`python -m toolkit.eval_tau`: tau of a drafter on its held-out prompts, chat and code apart, per block size.
 
 It decodes every held-out prompt (heldout.json beside the drafter, written by toolkit.train_drafter) greedily
-through the torch backend's speculative loop and reports tau (mean accepted + 1 per verification round) and
+through a backend's speculative loop (torch: one prompt after another; exllamav3: up to --concurrency prompts
+as jobs of one generator) and reports tau (mean accepted + 1 per verification round) and
 acceptance per block position from the runtime's `summarize`, as JSON. A smaller block size drafts fewer
 positions of the same drafter. --write-card puts the numbers into the drafter's README.md.
 """
@@ -22,6 +23,7 @@ from .errors import ToolkitError, run_cli
 from .runtime.backend import GenSettings
 from .runtime.events import Round, summarize
 
+PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
 CARD_TAU = re.compile(r"<!-- tau -->.*?<!-- /tau -->", re.S)
 
 
@@ -42,7 +44,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def card_text(result: dict) -> str:
-    rows = [f"tau measured by `python -m toolkit.eval_tau` on {result['device']} ({result['dtype']}), greedy, "
+    rows = [f"tau measured by `python -m toolkit.eval_tau` ({result.get('backend', 'torch')} backend) on {result['device']} "
+            f"({result['dtype']}), greedy, "
             f"{result['max_new_tokens']} new tokens, held-out prompts:", "", "| prompts | " + " | ".join(f"B={b}" for b in result["block_sizes"]) + " |",
             "| --- |" + " --- |" * len(result["block_sizes"])]
     for cat, per in result["tau"].items():
@@ -52,12 +55,17 @@ def card_text(result: dict) -> str:
 
 def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int] = (8, 16), max_new_tokens: int = 128,
              limit: int | None = None, device: str = "auto", dtype: str = "auto", minutes: float | None = None,
-             out: str | None = None, write_card: bool = False, quiet: bool = False) -> dict:
-    """Run the held-out prompts at each block size; returns (and with `out`, writes after every prompt) the result."""
+             out: str | None = None, write_card: bool = False, quiet: bool = False, backend: str = "torch",
+             concurrency: int = 16) -> dict:
+    """Run the held-out prompts at each block size; returns (and with `out`, writes after every prompt or wave) the result."""
     import torch
 
-    from .runtime.torch_backend import TorchBackend
+    from .runtime.factory import BACKENDS, load_backend
 
+    if backend not in BACKENDS:
+        raise ToolkitError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if concurrency < 1:
+        raise ToolkitError(f"--concurrency must be >= 1, got {concurrency}")
     if not block_sizes or any(b < 2 for b in block_sizes):
         raise ToolkitError(f"--block-sizes must be integers >= 2, got {list(block_sizes)}")
     if limit is not None and limit < 1:
@@ -67,28 +75,40 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
             raise ToolkitError(f"{name}: {p} is not a folder")
     held = read_heldout(Path(heldout) if heldout else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
-    if dt is None:
-        raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
-    be = TorchBackend.from_dirs(target, draft, device=dev, dtype=dt)
+    if backend == "exllamav3":                     # exllamav3 runs fp16 on the GPU; its cache is sized for one wave
+        dev, dt, wave = "cuda", torch.float16, concurrency
+        be = load_backend(backend, target, draft, max_concurrency=wave,
+                          cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256)
+        dev = torch.cuda.get_device_name()
+    else:
+        dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
+              "bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
+        if dt is None:
+            raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
+        be, wave = load_backend(backend, target, draft, device=dev, dtype=dt), 1
     sizes = sorted({min(b, be.block_size) for b in block_sizes})
     deadline = time.time() + minutes * 60 if minutes else None
     rounds: dict[tuple[str, int], list[Round]] = {(c, b): [] for c in held for b in sizes}
     done = {c: 0 for c in held}
     result: dict = {}
-    jobs = [(i, c) for i in range(max(len(v) for v in held.values())) for c in held if i < len(held[c])]
-    for i, cat in tqdm(jobs, desc="eval", unit="prompt", disable=quiet, file=sys.stderr):
-        if deadline is not None and time.time() > deadline:
-            break
-        ids = be.encode(held[cat][i])
-        for b in sizes:
-            rounds[(cat, b)] += list(be.generate(ids, GenSettings(max_new_tokens=max_new_tokens, block_size=b)))
-        done[cat] += 1
-        result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, len(jobs))
-        if out:
-            write_atomic(Path(out), json.dumps(result, indent=1) + "\n")
+    total = sum(len(v) for v in held.values())
+    # waves of up to `wave` prompts of one category, alternating categories so a cut-off run still has both
+    waves = [(c, k) for k in range(0, max(len(v) for v in held.values()), wave) for c in held if k < len(held[c])]
+    try:
+        for cat, k in tqdm(waves, desc="eval", unit="wave" if wave > 1 else "prompt", disable=quiet, file=sys.stderr):
+            if deadline is not None and time.time() > deadline:
+                break
+            ids = [be.encode(p) for p in held[cat][k : k + wave]]
+            for b in sizes:
+                rounds[(cat, b)] += decode(be, ids, GenSettings(max_new_tokens=max_new_tokens, block_size=b))
+            done[cat] += len(ids)
+            result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) | {"backend": be.name}
+            if out:
+                write_atomic(Path(out), json.dumps(result, indent=1) + "\n")
+    finally:
+        if hasattr(be, "close"):                   # exllamav3: free the GPU for the next model
+            be.close()
     if not result:
         raise ToolkitError("no prompt was evaluated (empty heldout.json or --minutes too small)")
     if write_card:
@@ -97,6 +117,13 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
         block = card_text(result)
         write_atomic(readme, CARD_TAU.sub(lambda _: block, text) if CARD_TAU.search(text) else text + "\n" + block + "\n")
     return result
+
+
+def decode(be, prompts: list[list[int]], settings: GenSettings) -> list[Round]:
+    """Every round of every prompt (one generator for all of them where the backend batches)."""
+    if hasattr(be, "generate_many"):
+        return [r for _, r in be.generate_many(prompts, settings)]
+    return [r for p in prompts for r in be.generate(p, settings)]
 
 
 def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) -> dict:
@@ -120,10 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16], help="block sizes B (default 8 16)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, help="at most N prompts per category")
-    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    ap.add_argument("--dtype", default="auto", help="auto (float16 on cuda, float32 on cpu), float16, bfloat16 or float32")
+    ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"], help="runtime (default torch)")
+    ap.add_argument("--concurrency", type=int, default=16, help="exllamav3: prompts decoded together as jobs (default 16)")
+    ap.add_argument("--device", default="auto", help="torch backend: auto (cuda when available), cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="torch backend: auto (float16 on cuda, float32 on cpu), float16, bfloat16 or float32")
     ap.add_argument("--minutes", type=float, help="stop starting new prompts after this long (partial result, complete: false)")
-    ap.add_argument("--out", help="also write the JSON here (rewritten after every prompt)")
+    ap.add_argument("--out", help="also write the JSON here (rewritten after every prompt or wave)")
     ap.add_argument("--write-card", action="store_true", help="put the tau table into DRAFT/README.md")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     print(json.dumps(eval_tau(**vars(ap.parse_args(argv))), indent=1))

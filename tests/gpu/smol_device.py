@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 T0 = time.time()
 BUDGET = float(os.environ.get("SMOL_BUDGET_S", 550))     # the call's 570 s, less a margin for the copy-back
-EVAL_RESERVE = float(os.environ.get("SMOL_EVAL_S", 105))
+EVAL_RESERVE = float(os.environ.get("SMOL_EVAL_S", 75))
+EVAL_LIMIT = int(os.environ.get("SMOL_EVAL_LIMIT", 8))     # held-out prompts per category here; all of them in call 3
+CHAT_NEEDED = 5200                                          # ShareGPT prompts read into the pool (training + held out)
 SMOL, SMOL1, WHL = ROOT / ".smol", ROOT / ".smol1", ROOT / ".whl"   # .smol1: call 1's part, apart from call 2's
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 WORK = Path("/tmp/smol-run")
@@ -85,7 +87,7 @@ def pack() -> None:
     (SMOL / "part2").write_bytes(data[cut:])
     (SMOL / "LICENSE").write_text(lic)
     shutil.rmtree(SMOL / "src", ignore_errors=True)
-    pool = prompt_pool(None, None, chat_needed=3200)
+    pool = prompt_pool(None, None, chat_needed=CHAT_NEEDED)
     write_pool(SMOL / "prompts.jsonl", pool)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
                     "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
@@ -179,8 +181,8 @@ def run() -> None:
 
     draft = WORK / "smollm2_dflash"
     minutes = (BUDGET - EVAL_RESERVE - 15 - (time.time() - T0)) / 60
-    kw = dict(chat=3000, code=1000, heldout_chat=24, heldout_code=24, max_new_tokens=192, gen_batch=512, steps=100_000,
-              batch_seqs=32, anchors=16, lr=1e-3, warmup=100, device="cuda", checkpoint_every=2000, log_every=100)
+    kw = dict(chat=5000, code=1500, heldout_chat=24, heldout_code=24, max_new_tokens=192, gen_batch=1024, steps=100_000,
+              batch_seqs=64, anchors=16, lr=1e-3, warmup=200, device="cuda", checkpoint_every=2000, log_every=100)
     if QUICK:                                               # a CPU dry run of the whole flow
         kw.update(chat=6, code=2, heldout_chat=1, heldout_code=1, max_new_tokens=16, gen_batch=8, steps=6, batch_seqs=2,
                   anchors=2, warmup=2, device="auto", log_every=1)
@@ -193,7 +195,7 @@ def run() -> None:
     from toolkit.eval_tau import eval_tau
 
     left = (BUDGET - 10 - (time.time() - T0)) / 60
-    tau = stage("eval_tau", lambda: eval_tau(str(target), str(draft), max_new_tokens=16 if QUICK else 128,
+    tau = stage("eval_tau", lambda: eval_tau(str(target), str(draft), max_new_tokens=16 if QUICK else 128, limit=EVAL_LIMIT,
                                              device="auto" if QUICK else "cuda", minutes=left,
                                              out=str(OUT / "tau.json"), write_card=True, quiet=True))
     if tau is not None:
