@@ -188,3 +188,27 @@ def test_recipe_refuses_the_older_revision(tmp_path, capsys):
     err = one_line(e)
     assert "num_hidden_layers is 8" in err and "expects 6" in err
     assert not (tmp_path / "o2").exists()
+
+
+def test_shipped_smollm2_recipe_checks_on_held_out_prompts():
+    held = json.loads(open("toolkit/data/smollm2_dflash/heldout.json").read())
+    r = load_recipe("quantize/smollm2-135m-dflash.toml")
+    assert r.model == "toolkit/data/smollm2_dflash" and r.bits == [2.0, 3.0, 4.0, 5.0, 6.0, 8.0]
+    # check prompts: the first 6 of each held-out category; calibration prompts: training prompts, none held out
+    assert r.check_prompts == held["chat"][:6] + held["code"][:6]
+    assert r.calibration_prompts and not set(r.calibration_prompts) & set(held["chat"] + held["code"])
+    assert r.thresholds_for(4.0).min_tau_ratio == 0.97 and r.thresholds_for(5.0).min_top1 == 0.80
+
+
+def test_smollm2_bitrate_table_from_the_device_data(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smol_tables", "tests/gpu/smol_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    data = json.loads(open("docs/smol_2026-12-03.json").read())
+    lines = mod.table(data).splitlines()
+    assert len(lines) == 2 + 1 + 12 and lines[2].startswith("| BF16 |")
+    assert "| 4.0 | yes | 8.8 | 0.0685 | 0.831 | 1.927 | 1.787 | 2.089 | +0.0 % / +0.8 % |" in lines
+    mod.plot(data, str(tmp_path / "q.png"))
+    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

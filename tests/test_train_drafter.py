@@ -163,3 +163,33 @@ def test_minutes_budget_fits_the_schedule_and_saves(setup):
     info, _ = run(setup, "m", steps=100_000, minutes=0.25, log_every=10)
     assert time.time() - t0 < 15 and info["planned_steps"] < 100_000 and info["steps"] >= 1
     assert (setup[0] / "m" / "model.safetensors").is_file() and not (setup[0] / "m.ckpt").exists()
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(backend="vllm"), "--backend must be one of torch, exllamav3"),
+                                    (dict(concurrency=0), "--concurrency must be >= 1"),
+                                    (dict(block_sizes=[1, 8]), "--block-sizes must be integers >= 2"),
+                                    (dict(limit=0), "--limit must be >= 1")])
+def test_eval_tau_bad_arguments(tmp_path, kw, msg):
+    from toolkit.eval_tau import eval_tau
+
+    with pytest.raises(ToolkitError) as e:
+        eval_tau(str(tmp_path), str(tmp_path), **kw)
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value)
+
+
+def test_eval_tau_cli_exits_with_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "toolkit.eval_tau", "--target", str(tmp_path), "--draft", str(tmp_path),
+                        "--concurrency", "0"], capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].endswith("--concurrency must be >= 1, got 0")
+
+
+def test_eval_tau_exllamav3_without_a_gpu_is_one_line(setup):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the exllamav3 path is covered by tests/gpu")
+    from toolkit.eval_tau import eval_tau
+
+    root, target, _ = setup
+    run(setup, "x")
+    with pytest.raises(ToolkitError) as e:
+        eval_tau(target, str(root / "x"), backend="exllamav3", max_new_tokens=4, limit=1, quiet=True)
+    assert str(e.value).startswith("no CUDA GPU found") and "--backend torch" in str(e.value)
