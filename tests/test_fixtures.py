@@ -2,8 +2,6 @@
 
 import json
 
-import torch
-
 from toolkit.dflash import DFlashConfig, load_drafter
 from toolkit.fixtures import ARCHS, spread_taps
 from toolkit.tiny_pair import build_pair, position_weights

@@ -1,7 +1,5 @@
 """Temperature > 0 keeps the target's distribution: token frequencies from speculative sampling vs exact marginals."""
 
-import itertools
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,10 +1,15 @@
-"""Files and model folders: JSON and config.json reading with one-line errors, file hashes."""
+"""Files and model folders: JSON and config.json reading with one-line errors, file hashes, atomic folder writes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .errors import ToolkitError
 
@@ -35,3 +40,27 @@ def sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+@contextmanager
+def atomic_dir(out: str | Path) -> Iterator[Path]:
+    """A temp folder beside `out` that replaces `out` only if the block finishes; otherwise it is removed.
+
+    The old `out`, if any, is moved aside before the new one takes its place, so a reader never sees a half-written
+    folder; the result is 0755 (mkdtemp's 0700 would hide a shared cache from other users)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if out.is_dir():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "x")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -24,14 +24,13 @@ import argparse
 import json
 import math
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import ToolkitError, run_cli
-from .folders import read_config
+from .folders import atomic_dir, read_config
 
 ALIGN = 128
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -122,21 +121,13 @@ def pad(src: str, dst: str, align: int = ALIGN) -> Path:
     files = sorted(s.glob("*.safetensors"))
     if not files:
         raise ToolkitError(f"{s}: no .safetensors weights to pad")
-    d.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
-    try:
+    with atomic_dir(d) as work:
         for f in s.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
                 shutil.copy2(f, work / f.name)
         for f in files:
             save_file(pad_state(load_file(str(f)), a, b), str(work / f.name), metadata={"format": "pt"})
         (work / "config.json").write_text(json.dumps(padded_config(cfg, a, b), indent=2))
-        if d.exists():
-            shutil.rmtree(d)
-        work.rename(d)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     return d
 
 

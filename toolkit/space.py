@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from .errors import ToolkitError, run_cli
+from .folders import atomic_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADIO_VERSION = "6.31.0"      # the sdk_version written when gradio is not installed here
@@ -92,20 +92,14 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     out = Path(dir)
     if out.exists() and any(out.iterdir()) and not force:
         raise ToolkitError(f"dir: {out} exists and is not empty (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    if out.exists() and not out.is_dir():
+        raise ToolkitError(f"dir: {out} exists and is not a folder")
+    with atomic_dir(out) as tmp:
         copy_package(tmp)
         (tmp / "requirements.txt").write_text("\n".join(requirements(hardware)) + "\n")
         (tmp / "README.md").write_text(readme(hardware, target, draft, title))
         (tmp / "space.json").write_text(json.dumps({"target": target, "draft": draft, "backend": backend}, indent=2) + "\n")
         (tmp / ".gitattributes").write_text(GITATTRIBUTES)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"wrote {out} ({sum(1 for p in out.rglob('*') if p.is_file())} files); push with: "
           f"hf upload <user>/<space> {out} . --repo-type space")
     return out

@@ -14,8 +14,6 @@ import argparse
 import inspect
 import importlib
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from tqdm import tqdm
 
 from .dflash import DFlashConfig, DFlashDraft, gather_taps, save_drafter
 from .errors import run_cli
+from .folders import atomic_dir
 from .fixtures import CHAT_TEMPLATE, MASK_TOKEN, PAIR, drafter_config, target_config
 from .train import block_batch, optimize, position_weights  # noqa: F401  (position_weights: re-exported)
 
@@ -121,8 +120,7 @@ def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1500, dr
     torch.manual_seed(seed)
     t0 = time.time()
     final = Path(out)
-    work = Path(tempfile.mkdtemp(prefix=".tiny_pair.", dir=final.parent if final.parent.exists() else None))
-    try:
+    with atomic_dir(final) as work:
         text = corpus()
         tok = train_tokenizer(text, work / "target")
         ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
@@ -146,12 +144,6 @@ def build_pair(out: str = str(PAIR), seed: int = 0, target_steps: int = 1500, dr
                 "tap_shift 0, trained on the target's greedy continuations of 32-token corpus windows.\n")
         save_drafter(drafter, work / "draft", dtype=torch.bfloat16, extra_files={"README.md": card})
         (work / "README.md").write_text(card)
-        if final.exists():
-            shutil.rmtree(final)
-        work.rename(final)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     print(json.dumps({"out": str(final), "seconds": round(time.time() - t0, 1)}))
     return final
 

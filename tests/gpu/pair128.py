@@ -18,7 +18,7 @@ def train_pair(out: Path, hidden: int = 128, target_steps: int = 1200, draft_ste
     from transformers import AutoTokenizer
 
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import MASK_TOKEN, TOKENIZER, copy_tokenizer, drafter_config, target_config
+    from toolkit.fixtures import TOKENIZER, copy_tokenizer, drafter_config, target_config
     from toolkit.tiny_pair import corpus, self_distill, train_drafter, train_target
 
     t0 = time.time()

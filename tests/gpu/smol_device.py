@@ -209,10 +209,10 @@ def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_df
     """Local: the device's files as a drafter folder (one model.safetensors), written atomically."""
     from safetensors.torch import load_file, save_file
 
-    from toolkit.synth.writer import atomic_dir
+    from toolkit.folders import atomic_dir
 
     src = Path(files_at)
-    with atomic_dir(Path(to), overwrite=True) as tmp:
+    with atomic_dir(Path(to)) as tmp:
         sd = {}
         for f in sorted(src.glob("model-*.safetensors")):
             sd.update(load_file(str(f)))

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import ToolkitError
+from ..folders import atomic_dir
 from .config import DFlashConfig
 from .model import DFlashDraft
 
@@ -63,9 +61,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
 def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict | None = None) -> Path:
     """Write config.json + model.safetensors atomically: a temp folder renamed into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         cfg = model.config.to_dict()
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -75,10 +71,4 @@ def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torc
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path

@@ -8,9 +8,6 @@ post-attention norm output, down act(gate)*up. exllamav3 divides its own capture
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -20,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import ToolkitError
+from ..folders import atomic_dir
 from .blocks import blocks, run_target
 
 
@@ -67,21 +65,13 @@ class HessianAccumulator:
 def write_hessians(hessians: dict[str, torch.Tensor], out_dir: Path, rows: dict[str, int] | None = None) -> Path:
     """<key>.safetensors with `hin` (in, in) per Linear, written to a temp folder renamed into place."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        for key, h in hessians.items():
-            meta = {"rows": str((rows or {}).get(key, 0)), "format": "pt"}
-            save_file({"hin": h.to(torch.float32).contiguous()}, str(tmp / f"{key}.safetensors"), metadata=meta)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        with atomic_dir(out_dir) as tmp:
+            for key, h in hessians.items():
+                meta = {"rows": str((rows or {}).get(key, 0)), "format": "pt"}
+                save_file({"hin": h.to(torch.float32).contiguous()}, str(tmp / f"{key}.safetensors"), metadata=meta)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise ToolkitError(f"calibration: cannot write Hessians to {out_dir} ({e.strerror or e})") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

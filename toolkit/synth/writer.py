@@ -8,16 +8,15 @@ layout exllamav3's compile step writes: `model.safetensors`, or `model-0000i-of-
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
+from .. import folders
 from ..errors import ToolkitError
 from .layout import TensorSpec
 
@@ -103,27 +102,14 @@ def write_index(folder: Path, shards: list[list[TensorSpec]]) -> None:
 
 @contextmanager
 def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """A temp folder beside `out` that becomes `out` only if the block finishes; otherwise it is removed."""
+    """folders.atomic_dir, refusing an `out` that is a file, or a non-empty folder without overwrite."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ToolkitError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.synth-", dir=out.parent))
-    try:
+    with folders.atomic_dir(out) as tmp:
         yield tmp
-        os.chmod(tmp, 0o755)                           # mkdtemp makes it 0700
-        if out.is_dir():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_space(folder: Path, need: int) -> None:
