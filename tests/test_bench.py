@@ -40,13 +40,33 @@ def test_bench_grid_json_and_plot(result):
         assert c["tau"] >= 1.0 and c["tokens"] == ar[c["concurrency"]]["tokens"] and c["jobs"] == {1: 3, 2: 4}[c["concurrency"]]
 
 
+def test_best_per_concurrency_picks_the_fastest_or_ar(result):
+    from toolkit.bench import best_per_concurrency
+
+    r, _ = result
+    assert [b["concurrency"] for b in r["best"]] == [1, 2]
+    for b in r["best"]:
+        spec = [c for c in r["cells"] if c["concurrency"] == b["concurrency"]]
+        top = max(spec, key=lambda c: c["tok_s"])
+        if b["block_size"] is None:
+            assert top["speedup"] <= 1.0 and b["speedup"] == 1.0
+        else:
+            assert b["block_size"] == top["block_size"] and b["speedup"] == top["speedup"] > 1.0
+    ar = [{"concurrency": 1, "tok_s": 50.0}, {"concurrency": 8, "tok_s": 500.0}]
+    cells = [{"concurrency": 1, "block_size": 8, "tok_s": 100.0, "speedup": 2.0},
+             {"concurrency": 1, "block_size": 16, "tok_s": 80.0, "speedup": 1.6},
+             {"concurrency": 8, "block_size": 8, "tok_s": 400.0, "speedup": 0.8}]
+    assert best_per_concurrency(ar, cells) == [{"concurrency": 1, "block_size": 8, "speedup": 2.0},
+                                               {"concurrency": 8, "block_size": None, "speedup": 1.0}]
+
+
 def test_cli_prints_the_table(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Return the number of items", "category": "doc"}\n\nSplit the string at sep\n')
     main(["--prompts", str(prompts), "--block-sizes", "8", "--concurrency", "1", "--max-new-tokens", "8",
           "--out", str(tmp_path / "o"), "--raw", "--no-warmup"])
     out = capsys.readouterr().out
-    assert "speedup" in out and "  8     1" in out
+    assert "speedup" in out and "  8     1" in out and "fastest measured per concurrency: c=1: " in out
     r = json.loads((tmp_path / "o" / "bench.json").read_text())
     assert r["categories"] == ["doc", "file"] and r["raw"] is True
 

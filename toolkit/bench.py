@@ -75,6 +75,19 @@ def job_list(ids: list[list[int]], conc: int) -> list[list[int]]:
     return [ids[j % len(ids)] for j in range(n)]
 
 
+def best_per_concurrency(ar_cells: list[dict], cells: list[dict]) -> list[dict]:
+    """For each concurrency, the measured setting with the most tok/s: a block size, or plain AR when speculation loses."""
+    out = []
+    for a in ar_cells:
+        c = a["concurrency"]
+        spec = max((x for x in cells if x["concurrency"] == c), key=lambda x: x["tok_s"], default=None)
+        if spec is not None and spec["tok_s"] > a["tok_s"]:
+            out.append({"concurrency": c, "block_size": spec["block_size"], "speedup": spec["speedup"]})
+        else:
+            out.append({"concurrency": c, "block_size": None, "speedup": 1.0})   # AR is at least as fast
+    return out
+
+
 def print_table(result: dict, file=None) -> None:
     file = file or sys.stdout
     ar = {c["concurrency"]: c for c in result["ar"]}
@@ -86,6 +99,10 @@ def print_table(result: dict, file=None) -> None:
         acc = " ".join(f"{a:.2f}" for a in c["accept_per_position"])
         print(f"{c['block_size']:>3} {c['concurrency']:>5} {c['tau']:>6.2f} {c['tok_s']:>11.1f} "
               f"{ar[c['concurrency']]['tok_s']:>10.1f} {c['speedup']:>7.2f}x {loss:>9}  {acc}", file=file)
+    picks = [f"c={b['concurrency']}: " + (f"B={b['block_size']} ({b['speedup']:.2f}x)" if b["block_size"] else "AR (speculation slower)")
+             for b in result.get("best", [])]
+    if picks:
+        print("fastest measured per concurrency: " + ", ".join(picks), file=file)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -201,6 +218,7 @@ def bench(
         "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
         "cache_tokens": getattr(be, "cache_tokens", None), "ar": ar_cells, "cells": cells,
+        "best": best_per_concurrency(ar_cells, cells),
     }
     write_outputs(result, Path(out))
     if not quiet:
