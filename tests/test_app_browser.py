@@ -1,7 +1,8 @@
 """Real browser: Debian chromium driven by Playwright against the app on the tiny pair, plus a screenshot.
 
 Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/screenshot.png to refresh
-the docs screenshot from this run.
+the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
+(docs/screenshot_smollm2.png was made that way).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
+TINY = os.environ.get("DFLASH_DEMO", "tiny").lower() == "tiny"
+PROMPT = "json.dumps" if TINY else "Write a Python function that returns the n-th Fibonacci number."
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
@@ -40,8 +43,8 @@ def test_browser_chat_round(url, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(url)
-            page.get_by_text("Demo on tiny models").wait_for()
-            page.locator("#dfl-input textarea").fill("json.dumps")
+            page.get_by_text("Demo on tiny models" if TINY else "SmolLM2").first.wait_for()
+            page.locator("#dfl-input textarea").fill(PROMPT)
             page.locator("#dfl-send").click()
             page.locator(".dfl-banner.done").wait_for(timeout=120_000)      # both panels finished
             banner = page.locator(".dfl-banner.done").inner_text()
