@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from .errors import ToolkitError, run_cli
-from .folders import atomic_dir
+from .folders import atomic_dir, check_out
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADIO_VERSION = "6.31.0"      # the sdk_version written when gradio is not installed here
@@ -90,10 +90,7 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     if backend not in ("auto", "torch", "exllamav3"):
         raise ToolkitError(f"backend must be auto, torch or exllamav3, got {backend!r}")
     out = Path(dir)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ToolkitError(f"dir: {out} exists and is not empty (pass --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise ToolkitError(f"dir: {out} exists and is not a folder")
+    check_out(out, "dir: ", force, "--force")
     with atomic_dir(out) as tmp:
         copy_package(tmp)
         (tmp / "requirements.txt").write_text("\n".join(requirements(hardware)) + "\n")

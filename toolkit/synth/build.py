@@ -13,11 +13,11 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ToolkitError
-from ..folders import read_json
+from ..folders import atomic_dir, check_out, read_json
 from .codebook import CODEBOOKS, codebook_table, decode_linear
 from .layout import Plan, TensorSpec, build_plan
 from .tokenizer import write_tokenizer
-from .writer import SMALL, Staging, atomic_dir, check_space, human, plan_shards, shard_names, write_index, write_shard
+from .writer import SMALL, Staging, check_space, human, plan_shards, shard_names, write_index, write_shard
 
 EXL3_VERSION = "1.6.5"
 BITS = range(1, 9)
@@ -152,7 +152,8 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
     shards = plan_shards(plan.groups, int(o.shard_gb * 1024**3))
     names = shard_names(len(shards))
     make, check = Filler(o.device, o.seed, o.codebook), Checker(plan, o.codebook, o.std)
-    with atomic_dir(o.out, o.overwrite) as tmp:
+    check_out(o.out, "--out ", o.overwrite, "--overwrite")
+    with atomic_dir(o.out) as tmp:
         check_space(tmp, plan.nbytes)
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"synth {o.out.name}", disable=quiet, file=sys.stderr)
         staging = Staging()

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from .. import folders
 from ..errors import ToolkitError
 from .layout import TensorSpec
 
@@ -98,18 +96,6 @@ def write_index(folder: Path, shards: list[list[TensorSpec]]) -> None:
     wm = {t.name: name for name, s in zip(names, shards) for t in s}
     total = sum(t.nbytes for s in shards for t in s)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=1))
-
-
-@contextmanager
-def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """folders.atomic_dir, refusing an `out` that is a file, or a non-empty folder without overwrite."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ToolkitError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ToolkitError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
-    with folders.atomic_dir(out) as tmp:
-        yield tmp
 
 
 def check_space(folder: Path, need: int) -> None:
