@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from toolkit.errors import run_cli
+from toolkit.core.errors import run_cli
 
 
 def main(argv=None):
@@ -31,7 +31,7 @@ def main(argv=None):
 
     from toolkit.app import launch_app
 
-    cfg = Path(__file__).with_name("space.json")        # written by `python -m toolkit.space export`
+    cfg = Path(__file__).with_name("space.json")        # written by `python -m toolkit.hub.space export`
     launch_app(**vars(args), defaults=json.loads(cfg.read_text()) if cfg.is_file() else None)
 
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round
 

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """Random tiny targets + drafters for every supported architecture: {arch: (target_dir, draft_dir)}."""
-    from toolkit.fixtures import ARCHS, build
+    from toolkit.assets.fixtures import ARCHS, build
 
     root = tmp_path_factory.mktemp("fixtures")
     return {arch: build(root, arch=arch, block_size=16, seed=0) for arch in ARCHS}
@@ -33,7 +33,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pair():
-    from toolkit.fixtures import tiny_pair
+    from toolkit.assets.fixtures import tiny_pair
 
     return tiny_pair()
 

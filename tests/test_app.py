@@ -15,7 +15,7 @@ from app_fakes import FakeBackend  # noqa: E402
 from toolkit.app import render  # noqa: E402
 from toolkit.app.handlers import ChatHandler  # noqa: E402
 from toolkit.app.models import Hardware, Loaded, ModelSpec, choose_backend, gpu_wrap, load  # noqa: E402
-from toolkit.errors import ToolkitError  # noqa: E402
+from toolkit.core.errors import ToolkitError  # noqa: E402
 from toolkit.runtime.events import Round  # noqa: E402
 
 OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]
@@ -189,7 +189,7 @@ def test_load_failures_become_messages(tmp_path):
 def test_mismatched_drafter_is_reported(tmp_path):
     import json
 
-    from toolkit.fixtures import tiny_pair
+    from toolkit.assets.fixtures import tiny_pair
 
     target, draft = tiny_pair()
     cfg = json.loads((target / "config.json").read_text())
@@ -206,7 +206,7 @@ class ChatFake(FakeBackend):
     def __init__(self, **kw):
         from transformers import AutoTokenizer
 
-        from toolkit.fixtures import tiny_pair
+        from toolkit.assets.fixtures import tiny_pair
 
         super().__init__(tokenizer=AutoTokenizer.from_pretrained(str(tiny_pair()[0])), **kw)
         self.prompts: list[tuple[bool, list[int]]] = []

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.bench import bench, job_list, main, run_jobs
-from toolkit.bench_prompts import BUILTIN, load_prompts
-from toolkit.errors import ToolkitError
+from toolkit.assets.prompts import BUILTIN, load_prompts
+from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 

@@ -7,8 +7,8 @@ import random
 import pytest
 from huggingface_hub import ModelCard
 
-from toolkit.card import NOT_MEASURED, render_card
-from toolkit.errors import ToolkitError
+from toolkit.hub.card import NOT_MEASURED, render_card
+from toolkit.core.errors import ToolkitError
 
 
 def sample_report(seed: int = 0, bits=(4.0, 3.0), uncalibrated=(4.0,), measured: bool = True) -> dict:

@@ -7,8 +7,8 @@ import time
 import pytest
 from safetensors import safe_open
 
-from toolkit import demo
-from toolkit.errors import ToolkitError
+from toolkit.assets import smollm2 as demo
+from toolkit.core.errors import ToolkitError
 
 pytest.importorskip("gguf")
 

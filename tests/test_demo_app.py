@@ -10,7 +10,7 @@ from gradio_client import Client  # noqa: E402
 
 from toolkit.app.models import Hardware, ModelSpec, load  # noqa: E402
 from toolkit.app.ui import build_app, serve  # noqa: E402
-from toolkit.demo import DRAFT  # noqa: E402
+from toolkit.assets.smollm2 import DRAFT  # noqa: E402
 
 OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]
 

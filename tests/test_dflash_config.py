@@ -3,7 +3,7 @@ import json
 import pytest
 
 from toolkit.dflash import DFlashConfig
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 
 # The current upstream revision of z-lab/Qwen3.6-35B-A3B-DFlash, as documented (nested dflash_config).
 CURRENT = {

@@ -5,7 +5,7 @@ import math
 import torch
 
 from toolkit.dflash import DFlashConfig, DraftCache
-from toolkit.fixtures import drafter_config, random_drafter
+from toolkit.assets.fixtures import drafter_config, random_drafter
 
 
 def tiny(window=3, block=4, is_causal=None):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 from toolkit.runtime.exl3_hook import JobTrack, build_round, check_version, recording_generator_class

@@ -3,8 +3,8 @@
 import json
 
 from toolkit.dflash import DFlashConfig, load_drafter
-from toolkit.fixtures import ARCHS, spread_taps
-from toolkit.tiny_pair import build_pair, position_weights
+from toolkit.assets.fixtures import ARCHS, spread_taps
+from toolkit.train.tiny import build_pair, position_weights
 
 
 def test_every_arch_builds_in_upstream_layout(models):

@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from toolkit.errors import ToolkitError
-from toolkit.folders import atomic_dir, check_out
+from toolkit.core.errors import ToolkitError
+from toolkit.core.folders import atomic_dir, check_out
 
 
 def test_new_folder_appears_whole_and_readable(tmp_path):
@@ -42,7 +42,7 @@ def test_save_drafter_writes_through_it(tmp_path):
     import torch
 
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import drafter_config, random_drafter
+    from toolkit.assets.fixtures import drafter_config, random_drafter
 
     d = save_drafter(random_drafter(drafter_config(16, [0], 5, 4, vocab_size=64, target_layers=2)), tmp_path / "d",
                      dtype=torch.float32)

@@ -50,7 +50,7 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
 
 def test_mismatched_drafter_is_refused(tmp_path, pair):
     big = tmp_path / "big"
-    from toolkit.fixtures import build
+    from toolkit.assets.fixtures import build
     t, _ = build(big, arch="llama", hidden=64)
     r = cli("--target", str(t), "--draft", str(pair[1]), "--prompt", "hi")
     assert r.returncode == 2 and "hidden_size: drafter has 128, target has 64" in r.stderr

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit.dflash import load_drafter, save_drafter
-from toolkit.errors import ToolkitError
-from toolkit.fixtures import drafter_config, random_drafter
+from toolkit.core.errors import ToolkitError
+from toolkit.assets.fixtures import drafter_config, random_drafter
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
-"""toolkit.pad: a zero-padded copy computes the same logits, and every width is 128-aligned."""
+"""toolkit.assets.padding: a zero-padded copy computes the same logits, and every width is 128-aligned."""
 
 import json
 
 import pytest
 import torch
 
-from toolkit.errors import ToolkitError
-from toolkit.pad import pad, padded_widths
+from toolkit.core.errors import ToolkitError
+from toolkit.assets.padding import pad, padded_widths
 
 
 def smol_like(tmp_path, layers=2):
@@ -52,7 +52,7 @@ def test_refuses_other_families(tmp_path):
 def test_padded_pair_decodes_the_same(tmp_path):
     """A drafter padded alongside its target drafts the same blocks: same tokens and same rounds, fp32 on CPU."""
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import copy_tokenizer, drafter_config, random_drafter
+    from toolkit.assets.fixtures import copy_tokenizer, drafter_config, random_drafter
     from toolkit.runtime.backend import GenSettings
     from toolkit.runtime.torch_backend import TorchBackend
 

@@ -19,9 +19,9 @@ from safetensors.numpy import save_file
 
 from hubserver import Fault, HubServer
 from test_card import parse_table, sample_report
-from toolkit.card import render_card
-from toolkit.errors import ToolkitError
-from toolkit.push import hub_endpoint, push
+from toolkit.hub.card import render_card
+from toolkit.core.errors import ToolkitError
+from toolkit.hub.push import hub_endpoint, push
 
 TOKEN = "hf_testtoken_a1b2c3d4e5f6"  # alice, a distinctive string we look for in every output
 BOB = "hf_bobtoken_zz9"
@@ -240,7 +240,7 @@ def test_quantize_push_download_round_trip(hub, tmp_path, pair, monkeypatch):
     """python -m toolkit.quantize ... --push REPO on the tiny pair (only the exllamav3 subprocess faked)."""
     import test_quantize_fakes as quantize_fakes
     from test_quantize_pipeline import write_recipe
-    from toolkit.quantize import quantize
+    from toolkit.quant import quantize
 
     quantize_fakes.install(monkeypatch)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # what HF_ENDPOINT=... does for a real mirror

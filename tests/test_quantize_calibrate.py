@@ -7,11 +7,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from toolkit.errors import ToolkitError
-from toolkit.fixtures import drafter_config, random_drafter
-from toolkit.quantize.blocks import anchors
-from toolkit.quantize.calibrate import HessianAccumulator, calibrate, write_hessians
-from toolkit.quantize.validate import linear_keys
+from toolkit.core.errors import ToolkitError
+from toolkit.assets.fixtures import drafter_config, random_drafter
+from toolkit.quant.blocks import anchors
+from toolkit.quant.calibrate import HessianAccumulator, calibrate, write_hessians
+from toolkit.quant.validate import linear_keys
 
 
 class Small(nn.Module):
@@ -79,7 +79,7 @@ def test_hessian_files_in_exllamav3_layout(tmp_path):
 
 def test_hessian_write_failure_leaves_nothing(tmp_path, monkeypatch):
     import errno
-    import toolkit.quantize.calibrate as c
+    import toolkit.quant.calibrate as c
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -92,8 +92,8 @@ def test_hessian_write_failure_leaves_nothing(tmp_path, monkeypatch):
 
 def test_calibrate_on_tiny_pair(tmp_path, pair):
     from toolkit.dflash import load_drafter
-    from toolkit.quantize.blocks import load_target
-    from toolkit.quantize.pipeline import encode_all
+    from toolkit.quant.blocks import load_target
+    from toolkit.quant.pipeline import encode_all
 
     t, d = pair
     target, tok = load_target(t)

@@ -1,4 +1,4 @@
-"""A stand-in for exllamav3's convert_model, patched in at toolkit.quantize.convert.run_converter only.
+"""A stand-in for exllamav3's convert_model, patched in at toolkit.quant.convert.run_converter only.
 
 It parses the same arguments, writes what compile_model writes (config.json + quantization_config, safetensors
 with every norm kept) and rounds each Linear to `bits` (per-row uniform grid) so the check has real error to
@@ -71,7 +71,7 @@ def convert(args: list[str], log_path: Path, mode: str = "ok") -> int:
 
 def install(monkeypatch, modes: dict[float, str] | None = None) -> list[dict]:
     """Patch the converter boundary (and the GPU probe); modes maps bits -> failure mode."""
-    from toolkit.quantize import convert as conv
+    from toolkit.quant import convert as conv
 
     CALLS.clear()
 

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 import test_quantize_fakes as quantize_fakes
-from toolkit.errors import ToolkitError
-from toolkit.quantize import quantize
-from toolkit.quantize.__main__ import main
+from toolkit.core.errors import ToolkitError
+from toolkit.quant import quantize
+from toolkit.quantize import main
 
 # The shipped pair answers stdlib names with their docstrings: prompts from its domain, calibration and check disjoint.
 CAL = ["json.dumps", "textwrap.wrap", "shutil.copy", "random.choice"]
@@ -147,7 +147,7 @@ def test_thresholds_fail_with_nonzero_exit(tmp_path, pair, monkeypatch, capsys):
     t, d = pair
     recipe = write_recipe(tmp_path / "r.toml", t, thresholds='default = { min_top1 = 0.999, max_kl = 0.0001 }')
     with pytest.raises(SystemExit) as e:
-        from toolkit.errors import run_cli
+        from toolkit.core.errors import run_cli
         run_cli(lambda: main(["--recipe", str(recipe), "--model", str(d), "--out", str(tmp_path / "out"),
                               "--bits", "2", "--no-calibrate", "--device", "cpu"]))
     assert e.value.code == 2
@@ -169,7 +169,7 @@ def test_out_exists_without_force(tmp_path, pair, monkeypatch):
 
 
 def test_no_gpu_says_so(tmp_path, pair, monkeypatch):
-    import toolkit.quantize.convert as conv
+    import toolkit.quant.convert as conv
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ToolkitError, match="no CUDA GPU.*--dry-run"):

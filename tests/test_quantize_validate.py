@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from fixtures_upstream import write_upstream_drafter, write_upstream_target
 from toolkit.dflash import save_drafter
-from toolkit.errors import ToolkitError
-from toolkit.fixtures import drafter_config, random_drafter
-from toolkit.quantize.__main__ import main
-from toolkit.quantize.plan import expected_size, make_plan
-from toolkit.quantize.recipe import branch_name, load_recipe, parse_bits
-from toolkit.quantize.validate import read_header, validate
+from toolkit.core.errors import ToolkitError
+from toolkit.assets.fixtures import drafter_config, random_drafter
+from toolkit.quantize import main
+from toolkit.quant.plan import expected_size, make_plan
+from toolkit.quant.recipe import branch_name, load_recipe, parse_bits
+from toolkit.quant.validate import read_header, validate
 
 RECIPE = "quantize/qwen3.6-35b-a3b-dflash.toml"
 
@@ -176,7 +176,7 @@ def test_recipe_refuses_the_older_revision(tmp_path, capsys):
     from pathlib import Path as _Path
 
     from test_dflash_config import CURRENT, OLDER
-    from toolkit.quantize.__main__ import main as _main
+    from toolkit.quantize import main as _main
 
     recipe = _Path(__file__).resolve().parents[1] / "quantize" / "qwen3.6-35b-a3b-dflash.toml"
     for name, cfg in (("current", CURRENT), ("older", OLDER)):

@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from toolkit.fixtures import drafter_config, random_drafter
+from toolkit.assets.fixtures import drafter_config, random_drafter
 from toolkit.runtime.loop import decode
 from toolkit.runtime.sampling import Sampler
 from toolkit.runtime.torch_backend import TorchSteps

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolkit import space
+from toolkit.hub import space
 from toolkit.app.models import Hardware, ModelSpec, gpu_wrap
 
 ROOT = Path(__file__).resolve().parent.parent

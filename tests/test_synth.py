@@ -1,4 +1,4 @@
-"""toolkit.synth (synthetic EXL3 checkpoints), its reference trellis decoder, and toolkit.perf on a fake perf.json."""
+"""toolkit.synthetic (synthetic EXL3 checkpoints), its reference trellis decoder, and toolkit.perf on a fake perf.json."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from toolkit.errors import ToolkitError, run_cli
-from toolkit.synth import build_plan, codebook_table, decode_linear, synth
-from toolkit.synth.__main__ import main as synth_main
-from toolkit.synth.codebook import MUL1_BIAS, MUL1_K_INV, pack_tiles, tensor_core_perm, tile_states
-from toolkit.synth.tokenizer import build_tokenizer, specials_for
+from toolkit.core.errors import ToolkitError, run_cli
+from toolkit.synthetic import build_plan, codebook_table, decode_linear, synth
+from toolkit.synth import main as synth_main
+from toolkit.synthetic.codebook import MUL1_BIAS, MUL1_K_INV, pack_tiles, tensor_core_perm, tile_states
+from toolkit.synthetic.tokenizer import build_tokenizer, specials_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
@@ -202,7 +202,7 @@ def test_real_shapes_plan():
 
 
 def test_failure_leaves_nothing(tmp_path, monkeypatch):
-    from toolkit.synth import build
+    from toolkit.synthetic import build
 
     calls = {"n": 0}
     real = build.Filler.__call__

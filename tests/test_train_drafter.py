@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import toolkit.train_drafter as td
-from toolkit.bench_prompts import Prompt
+import toolkit.train.trainer as td
+from toolkit.assets.prompts import Prompt
 from toolkit.dflash import DFlashConfig, load_drafter
-from toolkit.errors import ToolkitError
-from toolkit.fixtures import build, drafter_config, random_drafter
+from toolkit.core.errors import ToolkitError
+from toolkit.assets.fixtures import build, drafter_config, random_drafter
 from toolkit.train.data import is_heldout, read_json_array, sharegpt_prompts, split, write_pool
 from toolkit.train.objective import anchor_batch, anchor_forward
 

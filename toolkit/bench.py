@@ -21,8 +21,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .bench_prompts import load_prompts
-from .errors import ToolkitError, run_cli
+from .assets.prompts import load_prompts
+from .core.errors import ToolkitError, run_cli
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize, tokens_of
 
@@ -154,7 +154,7 @@ def bench(
     from .runtime.factory import load_backend
 
     if target is None and draft is None:
-        from .fixtures import tiny_pair
+        from .assets.pairs import tiny_pair
 
         target, draft = (str(p) for p in tiny_pair())
     if target is None or draft is None:

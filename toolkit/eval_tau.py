@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import ToolkitError, run_cli
+from .core.errors import ToolkitError, run_cli
 from .runtime.backend import GenSettings
 from .runtime.events import Round, summarize
 

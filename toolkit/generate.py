@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import ToolkitError, run_cli
+from .core.errors import ToolkitError, run_cli
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize, tokens_of
 
@@ -21,7 +21,7 @@ from .runtime.events import Round, summarize, tokens_of
 def load(backend: str, target: str | None, draft: str | None, device: str | None = None) -> Backend:
     """The named backend over the given folders, or over the shipped tiny pair when none are given."""
     if target is None and draft is None:
-        from .fixtures import tiny_pair
+        from .assets.pairs import tiny_pair
 
         target, draft = (str(p) for p in tiny_pair())
     elif target is None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import ToolkitError, run_cli
-from .folders import read_json
+from .core.errors import ToolkitError, run_cli
+from .core.folders import read_json
 
 # Published for z-lab/Qwen3.6-35B-A3B-DFlash (seed model card; SGLang on B200, concurrency 1)
 BENCHES = ("math500", "gsm8k", "humaneval", "mbpp", "mt-bench")

@@ -70,7 +70,7 @@ def check(name: str, fn, *a):
 
 
 def fixtures(trained: bool) -> tuple[str, str]:
-    from toolkit.fixtures import build
+    from toolkit.assets.fixtures import build
 
     if trained:
         from pair128 import train_pair

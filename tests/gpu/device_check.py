@@ -105,7 +105,7 @@ def build_fixtures() -> dict:
     import shutil
 
     from pair128 import moe_pair, train_pair
-    from toolkit.fixtures import build
+    from toolkit.assets.fixtures import build
 
     WORK.mkdir(parents=True, exist_ok=True)
     out = {}
@@ -137,7 +137,7 @@ def build_fixtures() -> dict:
 
 def doc_prompts(tokenizer, n: int = 24, length: int = 32) -> list[list[int]]:
     """32-token windows of stdlib docstrings: the tiny pair's training domain, so rounds accept 0..B-1."""
-    from toolkit.tiny_pair import corpus
+    from toolkit.train.tiny import corpus
 
     ids = tokenizer.encode(corpus())
     step = (len(ids) - length) // (n + 1)
@@ -412,7 +412,7 @@ def check_cli() -> dict:
 
 @check("errors")
 def check_errors() -> dict:
-    from toolkit.errors import ToolkitError
+    from toolkit.core.errors import ToolkitError
     from toolkit.runtime.exl3_backend import Exl3Backend
 
     import shutil

@@ -1,6 +1,6 @@
 """Device-side fixtures exllamav3 can load: its linears pad to multiples of 128 (and EXL3 conversion needs
 128-divisible input dims), so the shipped hidden-64 pair does not load there. This trains a hidden-128 pair
-with the same recipe (toolkit.tiny_pair's functions and tokenizer) on the GPU in well under a minute, and
+with the same recipe (toolkit.train.tiny's functions and tokenizer) on the GPU in well under a minute, and
 renames a Qwen3.5-MoE fixture's tensors to the `model.language_model.` prefix exllamav3 reads."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ def train_pair(out: Path, hidden: int = 128, target_steps: int = 1200, draft_ste
     from transformers import AutoTokenizer
 
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import TOKENIZER, copy_tokenizer, drafter_config, target_config
-    from toolkit.tiny_pair import corpus, self_distill, train_drafter, train_target
+    from toolkit.assets.fixtures import TOKENIZER, copy_tokenizer, drafter_config, target_config
+    from toolkit.train.tiny import corpus, self_distill, train_drafter, train_target
 
     t0 = time.time()
     tdir, ddir = out / "target", out / "draft"
@@ -77,8 +77,8 @@ def moe_pair(out: Path, hidden: int = 128, seed: int = 0, trained: bool = False,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import TOKENIZER, copy_tokenizer, drafter_config, random_drafter, spread_taps, target_config
-    from toolkit.tiny_pair import corpus, self_distill, train_drafter, train_target
+    from toolkit.assets.fixtures import TOKENIZER, copy_tokenizer, drafter_config, random_drafter, spread_taps, target_config
+    from toolkit.train.tiny import corpus, self_distill, train_drafter, train_target
 
     tdir, ddir = out / "target-src", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)

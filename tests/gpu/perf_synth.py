@@ -2,7 +2,7 @@
 
     source .device/on-device.sh && timeout 540 python tests/gpu/perf_synth.py        (carry [".device"])
 
-1. synthesise (toolkit.synth, on the GPU) the Qwen3.6-35B-A3B target at 4.0 bpw and the DFlash drafter at
+1. synthesise (toolkit.synthetic, on the GPU) the Qwen3.6-35B-A3B target at 4.0 bpw and the DFlash drafter at
    4.0, 6.0 and 8.0 bpw into /tmp/perf, timed (target: <= 180 s for the target);
 2. load target + drafter 6.0 through Exl3Backend.from_dirs (caches first, the same size for both,
    max_history 15, drafter then target with draft_model=);
@@ -83,7 +83,7 @@ def guarded(name: str, fn, *a, need_s: float = 0.0, **k):
 
 
 def synth_all() -> dict:
-    from toolkit.synth import synth
+    from toolkit.synthetic import synth
 
     out = {}
     jobs = [("target", SHAPES / "qwen3.6-35b-a3b.json", 4, ARGS.work / "target-4.0")]
@@ -293,7 +293,7 @@ def layout_check() -> dict:
     from safetensors import safe_open
 
     from pair128 import moe_pair
-    from toolkit.synth import synth
+    from toolkit.synthetic import synth
 
     work = ARGS.work / "layout"
     target_src, draft_src = moe_pair(work / "src")

@@ -1,4 +1,4 @@
-"""Device run of toolkit.quantize (issue 3), end to end with the real exllamav3 converter; prints and writes JSON.
+"""Device run of toolkit.quant (issue 3), end to end with the real exllamav3 converter; prints and writes JSON.
 
   source .device/on-device.sh && python tests/gpu/quantize_device.py --out "$OUT"     (carry [".device"])
 
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from toolkit.errors import ToolkitError  # noqa: E402
-from toolkit.quantize import convert as conv  # noqa: E402
-from toolkit.quantize import quantize  # noqa: E402
+from toolkit.core.errors import ToolkitError  # noqa: E402
+from toolkit.quant import convert as conv  # noqa: E402
+from toolkit.quant import quantize  # noqa: E402
 
 CAL = ["Return the number of items in a container.", "Open the file and return a stream object.",
        "Split the string at the first occurrence of sep.", "Create a new dictionary with keys from iterable.",
@@ -53,10 +53,10 @@ def timed_converter():
 
 
 def train_fixture(work: Path, target_steps: int, draft_steps: int, device: str = "cuda") -> tuple[Path, Path]:
-    """Target (4-layer Llama, hidden 128) and drafter (2 layers, block 16) trained on the GPU with toolkit.tiny_pair."""
+    """Target (4-layer Llama, hidden 128) and drafter (2 layers, block 16) trained on the GPU with toolkit.train.tiny."""
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import MASK_TOKEN, TOKENIZER, copy_tokenizer, drafter_config, target_config
-    from toolkit.tiny_pair import SPECIALS, corpus, self_distill, train_drafter, train_target
+    from toolkit.assets.fixtures import MASK_TOKEN, TOKENIZER, copy_tokenizer, drafter_config, target_config
+    from toolkit.train.tiny import SPECIALS, corpus, self_distill, train_drafter, train_target
     from transformers import AutoTokenizer
 
     tdir, ddir = work / "target", work / "draft"
@@ -98,7 +98,7 @@ def run_fixture(out: Path, bits: str, target_steps: int, draft_steps: int) -> di
         trained = True
     except Exception as e:  # fall back to random weights: conversion still runs, quality targets are moot
         print(f"fixture training failed ({type(e).__name__}: {e}); using random weights", file=sys.stderr)
-        from toolkit.fixtures import build
+        from toolkit.assets.fixtures import build
         tdir, ddir = build(out / "fixture-models", arch="llama", block_size=16, hidden=128)
         trained = False
     res = {"trained": trained, "build_seconds": round(time.time() - t0, 1), "error": None}
@@ -127,7 +127,7 @@ def run_fixture(out: Path, bits: str, target_steps: int, draft_steps: int) -> di
 def real_shape_drafter(folder: Path) -> Path:
     from fixtures_upstream import upstream_drafter_config
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import random_drafter
+    from toolkit.assets.fixtures import random_drafter
 
     cfg = upstream_drafter_config("issue")
     model = random_drafter(cfg, seed=0, std=0.02)
@@ -138,8 +138,8 @@ def real_shape_drafter(folder: Path) -> Path:
 def synthetic_hessians(model_dir: Path, out: Path) -> Path:
     """Hessians of random correlated activations (XᵀX/n), one per Linear: times the calibrated path."""
     from toolkit.dflash import DFlashConfig
-    from toolkit.quantize.calibrate import write_hessians
-    from toolkit.quantize.validate import expected_shapes, linear_keys
+    from toolkit.quant.calibrate import write_hessians
+    from toolkit.quant.validate import expected_shapes, linear_keys
 
     cfg = DFlashConfig.from_dir(model_dir)
     shapes = expected_shapes(cfg)
@@ -153,8 +153,8 @@ def synthetic_hessians(model_dir: Path, out: Path) -> Path:
 
 def run_real(out: Path, bits: str, cal_bits: str) -> dict:
     from fixtures_upstream import write_upstream_target
-    from toolkit.quantize.plan import PlanItem
-    from toolkit.quantize.validate import read_headers, unquantized_keys, validate
+    from toolkit.quant.plan import PlanItem
+    from toolkit.quant.validate import read_headers, unquantized_keys, validate
 
     res = {"shape": "6 layers, hidden 2048, 5 sliding + 1 full, taps [1, 10, 19, 28, 37] of 40", "error": None}
     t0 = time.time()

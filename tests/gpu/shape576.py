@@ -1,6 +1,6 @@
 """Device probe: does exllamav3 1.6.5 take SmolLM2-135M's shapes (hidden 576, 9 Q / 3 KV heads of 64, 30 layers,
 tied 49152-token embeddings) as a target, and a DFlash drafter at hidden 576, BF16 and EXL3? Random weights.
-With --padded, both go through toolkit.pad first (hidden 768, 12 Q / 4 KV heads; same function).
+With --padded, both go through toolkit.assets.padding first (hidden 768, 12 Q / 4 KV heads; same function).
 
 2026-12-02 15:20 UTC on the H200: unpadded, loading fails (`size of tensor a (576) must match ... (640)`)
 and EXL3 conversion fails (`assert n % had_dim == 0`).
@@ -35,7 +35,7 @@ def smol_like(out: Path, draft_layers: int = 3) -> tuple[Path, Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.dflash import save_drafter
-    from toolkit.fixtures import copy_tokenizer, drafter_config, random_drafter, target_config
+    from toolkit.assets.fixtures import copy_tokenizer, drafter_config, random_drafter, target_config
 
     tdir, ddir = out / "target", out / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ if __name__ == "__main__":
     WORK.mkdir(parents=True, exist_ok=True)
     t, d = smol_like(WORK)
     if "--padded" in sys.argv:
-        from toolkit.pad import pad
+        from toolkit.assets.padding import pad
 
         t, d = pad(str(t), str(WORK / "target-pad")), pad(str(d), str(WORK / "draft-pad"))
     step("target_alone", lambda: decode(t, None))

@@ -10,7 +10,7 @@ Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl"
                     command `cp /tmp/parts/part1 .smol/ && python3 tests/gpu/smol_device.py run`   (7.5 minutes on an H200)
 Here, afterwards:   python tests/gpu/smol_device.py install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
 
-`run`: (a) joins the parts and checks the sha256, (b) `toolkit.demo prepare --gguf`, (c) trains the drafter
+`run`: (a) joins the parts and checks the sha256, (b) `toolkit.assets.smollm2 prepare --gguf`, (c) trains the drafter
 with a --minutes budget (the target's own greedy answers to ~4000 prompts, batched on the GPU), (d) measures
 tau at B=8 and 16 on the held-out chat and code prompts (torch backend, fp16), (e) writes the drafter (its
 safetensors in two shards, each < 16 MiB), results.json and tau.json into $OUT. Partial results are written
@@ -74,7 +74,7 @@ def stage(name: str, fn, *a, **k):
 
 def pack() -> None:
     """Local: split the GGUF, copy its license, write the prompt pool, fetch the gguf wheel."""
-    from toolkit.demo import GGUF_SHA256, locate_source, sha256
+    from toolkit.assets.smollm2 import GGUF_SHA256, locate_source, sha256
     from toolkit.train.data import prompt_pool, write_pool
 
     SMOL.mkdir(exist_ok=True)
@@ -98,7 +98,7 @@ def pack() -> None:
 
 
 def join_gguf() -> dict:
-    from toolkit.demo import GGUF_NAME, GGUF_SHA256, sha256
+    from toolkit.assets.smollm2 import GGUF_NAME, GGUF_SHA256, sha256
 
     parts = [SMOL / "part1", SMOL / "part2"]
     missing = [str(p) for p in parts if not p.is_file()]
@@ -171,13 +171,13 @@ def run() -> None:
 
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    from toolkit.demo import prepare
+    from toolkit.assets.smollm2 import prepare
 
     target = WORK / "smollm2-135m-instruct"
     prep = stage("prepare", lambda: vars(prepare(out=str(target), gguf=joined["gguf"], check_prompts=3))) if joined else None
     if prep is None:
         return
-    from toolkit.train_drafter import train_drafter
+    from toolkit.train.trainer import train_drafter
 
     draft = WORK / "smollm2_dflash"
     minutes = (BUDGET - EVAL_RESERVE - 15 - (time.time() - T0)) / 60
@@ -209,7 +209,7 @@ def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_df
     """Local: the device's files as a drafter folder (one model.safetensors), written atomically."""
     from safetensors.torch import load_file, save_file
 
-    from toolkit.folders import atomic_dir
+    from toolkit.core.folders import atomic_dir
 
     src = Path(files_at)
     with atomic_dir(Path(to)) as tmp:

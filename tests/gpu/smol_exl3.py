@@ -5,11 +5,11 @@ prepared target and the freshly trained drafter from /tmp/smol-run (or SMOL_TARG
 
     source .device/on-device.sh && python3 tests/gpu/smol_exl3.py        (carry [".device"]; writes $OUT/exl3.json)
 
-1. `toolkit.pad` both to hidden 768 (exllamav3 1.6.5 needs 128-aligned widths; same function);
+1. `toolkit.assets.padding` both to hidden 768 (exllamav3 1.6.5 needs 128-aligned widths; same function);
 2. `toolkit.eval_tau --backend exllamav3` on all held-out prompts, B = 8 and 16 (compare with the torch backend's
    tau from call 2 and from the CPU);
 3. `toolkit.bench --backend exllamav3` on held-out prompts: AR and speculative in one process, c = 1 and 8;
-4. `toolkit.quantize` with quantize/smollm2-135m-dflash.toml at 2, 3, 4, 5, 6 and 8 bpw, calibrated and not
+4. `toolkit.quant` with quantize/smollm2-135m-dflash.toml at 2, 3, 4, 5, 6 and 8 bpw, calibrated and not
    (its own check: KL, top-1 and tau through the torch runtime with dequantized weights);
 5. tau of every EXL3 drafter on exllamav3 itself, on all held-out prompts.
 Stages run in that order and results are written after each, so a cut-off call still returns what was done.
@@ -85,10 +85,10 @@ def main() -> None:
     import torch
 
     from toolkit.bench import bench
-    from toolkit.errors import ToolkitError
+    from toolkit.core.errors import ToolkitError
     from toolkit.eval_tau import eval_tau
-    from toolkit.pad import pad
-    from toolkit.quantize import quantize
+    from toolkit.assets.padding import pad
+    from toolkit.quant import quantize
 
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS["inputs"] = {"target": str(TARGET), "draft": str(DRAFT)}

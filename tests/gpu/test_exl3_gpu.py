@@ -42,7 +42,7 @@ def torch_be(gpu_pair):
 
 
 def prompts(tok, n=6):
-    from toolkit.tiny_pair import corpus
+    from toolkit.train.tiny import corpus
 
     ids = tok.encode(corpus()[:20000])
     return [ids[k * 300:k * 300 + 32] for k in range(1, n + 1)]

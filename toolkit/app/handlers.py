@@ -15,7 +15,7 @@ from typing import Iterator
 
 import gradio as gr
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from ..runtime.backend import GenSettings, message_text
 from ..runtime.events import Round, Summary, summarize
 from . import render

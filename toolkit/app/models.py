@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 
 log = logging.getLogger("toolkit.app")
 BACKENDS = ("auto", "torch", "exllamav3")
@@ -173,11 +173,11 @@ def warm_up(backend) -> None:
 
 def demo_pair(out: Loaded) -> tuple[str, str]:
     """The embedded pair: SmolLM2-135M-Instruct + its trained drafter, else (or with DFLASH_DEMO=tiny) the tiny pair."""
-    from ..fixtures import tiny_pair
+    from ..assets.pairs import tiny_pair
 
     if os.environ.get("DFLASH_DEMO", "smollm2").lower() != "tiny":
         try:
-            from ..demo import default_pair
+            from ..assets.smollm2 import default_pair
 
             t, d = default_pair()
             out.demo_kind, out.target, out.draft = "smollm2", "SmolLM2-135M-Instruct (embedded demo)", "DFlash drafter trained for it (toolkit/data/smollm2_dflash)"

@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ToolkitError
-from ..folders import read_config
+from ..core.errors import ToolkitError
+from ..core.folders import read_config
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")

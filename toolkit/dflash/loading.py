@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import ToolkitError
-from ..folders import atomic_dir
+from ..core.errors import ToolkitError
+from ..core.folders import atomic_dir
 from .config import DFlashConfig
 from .model import DFlashDraft
 

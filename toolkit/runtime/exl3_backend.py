@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .backend import GenSettings, encode_chat
 from .events import Round
 from .exl3_hook import JobTrack, build_round, check_version, exllamav3_version, recording_generator_class

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .events import Round
 
 PINNED_VERSION = "1.6.5"

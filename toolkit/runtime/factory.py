@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .backend import Backend
 
 BACKENDS = ("torch", "exllamav3")

@@ -15,8 +15,8 @@ from typing import Iterator
 import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
-from ..errors import ToolkitError
-from ..folders import read_config
+from ..core.errors import ToolkitError
+from ..core.folders import read_config
 from .backend import GenSettings, encode_chat
 from .events import Round
 from .loop import decode

@@ -15,8 +15,8 @@ import textwrap
 from pathlib import Path
 from typing import Iterator
 
-from ..bench_prompts import Prompt, load_prompts
-from ..errors import ToolkitError
+from ..assets.prompts import Prompt, load_prompts
+from ..core.errors import ToolkitError
 
 CATEGORIES = ("chat", "code")
 HELDOUT_PCT = {"chat": 2, "code": 4}

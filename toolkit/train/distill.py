@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..bench_prompts import Prompt
+from ..assets.prompts import Prompt
 from ..dflash import DFlashConfig, gather_taps
 from ..runtime.backend import encode_chat
 

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, gather_taps
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import run_cli
-from .build import synth
+from .core.errors import run_cli
+from .synthetic.build import synth
 
 EPILOG = """examples:
   python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b.json --bits 4 --out /tmp/q36-4bpw

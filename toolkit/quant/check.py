@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..dflash import DFlashConfig, DFlashDraft
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .blocks import Prompt, blocks, draft_logits, with_shift
 from .recipe import Thresholds
 from .validate import linear_keys

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 
 
 def is_local(ref: str | Path) -> bool:

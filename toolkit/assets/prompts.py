@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..core.errors import ToolkitError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .errors import ToolkitError
+from ..core.errors import ToolkitError
 
 HUB = "https://huggingface.co"
 TAGS = ["exl3", "dflash", "speculative-decoding"]

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from ..errors import ToolkitError
-from ..folders import atomic_dir
+from ..core.errors import ToolkitError
+from ..core.folders import atomic_dir
 from .blocks import blocks, run_target
 
 

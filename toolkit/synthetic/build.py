@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..errors import ToolkitError
-from ..folders import atomic_dir, check_out, read_json
+from ..core.errors import ToolkitError
+from ..core.folders import atomic_dir, check_out, read_json
 from .codebook import CODEBOOKS, codebook_table, decode_linear
 from .layout import Plan, TensorSpec, build_plan
 from .tokenizer import write_tokenizer

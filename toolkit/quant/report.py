@@ -128,7 +128,7 @@ def write_report(out: Path, report: dict, notes: list[str] | None = None) -> lis
 def write_cards(out: Path, report: dict) -> str | None:
     """README.md per output folder via toolkit.card.render_card; returns why it was skipped, or None."""
     try:
-        from ..card import render_card
+        from ..hub.card import render_card
     except ImportError as e:
         return f"model cards skipped: toolkit.card is not available ({e})"
     for r in report["results"]:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .plan import STAMP, PlanItem, partial_dir
 from .recipe import HALF_RATES, format_bits
 from .validate import read_headers

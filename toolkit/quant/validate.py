@@ -11,8 +11,8 @@ import torch
 
 from ..dflash import DFlashConfig, DFlashDraft
 from ..dflash.config import ARCHITECTURE
-from ..errors import ToolkitError
-from ..folders import read_config
+from ..core.errors import ToolkitError
+from ..core.folders import read_config
 
 OPTIONAL = ("mask_embedding",)
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,

@@ -1,4 +1,4 @@
-"""python -m toolkit.quantize: convert a DFlash drafter to EXL3 at several bitrates, calibrated, checked, reported.
+"""`python -m toolkit.quantize`: convert a DFlash drafter to EXL3 at several bitrates, calibrated, checked, reported.
 
 Steps: validate the checkpoint against the target, plan one output folder per bitrate (finished ones are
 skipped on a rerun, half-written ones redone), accumulate input Hessians from the target's hidden states,
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import run_cli
-from .pipeline import quantize
+from .core.errors import run_cli
+from .quant.pipeline import quantize
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from . import calibrate as cal
 from . import check as chk
 from . import convert as conv
@@ -18,7 +18,7 @@ from . import report as rep
 from .plan import format_plan, make_plan, plan_json
 from .blocks import load_target, run_target
 from .recipe import Recipe, load_recipe, parse_bits
-from ..folders import read_config
+from ..core.folders import read_config
 from .source import resolve, target_kind
 from .validate import linear_keys, unquantized_keys, validate
 
@@ -216,7 +216,7 @@ def len_hidden(tcfg: dict | None) -> int:
 def push_run(out: Path, repo: str) -> None:
     """Hand the finished run to the push step (its own issue)."""
     try:
-        from ..push import push as push_fn
+        from ..hub.push import push as push_fn
     except ImportError:
         raise ToolkitError(f"--push {repo}: toolkit.push is not available yet; push {out} with it once it lands") from None
     push_fn(out_dir=str(out), repo=repo)

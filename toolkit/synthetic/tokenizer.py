@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 
 QWEN_SPECIALS = 276                 # ids 248044..248319 of the Qwen3.5/3.6 vocabulary
 MIN_VOCAB = 300

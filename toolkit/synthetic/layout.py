@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .codebook import marker_value
 
 PAD = 128

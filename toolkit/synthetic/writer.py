@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 from .layout import TensorSpec
 
 DTYPE_TAGS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int16: "I16", torch.int32: "I32"}

@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..core.errors import ToolkitError
 
 # exllamav3 1.6.5 takes a budget of 1-8 bpw; the half-integer rates (1.5/2.5/3.5) exist with its mul1 codebook.
 MIN_BITS, MAX_BITS = 1.0, 8.0

@@ -1,0 +1,1 @@
+"""What the package ships besides code: the model pairs, the SmolLM2 demo target, prompts, padding, tiny fixtures."""

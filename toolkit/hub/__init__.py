@@ -1,0 +1,1 @@
+"""Publishing: Hub push, model cards and the Space export."""

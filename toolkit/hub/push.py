@@ -1,0 +1,297 @@
+"""`python -m toolkit.push`: publish a quantize run to the Hub, one branch per bitrate and the card on main.
+
+Reads OUT_DIR/report.json, uploads each bitrate folder to its branch (4.0bpw, ...) with upload_folder, then
+writes main: README.md (the measured card), report.json, report.md, tau_top1.png. Unchanged branches are
+skipped, transient failures retried with backoff; re-running the same command finishes an interrupted push.
+Only APIs present in huggingface_hub 1.x and 2.x are used (no upload_large_folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .card import check_report, human_size, pick_pushed, render_card
+from ..core.errors import ToolkitError
+from ..core.folders import read_json, sha256
+
+MAIN = "main"
+MAIN_FILES = ("report.json", "report.md", "tau_top1.png")
+IGNORE = [".*", "*/.*"]  # stamps and partial folders (.quantize.json, .4.0bpw.partial) never leave the machine
+BRANCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+@dataclass
+class Upload:
+    branch: str
+    folder: Path                  # what upload_folder sends (a staging folder of links + the rendered README)
+    files: dict[str, int]         # path in repo -> size
+    bits: float | None = None     # None for main
+    mirror: bool = True           # the branch holds exactly these files (stale ones are deleted); not for main
+
+
+@dataclass
+class PushResult:
+    repo: str
+    url: str | None
+    status: dict[str, str] = field(default_factory=dict)  # branch -> planned | uploaded | unchanged
+
+
+def list_files(folder: Path) -> dict[str, int]:
+    """Files upload_folder will send from `folder` (hidden ones excluded), with their sizes."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and not any(fnmatch.fnmatch(rel, pat) for pat in IGNORE):
+            out[rel] = p.stat().st_size
+    return out
+
+
+def load_report(from_dir: Path) -> dict:
+    path = from_dir / "report.json"
+    if not path.is_file():
+        raise ToolkitError(f"--from: {from_dir} has no report.json (run python -m toolkit.quantize first)")
+    report = read_json(path, "--from: ")
+    check_report(report)
+    return report
+
+
+def branch_for(template: str, row: dict) -> str:
+    try:
+        name = template.format(bits=float(row["bits"]), folder=row["folder"], calibrated=row["calibrated"])
+    except (KeyError, IndexError, ValueError) as e:
+        raise ToolkitError(f"--branch-template: {template!r} cannot be formatted ({e}); use {{bits}}, {{folder}}")
+    if not BRANCH_RE.match(name) or name == MAIN:
+        raise ToolkitError(f"--branch-template: {template!r} gives branch {name!r}, not a usable branch name")
+    return name
+
+
+def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: Path) -> list[Upload]:
+    """Branch uploads (rows whose folder exists) then main; folders are staged as links + rendered READMEs."""
+    branches: dict[str, str] = {}
+    for row in pick_pushed(report["results"]):
+        if (from_dir / row["folder"]).is_dir():
+            branch = branch_for(branch_template, row)
+            if branch in branches.values():
+                other = next(f for f, b in branches.items() if b == branch)
+                raise ToolkitError(f"--branch-template: folders {other} and {row['folder']} both map to {branch}")
+            branches[row["folder"]] = branch
+    if not branches:
+        folders = ", ".join(r["folder"] for r in report["results"])
+        raise ToolkitError(f"--from: none of the report's folders ({folders}) exists in {from_dir}")
+    uploads = []
+    for folder, branch in branches.items():
+        row = next(r for r in report["results"] if r["folder"] == folder)
+        dest = stage / branch
+        for rel in list_files(from_dir / folder):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).symlink_to((from_dir / folder / rel).resolve())
+        readme = dest / "README.md"
+        readme.unlink(missing_ok=True)
+        readme.write_text(render_card(report, repo, bits=float(row["bits"]), branches=branches))
+        uploads.append(Upload(branch, dest, list_files(dest), float(row["bits"])))
+    main = stage / MAIN
+    main.mkdir()
+    image = None
+    for name in MAIN_FILES:
+        if (from_dir / name).is_file():
+            (main / name).symlink_to((from_dir / name).resolve())
+            image = name if name.endswith(".png") else image
+    (main / "README.md").write_text(render_card(report, repo, branches=branches, image=image))
+    uploads.append(Upload(MAIN, main, list_files(main), mirror=False))
+    return uploads
+
+
+def format_plan(repo: str, uploads: list[Upload]) -> str:
+    lines = [f"repo {repo}: {len(uploads) - 1} bitrate branch(es) + main"]
+    for u in uploads:
+        lines.append(f"  {u.branch}  ({len(u.files)} files, {human_size(sum(u.files.values()))})")
+        lines += [f"    {path}  {human_size(size)}" for path, size in u.files.items()]
+    return "\n".join(lines)
+
+
+def resolve_token(token: str | None) -> str:
+    """The token from the argument, HF_TOKEN, or the saved `hf auth login`; never printed."""
+    from huggingface_hub import get_token
+
+    token = token or os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        raise ToolkitError("no Hugging Face token: set HF_TOKEN or run `hf auth login` with a write token")
+    return token
+
+
+def _git_sha1(path: Path) -> str:
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+
+def is_unchanged(api, repo: str, up: Upload) -> bool:
+    """True when the branch holds every file of `up` with the same content (sizes, then hashes), and for a
+    mirrored branch nothing else but .gitattributes."""
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        remote = {f.path: f for f in api.list_repo_tree(repo, revision=up.branch, recursive=True)
+                  if hasattr(f, "size") and hasattr(f, "blob_id")}
+    except RevisionNotFoundError:
+        return False
+    if up.mirror and set(remote) - set(up.files) - {".gitattributes"}:
+        return False
+    for rel, size in up.files.items():
+        f = remote.get(rel)
+        if f is None or f.size != size:
+            return False
+        local = up.folder / rel
+        same = (f.lfs.sha256 == sha256(local)) if f.lfs is not None else (f.blob_id == _git_sha1(local))
+        if not same:
+            return False
+    return True
+
+
+def http_status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """A 5xx/408/429 answer, or a dropped/failed connection anywhere in the exception's cause chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = http_status(exc)
+        if status is not None:
+            return status >= 500 or status in (408, 429)
+        names = {c.__name__ for c in type(exc).__mro__}
+        if isinstance(exc, (ConnectionError, TimeoutError)) or names & {"TransportError", "ProtocolError"}:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def describe(exc: BaseException, token: str | None) -> str:
+    status = http_status(exc)
+    text = f"HTTP {status}" if status is not None else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())[:200]
+    return text.replace(token, "***") if token else text
+
+
+def with_retries(fn, what: str, retries: int, retry_delay: float, token: str | None):
+    """Run fn(); on a transient failure wait retry_delay * 2**k and try again, at most `retries` more times."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised as one line
+            if not is_transient(e) or attempt == retries:
+                raise _Failed(what, attempt + 1, e, describe(e, token)) from None
+            wait = retry_delay * 2**attempt
+            print(f"{what}: {describe(e, token)}; retrying in {wait:.1f}s ({attempt + 1}/{retries})", file=sys.stderr)
+            time.sleep(wait)
+
+
+class _Failed(Exception):
+    def __init__(self, what: str, attempts: int, exc: BaseException, reason: str):
+        super().__init__(reason)
+        self.what, self.attempts, self.status, self.reason = what, attempts, http_status(exc), reason
+
+
+def push(repo: str, out_dir: str | Path, private: bool = False, branch_template: str = "{bits:.1f}bpw",
+         dry_run: bool = False, endpoint: str | None = None, token: str | None = None, retries: int = 4,
+         retry_delay: float = 2.0) -> PushResult:
+    """Create `repo` (exist_ok), one branch per bitrate folder of `out_dir`, and the measured card on main."""
+    if not re.match(r"^[\w.-]+/[\w.-]+$", repo):
+        raise ToolkitError(f"--repo must be USER/NAME, got {repo!r}")
+    from_dir = Path(out_dir)
+    report = load_report(from_dir)
+    with tempfile.TemporaryDirectory(prefix="push-") as stage:
+        uploads = plan(report, from_dir, branch_template, repo, Path(stage))
+        if dry_run:
+            print(format_plan(repo, uploads))
+            return PushResult(repo, None, {u.branch: "planned" for u in uploads})
+        return _upload_all(repo, uploads, private, endpoint, resolve_token(token), retries, retry_delay)
+
+
+@contextlib.contextmanager
+def hub_endpoint(endpoint: str | None):
+    """Point huggingface_hub's default endpoint at `endpoint` for the push: 1.x parses commit URLs against
+    the default (HF_ENDPOINT) even when HfApi(endpoint=...) is given."""
+    from huggingface_hub import constants
+
+    saved = constants.ENDPOINT
+    constants.ENDPOINT = endpoint.rstrip("/") if endpoint else saved
+    try:
+        yield
+    finally:
+        constants.ENDPOINT = saved
+
+
+def _upload_all(repo, uploads, private, endpoint, token, retries, retry_delay) -> PushResult:
+    with hub_endpoint(endpoint):
+        return _upload_all_inner(repo, uploads, private, endpoint, token, retries, retry_delay)
+
+
+def _upload_all_inner(repo, uploads, private, endpoint, token, retries, retry_delay) -> PushResult:
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=token)
+    result = PushResult(repo, None)
+    step = "checking the token"
+    try:
+        user = with_retries(lambda: api.whoami()["name"], "whoami", retries, retry_delay, token)
+        step = f"creating {repo}"
+        result.url = str(with_retries(lambda: _ensure_repo(api, repo, private), "create_repo", retries,
+                                      retry_delay, token))
+        for up in uploads:
+            step = f"uploading {up.branch}"
+            result.status[up.branch] = with_retries(lambda: _upload_one(api, repo, up), up.branch, retries,
+                                                    retry_delay, token)
+            print(f"{up.branch}: {result.status[up.branch]} ({len(up.files)} files, "
+                  f"{human_size(sum(up.files.values()))})")
+    except _Failed as f:
+        done = [b for b, s in result.status.items()]
+        missing = [u.branch for u in uploads if u.branch not in result.status]
+        progress = f"uploaded: {', '.join(done) or 'none'}; not uploaded: {', '.join(missing)}"
+        if f.status == 401 or step == "checking the token":
+            raise ToolkitError(f"the Hub rejected the token while {step} ({f.reason}); {progress}")
+        if f.status == 403:
+            raise ToolkitError(f"permission denied while {step}: user {user!r} cannot write to {repo} "
+                               f"(owned by someone else, or a read-only token); {progress}")
+        raise ToolkitError(f"stopped while {step} after {f.attempts} attempt(s) ({f.reason}); {progress}; "
+                           "re-run the same command to finish")
+    print(f"done: {result.url}")
+    return result
+
+
+def _ensure_repo(api, repo: str, private: bool) -> str:
+    """create_repo(exist_ok=True) unless the repo is already visible (2.x builds a bad URL for a custom
+    endpoint when it is asked to create a repo that exists but the token may not create)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        api.repo_info(repo)
+        return f"{api.endpoint}/{repo}"
+    except RepositoryNotFoundError:
+        return str(api.create_repo(repo, private=private, exist_ok=True))
+
+
+def _upload_one(api, repo: str, up: Upload) -> str:
+    if up.branch != MAIN:
+        api.create_branch(repo, branch=up.branch, exist_ok=True)
+    if is_unchanged(api, repo, up):
+        return "unchanged"
+    what = f"{up.bits:.2f} bpw EXL3" if up.bits is not None else "model card and report"
+    api.upload_folder(repo_id=repo, folder_path=str(up.folder), revision=up.branch,
+                      commit_message=f"Upload {up.branch} ({what})", ignore_patterns=IGNORE,
+                      delete_patterns=["*"] if up.mirror else None)
+    return "uploaded"
