@@ -13,14 +13,39 @@ class ToolkitError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+class OptionError(ToolkitError):
+    """Bad value of one option, named by its field (`max_new_tokens`); a command re-words it with its flag."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.rest = (" " if message[:1].isalnum() else "") + " ".join(str(message).split())
+        super().__init__(f"{field}{self.rest}")
+
+
+def close_bars() -> None:
+    """Close every open tqdm bar, so that an error line is never glued to a bar and is the last line of stderr."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    for bar in list(getattr(tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:
+            pass
+
+
 def run_cli(main: Callable[[], object]) -> None:
     """Run a CLI entry point: a ToolkitError becomes `error: <message>` on stderr and exit 2."""
     try:
         result = main()
     except ToolkitError as e:
+        close_bars()
+        sys.stderr.flush()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
+        close_bars()
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
-    sys.exit(result if isinstance(result, int) else 0)
+    sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)

@@ -1,0 +1,118 @@
+"""Command lines built from option dataclasses: one source per option, `f(**vars(args))` as the contract.
+
+A command declares its options once, as a dataclass whose fields carry their help in `option(...)`; `parser()`
+turns it into an argparse parser and `run()` calls the command's function with the parsed fields. Libraries
+raise `OptionError(field, message)` naming the *field*; `run` prints it with the field's flag, so the same error
+reads `--max-new-tokens must be >= 1` on the command line and `max_new_tokens must be >= 1` from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any, Callable
+
+from .errors import OptionError, ToolkitError, run_cli
+
+OUTPUT_POLICY = ("Outputs: a non-empty folder that is not this command's own earlier output is refused unless --force; "
+                 "nothing it did not write is deleted; --force replaces only once the new output is complete (docs/outputs.md).")
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
+           choices: typing.Sequence | None = None, metavar: str | None = None, positional: bool = False,
+           group: str | None = None, negatable: bool = False) -> Any:
+    """A dataclass field that is also a command-line option (flag defaults to --field-name)."""
+    meta = {"help": help, "flag": flag, "short": short, "choices": choices, "metavar": metavar,
+            "positional": positional, "group": group, "negatable": negatable}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(cls: type, name: str) -> str:
+    """The command-line spelling of a field of an options dataclass."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.metadata.get("positional"):
+                return f.name.upper()
+            return f.metadata.get("flag") or "--" + name.replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
+def _base(tp) -> tuple[type, bool, bool]:
+    """(element type, optional, is_list) of a field annotation such as `int | None` or `list[float]`."""
+    optional = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0] if len(args) == 1 else str
+        origin = typing.get_origin(tp)
+    if origin in (list, tuple, typing.Sequence):
+        return (typing.get_args(tp) or (str,))[0], optional, True
+    return tp, optional, False
+
+
+def with_default(help: str, default: Any, tp: type) -> str | None:
+    """The help text with the field's default appended, unless the text already states one."""
+    if tp is bool or default is None or default == [] or "default" in help:
+        return help or None
+    shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+    return f"{help} (default {shown})" if help else f"default {shown}"
+
+
+def parser(cls: type, prog: str, description: str = "", epilog: str | None = None,
+           output_policy: bool = False) -> argparse.ArgumentParser:
+    """An argparse parser with one argument per field of the options dataclass `cls`."""
+    if output_policy:
+        epilog = f"{epilog}\n\n{OUTPUT_POLICY}" if epilog else OUTPUT_POLICY
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        target = ap
+        if m.get("group"):
+            target = groups.setdefault(m["group"], ap.add_argument_group(m["group"]))
+        tp, optional, many = _base(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        kw: dict[str, Any] = {"help": with_default(m.get("help") or "", default, tp)}
+        if m.get("choices"):
+            kw["choices"] = list(m["choices"])
+        if m.get("metavar"):
+            kw["metavar"] = m["metavar"]
+        if m.get("positional"):
+            target.add_argument(f.name, type=tp if tp in (int, float) else str, **kw)
+            continue
+        names = [n for n in (m.get("short"), m.get("flag") or "--" + f.name.replace("_", "-")) if n]
+        if tp is bool:
+            action = argparse.BooleanOptionalAction if (m.get("negatable") or default is True) else "store_true"
+            target.add_argument(*names, dest=f.name, action=action, default=bool(default), **kw)
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if many:
+            kw["nargs"] = "+"
+        conv = tp if tp in (int, float, str) else str
+        target.add_argument(*names, dest=f.name, type=conv, default=None if required else default,
+                            required=required and not optional, **kw)
+    return ap
+
+
+def run(fn: Callable[..., Any], cls: type, argv: list[str] | None, prog: str, description: str = "",
+        epilog: str | None = None, output_policy: bool = False) -> Any:
+    """Parse argv with `cls`'s parser and call `fn(**vars(args))`; an OptionError is re-worded with the flag."""
+    args = parser(cls, prog, description, epilog, output_policy).parse_args(argv)
+    try:
+        return fn(**vars(args))
+    except OptionError as e:
+        raise ToolkitError(f"{flag_of(cls, e.field)}{e.rest}") from None
+
+
+def entry(main: Callable) -> None:
+    """`if __name__ == "__main__": entry(main)`: one-line errors, exit 2 on bad input."""
+    run_cli(lambda: main(sys.argv[1:]))
