@@ -61,3 +61,75 @@ def test_check_out_refuses_a_file_and_a_full_folder_unless_forced(tmp_path):
     with pytest.raises(ToolkitError, match=r"^--out .*/d exists and is not empty \(pass --overwrite to replace it\)$"):
         check_out(tmp_path / "d", "--out ", False, "--overwrite")
     check_out(tmp_path / "d", "--out ", True, "--overwrite")
+
+
+def test_claim_refuses_before_any_work_what_the_command_does_not_own(tmp_path, monkeypatch):
+    from toolkit.core.errors import OptionError
+    from toolkit.core.folders import claim, mark
+
+    monkeypatch.chdir(tmp_path)
+    assert claim(tmp_path / "new" / "deeper", "pad", False) == tmp_path / "new" / "deeper"     # missing: fine
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OptionError, match=r"^out: .*/f exists and is not a folder$"):
+        claim(tmp_path / "f", "pad", True)
+    with pytest.raises(OptionError, match=r"is under .*/f, which is a file$"):
+        claim(tmp_path / "f" / "x", "pad", False)
+    for here in (".", str(tmp_path), str(tmp_path.parent)):
+        with pytest.raises(OptionError, match="is the current folder, one above it or the home folder"):
+            claim(here, "pad", True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "a").write_text("x")
+    with pytest.raises(OptionError, match=r"^dst: .*/mine exists and is not empty, and is not an earlier output of pad "
+                                          r"\(pass --force to replace it once the new output is complete\)$"):
+        claim(mine, "pad", False, field="dst")
+    claim(mine, "pad", True)                                           # forced: fine
+    mark(mine, "pad")
+    claim(mine, "pad", False)                                          # its own earlier output: fine
+    with pytest.raises(OptionError, match="not an earlier output of bench"):
+        claim(mine, "bench", False)                                    # another command's output is not its own
+
+
+def test_claim_refuses_an_unwritable_place(tmp_path):
+    import os
+
+    from toolkit.core.errors import OptionError
+    from toolkit.core.folders import claim
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o555)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        with pytest.raises(OptionError, match="cannot write in"):
+            claim(ro / "out", "pad", False)
+    finally:
+        os.chmod(ro, 0o755)
+
+
+def test_atomic_writers_turn_a_full_disk_into_one_line_and_leave_nothing(tmp_path, monkeypatch):
+    import errno
+    import io
+    import os
+
+    from toolkit.core.folders import atomic_file, owner
+
+    with atomic_dir(tmp_path / "m", command="pad") as tmp:
+        (tmp / "w").write_text("x")
+    assert owner(tmp_path / "m") == "pad"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(ToolkitError, match=r"^no space left on the device writing .*/n: about 1.0 MiB needed, [0-9.]+ MiB free$"):
+        with atomic_dir(tmp_path / "n", need=2**20) as tmp:
+            full()
+    class Full(io.BytesIO):
+        def write(self, b):
+            full()
+
+    monkeypatch.setattr("toolkit.core.folders.os.fdopen", lambda fd, mode: (os.close(fd), Full())[1])
+    with pytest.raises(ToolkitError, match=r"^no space left on the device writing .*/r.json"):
+        atomic_file(tmp_path / "r.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -18,7 +18,8 @@ class OptionError(ToolkitError):
 
     def __init__(self, field: str, message: str):
         self.field = field
-        self.rest = (" " if message[:1].isalnum() else "") + " ".join(str(message).split())
+        message = " ".join(str(message).split())
+        self.rest = (" " if message[:1].isalpha() else ": " if message[:1] not in ":," else "") + message
         super().__init__(f"{field}{self.rest}")
 
 
