@@ -1,7 +1,8 @@
 """A tiny Hugging Face Hub look-alike on 127.0.0.1 for tests: just the endpoints our push and download use.
 
-Implements (model repos only): whoami-v2, repos/create, branch create, refs, revision info, preupload,
-LFS batch + basic PUT upload, ndjson commit, tree listing and resolve (HEAD/GET). Files live on disk
+Implements (model repos only): whoami-v2, repos/create, branch and tag create, refs, revision info, preupload,
+LFS batch + basic PUT upload, ndjson commit, tree listing and resolve (HEAD/GET); a revision is a branch, a tag
+or a commit sha. Files live on disk
 under `root/blobs`. Faults can be injected per endpoint: a status code, or a dropped connection.
 """
 
@@ -44,6 +45,7 @@ class Repo:
     owner: str
     private: bool
     branches: dict[str, str] = field(default_factory=dict)  # branch -> commit oid
+    tags: dict[str, str] = field(default_factory=dict)  # tag -> commit oid
     trees: dict[str, dict[str, Entry]] = field(default_factory=dict)  # commit oid -> path -> entry
 
 
@@ -51,7 +53,7 @@ class Repo:
 class Fault:
     """Answer the `nth` matching request (1-based) and the `times - 1` after it with `status`, or drop it."""
 
-    endpoint: str  # one of: create, branch, preupload, batch, lfs, commit, tree, info, resolve
+    endpoint: str  # one of: create, branch, tag, preupload, batch, lfs, commit, tree, info, resolve
     nth: int = 1
     times: int = 1
     status: int = 503
@@ -132,6 +134,7 @@ ROUTES = [
     ("POST", "create", re.compile(r"^/api/repos/create$")),
     ("GET", "whoami", re.compile(r"^/api/whoami-v2$")),
     ("POST", "branch", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/branch/(?P<rev>[^/]+)$")),
+    ("POST", "tag", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tag/(?P<rev>[^/]+)$")),
     ("GET", "refs", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/refs$")),
     ("GET", "info", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")),
     ("POST", "preupload", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$")),
@@ -241,6 +244,8 @@ def _make_handler(hub: HubServer):
         def _commit(self, repo: Repo, rev: str) -> str:
             if rev in repo.branches:
                 return repo.branches[rev]
+            if rev in repo.tags:
+                return repo.tags[rev]
             if rev in repo.trees:
                 return rev
             raise HubError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
@@ -278,10 +283,20 @@ def _make_handler(hub: HubServer):
                 r.branches[rev] = self._commit(r, start)
             return 200, {}, None
 
+        def h_tag(self, repo: str, rev: str):
+            r = self._repo(repo, write=True)
+            tag = json.loads(self.body or b"{}")["tag"]
+            with hub.lock:
+                if tag in r.tags:
+                    raise HubError(409, f"Tag already exists: {tag}")
+                r.tags[tag] = self._commit(r, rev)
+            return 200, {}, None
+
         def h_refs(self, repo: str):
             r = self._repo(repo)
             branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in r.branches.items()]
-            return 200, {"branches": branches, "tags": [], "converts": []}, None
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in r.tags.items()]
+            return 200, {"branches": branches, "tags": tags, "converts": []}, None
 
         def h_info(self, repo: str, rev: str = "main"):
             r = self._repo(repo)
