@@ -218,6 +218,7 @@ def push(repo: str, out_dir: str | Path, private: bool = False, branch_template:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
         if dry_run:
             print(format_plan(repo, uploads))
+            print(f"read the cards first: python -m toolkit.card --from {from_dir} --repo {repo} [--bits B]")
             return PushResult(repo, None, {u.branch: "planned" for u in uploads})
         return _upload_all(repo, uploads, private, endpoint, resolve_token(token), retries, retry_delay)
 
