@@ -1,19 +1,29 @@
 """Model cards from a quantize report: the main-branch card (every bitrate) and the per-bitrate README.
 
-`render_card(report)` is the one entry point. Numbers come only from report.json; a null there is printed
-as "not measured", never guessed. Metadata goes through huggingface_hub's ModelCardData.
+`render_card(report, upstream=OUT/upstream)` is the one entry point; `run_card(OUT)` renders what push uploads.
+Numbers come only from report.json, a null there reads "not measured"; the license and the original card come
+only from the upstream folder (toolkit/hub/upstream.py). Metadata goes through huggingface_hub's ModelCardData.
+The card says what the drafter is not (standalone, BF16), where to go instead, and how to run it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..core.errors import ToolkitError
+from ..core.folders import read_json
+from .howto import framing, requires_line, usage
+from .refs import is_repo_id
+from .upstream import UPSTREAM, Upstream, license_fields, read_upstream, upstream_url
 
 HUB = "https://huggingface.co"
 TAGS = ["exl3", "dflash", "speculative-decoding"]
 NOT_MEASURED = "not measured"
-COLUMNS = ["Branch", "Bits", "Size", "Calibrated", "KL vs bf16", "Top-1 agreement", "τ (tokens/round)", "Validation"]
+COLUMNS = ["Branch", "Bits", "Size", "Calibrated", "KL vs bf16", "Top-1 agreement", "τ (tokens/round)",
+           "τ on exllamav3", "Speedup on exllamav3", "exllamav3 target", "Validation"]
+MAIN_IMAGE = "tau_top1.png"
 
 
 def human_size(n: int | None) -> str:
@@ -58,10 +68,13 @@ def check_report(report: dict) -> None:
             raise ToolkitError(f"report.json: results[{i}] lacks {', '.join(missing)}")
 
 
-def card_data(report: dict) -> ModelCardData:
+def card_data(report: dict, up: Upstream | None = None) -> ModelCardData:
+    """base_model (the drafter) quantized, the upstream license fields, exllamav3, tags."""
+    lic = license_fields(up or Upstream(), report["model"], report.get("revision"))
     return ModelCardData(
         base_model=report["model"],
         base_model_relation="quantized",
+        **lic,
         library_name="exllamav3",
         pipeline_tag="text-generation",
         tags=list(TAGS),
@@ -79,6 +92,23 @@ def _branch_cell(row: dict, branches: dict[str, str], repo: str | None) -> str:
     return f"[{branch}]({HUB}/{repo}/tree/{branch})" if repo else branch
 
 
+def _target_name(target: str) -> str:
+    """A Hub ref as given; a local folder by its last component (a card shows no paths of the machine)."""
+    return Path(target).name if target.startswith(("/", ".", "~")) else target
+
+
+def exl3_cells(m: dict | None) -> list[str]:
+    """τ, speedup and the named target (with its bitrate) measured on exllamav3, or "not measured"."""
+    if not m:
+        return [NOT_MEASURED] * 3
+    target = m.get("target")
+    if target:
+        bits = m.get("target_bits")
+        target = f"{_target_name(str(target))}" + (f" ({float(bits):.2f} bpw)" if bits is not None else "")
+    speed = m.get("speedup")
+    return [_num(m.get("tau"), ".2f"), NOT_MEASURED if speed is None else f"{speed:.2f}×", target or NOT_MEASURED]
+
+
 def table(report: dict, branches: dict[str, str], repo: str | None, bits: float | None = None) -> list[str]:
     """The measured table: one row per result (all of them, uploaded or not), then the bf16 reference."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -87,11 +117,11 @@ def table(report: dict, branches: dict[str, str], repo: str | None, bits: float 
             continue
         cells = [_branch_cell(r, branches, repo), f"{float(r['bits']):.2f}", human_size(r["size_bytes"]),
                  "yes" if r["calibrated"] else "no", _num(r.get("kl"), ".4g"), _pct(r.get("top1")),
-                 _num(r.get("tau"), ".2f"), _check(r.get("passed"))]
+                 _num(r.get("tau"), ".2f"), *exl3_cells(r.get("exl3")), _check(r.get("passed"))]
         lines.append("| " + " | ".join(cells) + " |")
     bf16 = report.get("bf16") or {}
     ref = [f"[bf16 original]({HUB}/{report['model']})", "16.00", human_size(bf16.get("size_bytes")), "n/a",
-           "0 (reference)", "100% (reference)", _num(bf16.get("tau"), ".2f"), "n/a"]
+           "0 (reference)", "100% (reference)", _num(bf16.get("tau"), ".2f"), *exl3_cells(bf16.get("exl3")), "n/a"]
     lines.append("| " + " | ".join(ref) + " |")
     return lines
 
@@ -100,14 +130,13 @@ def _about(report: dict) -> list[str]:
     model, target = report["model"], report.get("target")
     rev = f" at revision `{report['revision']}`" if report.get("revision") else ""
     target_txt = f" for [{target}]({HUB}/{target})" if target else ""
+    unknown = "unknown"
     return [
         f"EXL3 quantizations of the DFlash block-diffusion drafter [{model}]({HUB}/{model}){rev}{target_txt}.",
-        "A DFlash drafter proposes a whole block of tokens per round from the target's hidden states; the target "
-        "verifies them, so output is exactly the target's: a smaller drafter only changes speed.",
         "",
-        f"Made with dflash-exl3-toolkit {report.get('toolkit_version', '?')} and exllamav3 "
-        f"{report.get('exllamav3_version', '?')} on {report.get('created', '?')}; block size "
-        f"{report.get('block_size', '?')}, tap shift {report.get('tap_shift', '?')}.",
+        f"Made with dflash-exl3-toolkit {report.get('toolkit_version') or unknown} and exllamav3 "
+        f"{report.get('exllamav3_version') or unknown} on {report.get('created') or unknown}; block size "
+        f"{report.get('block_size') or unknown}, tap shift {report.get('tap_shift', unknown)}.",
     ]
 
 
@@ -118,64 +147,67 @@ def _method(report: dict) -> list[str]:
         "KL is the mean KL divergence of each quantized drafter's next-token distribution from the bf16 "
         "drafter's, and top-1 agreement the share of positions where both pick the same token, over the "
         "block positions of the calibration prompts. τ is the mean number of tokens accepted per "
-        f"verification round with the target, {where}. \"not measured\" means the run skipped that "
+        f"verification round with the target, {where}. \"τ on exllamav3\" and \"Speedup on exllamav3\" are "
+        "measured on exllamav3 itself with the named EXL3 target at the bitrate shown, the speedup against "
+        "plain decoding of the same target in the same process. \"not measured\" means the run skipped that "
         "measurement; no number is estimated.",
     ]
 
 
-def _usage(report: dict, repo: str | None, branch: str) -> list[str]:
-    repo = repo or "USER/REPO"
-    local = f"{_name(report)}-exl3-{branch}"
-    target = report.get("target") or "the target model"
-    return [
-        "```sh",
-        f"hf download {repo} --revision {branch} --local-dir {local}",
-        "```",
-        "",
-        "### With exllamav3",
-        "",
-        f"The drafter runs next to an EXL3 quant of {target} (the target; its folder is `TARGET` below):",
-        "",
-        "```python",
-        "from exllamav3 import Cache, Config, Generator, Model, Tokenizer",
-        "",
-        f"config, draft_config = Config.from_directory(\"TARGET\"), Config.from_directory(\"{local}\")",
-        "model, draft = Model.from_config(config), Model.from_config(draft_config)",
-        f"block = draft.caps.get(\"default_draft_size\", {report.get('block_size') or 16})",
-        "cache = Cache(model, max_num_tokens=32768, max_history=block)  # caches before load()",
-        "draft_cache = Cache(draft, max_num_tokens=32768, max_history=block)",
-        "draft.load()",
-        "model.load()",
-        "generator = Generator(model=model, cache=cache, tokenizer=Tokenizer.from_config(config),",
-        "                      draft_model=draft, draft_cache=draft_cache)",
-        "print(generator.generate(prompt=\"Hello\", max_new_tokens=200))",
-        "```",
-        "",
-        "### With dflash-exl3-toolkit",
-        "",
-        "```sh",
-        f"python -m toolkit.generate --backend exllamav3 --target TARGET --draft {local} "
-        "--prompt \"Hello\" --compare-ar",
-        f"python app.py --backend exllamav3 --target TARGET --draft {local}   # the chat app",
-        "```",
-    ]
+def _license(report: dict, up: Upstream) -> list[str]:
+    model, rev = report["model"], report.get("revision")
+    fields = license_fields(up, model, rev)
+    files = ", ".join(f"[{n}]({upstream_url(model, rev, n)})" for n in up.licenses)
+    if fields:
+        name = fields["license"] + (f" ({fields['license_name']})" if fields.get("license_name") else "")
+        terms = f"; terms: <{fields['license_link']}>" if fields.get("license_link") else ""
+        text = (f"These weights are a quantization of [{model}]({HUB}/{model}), so its license applies: "
+                f"**{name}**, as its card's metadata states{terms}.")
+    else:
+        text = (f"The upstream card's metadata names no license; the terms of [{model}]({HUB}/{model}) apply "
+                "to these quantized weights, read them there.")
+    return [text] + (["", f"The upstream license file(s): {files}."] if files else [])
+
+
+def _original(report: dict, up: Upstream) -> list[str]:
+    model, rev = report["model"], report.get("revision")
+    link = f"[{model}]({upstream_url(model, rev)})"
+    if up.readme is None:
+        return [f"This run's upstream folder holds no README.md, so the original card is not reproduced here; "
+                f"read it at {link}."]
+    at = f" at revision `{rev}`" if rev else ""
+    return [f"Below is the README.md of {link}{at}, reproduced verbatim for attribution and the DFlash details "
+            f"(its metadata block removed). Its relative links refer to files of {link}.", "", up.readme.rstrip()]
+
+
+def default_branches(report: dict, out_dir: Path | None = None) -> dict[str, str]:
+    """folder -> branch of the rows push uploads: the report's own `branch`, or with `out_dir` the names push
+    gives by default ({bits:.1f}bpw) to the folders that exist there."""
+    rows = pick_pushed(report["results"])
+    if out_dir is None:
+        return {r["folder"]: r.get("branch") or f"{float(r['bits']):.1f}bpw" for r in rows}
+    return {r["folder"]: f"{float(r['bits']):.1f}bpw" for r in rows if (out_dir / r["folder"]).is_dir()}
 
 
 def render_card(report: dict, repo: str | None = None, bits: float | None = None, *,
-                branches: dict[str, str] | None = None, image: str | None = None) -> str:
+                branches: dict[str, str] | None = None, image: str | None = None,
+                upstream: str | Path | None = None) -> str:
     """README.md text (YAML front matter + body) for the main branch, or for one bitrate's branch when `bits`.
 
     `branches` maps result folder -> Hub branch for the rows that are uploaded; by default the report's own
-    `branch` of every pushed row. `image` is a file next to the card (tau_top1.png) to embed.
+    `branch` of every pushed row. `image` is a file next to the card (tau_top1.png) to embed. `upstream` is the
+    run's upstream folder (README.md, LICENSE*) for the license and the original card.
     """
     check_report(report)
+    up = read_upstream(upstream)
     if branches is None:
-        branches = {r["folder"]: r.get("branch") or f"{float(r['bits']):.1f}bpw" for r in pick_pushed(report["results"])}
+        branches = default_branches(report)
     if bits is not None and not any(float(r["bits"]) == float(bits) for r in report["results"]):
         have = ", ".join(f"{float(r['bits']):.1f}" for r in report["results"])
         raise ToolkitError(f"render_card: bits={bits} is not in report results (have {have})")
     title = f"# {_name(report)} EXL3" + (f" {float(bits):.1f} bpw" if bits is not None else "")
-    body = [title, "", *_about(report), ""]
+    body = [title, "", *_about(report), "", *framing(report, has_card=up.readme is not None), "",
+            requires_line(report), ""]
     if bits is not None:
         main = f"[the main branch]({HUB}/{repo})" if repo else "the main branch"
         body += [f"This branch holds the {float(bits):.1f} bits-per-weight quant; {main} lists every bitrate.", ""]
@@ -190,6 +222,19 @@ def render_card(report: dict, repo: str | None = None, bits: float | None = None
     for _, branch in shown:
         body.append(f"- `{branch}`: `hf download {repo or 'USER/REPO'} --revision {branch}`")
     body += ["", "## How to run", ""]
-    body += _usage(report, repo, shown[0][1] if shown else "4.0bpw")
-    content = f"---\n{card_data(report).to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
+    body += usage(report, repo, shown[0][1] if shown else "4.0bpw")
+    body += ["", "## License", "", *_license(report, up), "", "## Original model card", "", *_original(report, up)]
+    content = f"---\n{card_data(report, up).to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
     return str(ModelCard(content))
+
+
+def run_card(out_dir: str | Path, repo: str | None = None, bits: float | None = None) -> str:
+    """The card `python -m toolkit.push --from out_dir` uploads (default branch names): main's, or one bitrate's."""
+    out = Path(out_dir)
+    if repo is not None and not (is_repo_id(repo) and "/" in repo):
+        raise ToolkitError(f"--repo must be USER/NAME, got {repo!r}")
+    report = read_json(out / "report.json", "--from: ", "no report.json (run python -m toolkit.quantize first)")
+    check_report(report)
+    image = MAIN_IMAGE if bits is None and (out / MAIN_IMAGE).is_file() else None
+    return render_card(report, repo, bits, branches=default_branches(report, out), image=image,
+                       upstream=out / UPSTREAM)
