@@ -84,3 +84,92 @@ def test_spaces_gpu_decorator_is_a_noop_locally():
 
     wrapped = gpu_wrap(gen, Hardware(zero_gpu=True))      # the ZeroGPU path, off a ZeroGPU machine
     assert list(wrapped(3)) == [0, 1, 2] and callable(spaces.GPU)
+
+
+# ---- a GPU Space that installs: the prebuilt exllamav3 wheel per hardware (issue 18) ----
+
+def req_lines(out: Path) -> tuple[list[str], dict]:
+    from packaging.requirements import Requirement
+
+    lines = [ln for ln in (out / "requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    return [ln for ln in lines if ln.startswith("--")], {Requirement(ln).name: Requirement(ln) for ln in lines
+                                                         if not ln.startswith("--")}
+
+
+def check_wheel(options: list[str], reqs: dict, python: str, torch: str, cuda: str, torch_build: str) -> str:
+    """The exllamav3 line is the release wheel for (python, torch, cuda); torch is pinned to that very build."""
+    from packaging.tags import Tag
+    from packaging.utils import parse_wheel_filename
+    from packaging.version import Version
+
+    url = reqs["exllamav3"].url
+    filename = url.rsplit("/", 1)[1]
+    assert url == f"https://github.com/turboderp-org/exllamav3/releases/download/v1.6.5/{filename}"
+    name, version, _, tags = parse_wheel_filename(filename)
+    py = "cp" + python.replace(".", "")
+    assert name == "exllamav3" and version == Version(f"1.6.5+cu{cuda.replace('.', '')}.torch{torch}")
+    assert tags == frozenset({Tag(py, py, "linux_x86_64")})
+    (pin,) = reqs["torch"].specifier
+    assert pin.operator == "==" and Version(pin.version) == Version(f"{torch}+{torch_build}")
+    assert options == [f"--extra-index-url https://download.pytorch.org/whl/{torch_build}"]
+    return filename
+
+
+@pytest.mark.parametrize("hardware", space.HARDWARE)
+def test_requirements_and_front_matter_for_each_hardware(tmp_path, hardware):
+    kw = dict(target="me/Qwen3-8B-exl3@4.0bpw", draft="me/Qwen3-8B-DFlash-exl3@6.0bpw", hardware=hardware)
+    if hardware.startswith("t4"):                        # sm_75: no wheel has its kernels; refused, nothing written
+        with pytest.raises(space.ToolkitError, match=rf"no prebuilt exllamav3 1\.6\.5 wheel runs on {hardware}: .*sm_75"):
+            space.export(str(tmp_path / "sp"), **kw)
+        assert not (tmp_path / "sp").exists()
+        _, reqs = req_lines(space.export(str(tmp_path / "torch"), backend="torch", **kw))
+        assert "exllamav3" not in reqs and str(reqs["torch"].specifier) == ">=2.6"
+        jit = space.export(str(tmp_path / "jit"), exllamav3_jit=True, **kw)
+        assert req_lines(jit)[1]["exllamav3"].url is None and "needs nvcc" in (jit / "requirements.txt").read_text()
+        return
+    out = space.export(str(tmp_path / "sp"), **kw)
+    fm = front(out / "README.md")
+    assert fm["suggested_hardware"] == hardware and fm["python_version"] == "3.11" and fm["sdk"] == "gradio"
+    assert fm["models"] == ["me/Qwen3-8B-exl3", "me/Qwen3-8B-DFlash-exl3"]      # Hub ids without the revision
+    options, reqs = req_lines(out)
+    base = {n.split(">")[0].split("=")[0].split("<")[0] for n in space.BASE_REQUIREMENTS + space.DEMO_REQUIREMENTS}
+    if hardware.startswith(("cpu", "zero")):
+        assert options == [] and "exllamav3" not in reqs and str(reqs["torch"].specifier) == ">=2.6"
+        assert set(reqs) == base | ({"spaces"} if hardware.startswith("zero") else set())
+        return
+    assert set(reqs) == base | {"exllamav3"}
+    filename = check_wheel(options, reqs, "3.11", "2.8.0", "12.8", "cu128")
+    assert filename in (out / "README.md").read_text() and "exllamav3==1.6.5" in (out / "requirements.txt").read_text()
+
+
+def test_other_wheels_and_refusals(tmp_path):
+    out = space.export(str(tmp_path / "cu132"), hardware="h100", python="3.12", torch="2.11.0", cuda="13.2")
+    assert front(out / "README.md")["python_version"] == "3.12"
+    check_wheel(*req_lines(out), "3.12", "2.11.0", "13.2", "cu130")
+    check_wheel(*req_lines(space.export(str(tmp_path / "t210"), torch="2.10.0")), "3.11", "2.10.0", "12.8", "cu128")
+    for kw, msg in [(dict(torch="2.11.0"), r"wheel for torch 2\.11\.0 \+ CUDA 12\.8 on Python 3\.11 \(torch 2\.11\.0 "
+                     r"has them for Python 3\.12, 3\.13, 3\.14; Python 3\.11 has them for torch 2\.7\.0, .*2\.10\.0\)"),
+                    (dict(python="3.9"), r"wheel for Python 3\.9 \(wheels exist for Python 3\.10"),
+                    (dict(cuda="12.6"), r"wheel for CUDA 12\.6 \(wheels exist for CUDA 12\.8, 13\.2\)"),
+                    (dict(hardware="cpu-basic", exllamav3_jit=True), "installs no exllamav3"),
+                    (dict(hardware="zero-a10g", backend="exllamav3"), "backend exllamav3 needs GPU hardware")]:
+        with pytest.raises(space.ToolkitError, match=msg) as err:
+            space.export(str(tmp_path / "no"), **kw)
+        assert "\n" not in str(err.value) and not (tmp_path / "no").exists()
+    r = subprocess.run([sys.executable, "-m", "toolkit.space", "export", str(tmp_path / "cli"), "--torch", "2.11.0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: no prebuilt exllamav3 1.6.5 wheel for torch 2.11.0")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "cli").exists()
+    r = subprocess.run([sys.executable, "-m", "toolkit.space", "export", str(tmp_path / "cli"), "--exllamav3-jit"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "exllamav3==1.6.5" in str(req_lines(tmp_path / "cli")[1]["exllamav3"])
+
+
+def test_wheel_matrix_is_the_release_workflows():
+    from toolkit.hub.wheels import BUILDS
+
+    cp311 = sorted((t for c, t, p in BUILDS if p == "3.11"), key=lambda t: tuple(map(int, t.split("."))))
+    assert cp311 == ["2.7.0", "2.8.0", "2.9.0", "2.10.0"]                    # no torch 2.11 wheels for 3.10/3.11
+    assert {(c, t) for c, t, p in BUILDS if p == "3.14"} == {("12.8", "2.9.0"), ("12.8", "2.10.0"), ("12.8", "2.11.0"),
+                                                             ("13.2", "2.11.0")}
+    assert {p for c, t, p in BUILDS if c == "13.2"} == {"3.12", "3.13", "3.14"} and len(BUILDS) == 24

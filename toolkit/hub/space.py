@@ -2,6 +2,8 @@
 
 The folder holds app.py, the toolkit package (with the embedded demo pair), requirements.txt for the chosen
 hardware, README.md with the Space front matter, and space.json with the models the app loads by default.
+On GPU hardware requirements.txt installs exllamav3's prebuilt wheel for the Space's Python, torch and CUDA
+(toolkit/hub/wheels.py) with torch pinned to that build; compiling exllamav3 on the Space is an explicit opt-in.
 Push it with `hf upload <user>/<space> DIR . --repo-type space` (see docs/space.md).
 """
 
@@ -13,10 +15,13 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir, check_out
+from .wheels import EXLLAMAV3_VERSION, Wheel, pick_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADIO_VERSION = "6.31.0"      # the sdk_version written when gradio is not installed here
-PYTHON_VERSION = "3.11"
+PYTHON_VERSION = "3.11"        # the Space's python_version, and the wheel's CPython
+TORCH_VERSION = "2.8.0"        # the torch a GPU Space pins, with the exllamav3 wheel built against it
+CUDA_VERSION = "12.8"
 # Keep in step with pyproject.toml [project] dependencies and the gpu extra (tests/test_space.py checks).
 BASE_REQUIREMENTS = ["torch>=2.6", "transformers>=5.0,<6", "safetensors>=0.4", "huggingface-hub>=1.0,<3", "accelerate>=1.0",
                      "tokenizers>=0.21", "tqdm>=4.60", "numpy>=1.26", "matplotlib>=3.8"]
@@ -27,13 +32,37 @@ HARDWARE = ("cpu-basic", "cpu-upgrade", "t4-small", "t4-medium", "l4x1", "l4x4",
 GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
 
 
-def requirements(hardware: str) -> list[str]:
-    """What the Space installs: the app's dependencies, plus exllamav3 on GPU hardware, plus spaces on ZeroGPU."""
-    if hardware.startswith("cpu"):
-        return BASE_REQUIREMENTS + DEMO_REQUIREMENTS
-    if hardware.startswith("zero"):
-        return BASE_REQUIREMENTS + DEMO_REQUIREMENTS + ["spaces"]   # ZeroGPU runs the torch backend (docs/space.md says why)
-    return BASE_REQUIREMENTS + GPU_REQUIREMENTS + DEMO_REQUIREMENTS
+def requirements(hardware: str, backend: str = "auto", python: str = PYTHON_VERSION, torch: str = TORCH_VERSION,
+                 cuda: str = CUDA_VERSION, exllamav3_jit: bool = False) -> list[str]:
+    """What the Space installs: the app's dependencies; on GPU hardware (not ZeroGPU, not --backend torch) the
+    prebuilt exllamav3 wheel with torch pinned to its build, or with `exllamav3_jit` the PyPI exllamav3 that
+    compiles its extension on the Space; spaces on ZeroGPU."""
+    if hardware.startswith("cpu") or hardware.startswith("zero") or backend == "torch":
+        if exllamav3_jit:
+            raise ToolkitError(f"--exllamav3-jit: {hardware} with backend {backend} installs no exllamav3")
+        extra = ["spaces"] if hardware.startswith("zero") else []   # ZeroGPU runs the torch backend (docs/space.md)
+        return BASE_REQUIREMENTS + DEMO_REQUIREMENTS + extra
+    if exllamav3_jit:
+        return BASE_REQUIREMENTS + GPU_REQUIREMENTS + DEMO_REQUIREMENTS
+    wheel = pick_wheel(hardware, python, torch, cuda)
+    rest = [r for r in BASE_REQUIREMENTS if not r.startswith("torch")]
+    return [f"--extra-index-url {wheel.torch_index}", wheel.torch_pin, *rest, f"exllamav3 @ {wheel.url}",
+            *DEMO_REQUIREMENTS]
+
+
+def requirements_text(lines: list[str], hardware: str) -> str:
+    """requirements.txt: a header saying which exllamav3 is installed and how, then the lines."""
+    wheel = next((ln.split(" @ ", 1)[1] for ln in lines if ln.startswith("exllamav3 @ ")), None)
+    if wheel:
+        name = wheel.rsplit("/", 1)[1]
+        head = (f"# exllamav3=={EXLLAMAV3_VERSION} as its prebuilt wheel {name}, torch pinned to the build it was "
+                "compiled against: nothing is compiled on the Space.")
+    elif any(ln.startswith("exllamav3") for ln in lines):
+        head = (f"# exllamav3=={EXLLAMAV3_VERSION} from PyPI (--exllamav3-jit): it compiles its CUDA extension on "
+                "first import, which needs nvcc on the Space and takes minutes.")
+    else:
+        head = f"# On {hardware} the app runs its torch backend; no CUDA extension is installed."
+    return "\n".join([f"# Written by python -m toolkit.space export --hardware {hardware}.", head, *lines]) + "\n"
 
 
 def sdk_version() -> str:
@@ -46,12 +75,12 @@ def sdk_version() -> str:
 
 
 def front_matter(hardware: str = "l4x1", target: str | None = None, draft: str | None = None,
-                 title: str = "DFlash speculative decoding") -> str:
+                 title: str = "DFlash speculative decoding", python: str = PYTHON_VERSION) -> str:
     """The README.md front matter block a Space needs."""
     lines = ["---", f"title: {title}", "emoji: ⚡", "colorFrom: green", "colorTo: indigo", "sdk: gradio",
-             f"sdk_version: {sdk_version()}", f'python_version: "{PYTHON_VERSION}"', "app_file: app.py",
+             f"sdk_version: {sdk_version()}", f'python_version: "{python}"', "app_file: app.py",
              f"suggested_hardware: {hardware}"]
-    models = [m for m in (target, draft) if m and not Path(m).exists()]   # Hub ids only
+    models = [m.partition("@")[0] for m in (target, draft) if m and not Path(m).exists()]   # Hub ids, no revision
     if models:
         lines += ["models:"] + [f"  - {m}" for m in models]
     lines += ["short_description: DFlash speculative decoding vs plain AR, live", "license: apache-2.0",
@@ -59,16 +88,29 @@ def front_matter(hardware: str = "l4x1", target: str | None = None, draft: str |
     return "\n".join(lines) + "\n"
 
 
-def readme(hardware: str, target: str | None, draft: str | None, title: str) -> str:
+def install_note(lines: list[str]) -> str:
+    """One sentence on how this Space gets exllamav3 (or that it does without)."""
+    url = next((ln.split(" @ ", 1)[1] for ln in lines if ln.startswith("exllamav3 @ ")), None)
+    if url:
+        pin = next(ln for ln in lines if ln.startswith("torch=="))
+        return f"exllamav3 {EXLLAMAV3_VERSION} is installed from its prebuilt wheel ({url.rsplit('/', 1)[1]}) with `{pin}`."
+    if any(ln.startswith("exllamav3") for ln in lines):
+        return f"exllamav3 {EXLLAMAV3_VERSION} comes from PyPI and compiles its CUDA extension on first start (needs nvcc)."
+    return "This hardware runs the app's torch backend; exllamav3 is not installed."
+
+
+def readme(hardware: str, target: str | None, draft: str | None, title: str, python: str, lines: list[str]) -> str:
     what = (f"Target `{target}` with DFlash drafter `{draft}`." if target else
             "No models configured: the app serves its embedded demo on tiny models (CPU).")
-    return front_matter(hardware, target, draft, title) + f"""
+    note = install_note(lines)
+    return front_matter(hardware, target, draft, title, python) + f"""
 # {title}
 
 A chat that answers with DFlash speculative decoding on ExLlamaV3, next to plain autoregressive decoding on the
 same target, with the measured speedup, tokens coloured by origin and live acceptance plots.
 
 {what} Change the models in `space.json` or with the Space variables `DFLASH_TARGET` / `DFLASH_DRAFT`.
+{note}
 Built by `python -m toolkit.space export` from the dflash-exl3-toolkit repository (docs/space.md).
 """
 
@@ -80,20 +122,26 @@ def copy_package(dst: Path) -> None:
 
 
 def export(dir: str, target: str | None = None, draft: str | None = None, hardware: str = "l4x1",
-           backend: str = "auto", title: str = "DFlash speculative decoding", force: bool = False) -> Path:
-    """Write the Space folder `dir` (via a temp folder renamed at the end: never half-written)."""
+           backend: str = "auto", title: str = "DFlash speculative decoding", force: bool = False,
+           python: str = PYTHON_VERSION, torch: str = TORCH_VERSION, cuda: str = CUDA_VERSION,
+           exllamav3_jit: bool = False) -> Path:
+    """Write the Space folder `dir` (via a temp folder renamed at the end: never half-written). On GPU hardware
+    the exllamav3 wheel for (python, torch, cuda) must exist, else nothing is written."""
     if hardware not in HARDWARE:
         raise ToolkitError(f"hardware must be one of {', '.join(HARDWARE)}, got {hardware!r}")
     if (target is None) != (draft is None):
         raise ToolkitError("target/draft: give both (a Space compares the drafter's speculative output with the target's AR) or neither")
     if backend not in ("auto", "torch", "exllamav3"):
         raise ToolkitError(f"backend must be auto, torch or exllamav3, got {backend!r}")
+    if backend == "exllamav3" and hardware.startswith(("cpu", "zero")):
+        raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/space.md)")
+    lines = requirements(hardware, backend, python, torch, cuda, exllamav3_jit)
     out = Path(dir)
     check_out(out, "dir: ", force, "--force")
     with atomic_dir(out) as tmp:
         copy_package(tmp)
-        (tmp / "requirements.txt").write_text("\n".join(requirements(hardware)) + "\n")
-        (tmp / "README.md").write_text(readme(hardware, target, draft, title))
+        (tmp / "requirements.txt").write_text(requirements_text(lines, hardware))
+        (tmp / "README.md").write_text(readme(hardware, target, draft, title, python, lines))
         (tmp / "space.json").write_text(json.dumps({"target": target, "draft": draft, "backend": backend}, indent=2) + "\n")
         (tmp / ".gitattributes").write_text(GITATTRIBUTES)
     print(f"wrote {out} ({sum(1 for p in out.rglob('*') if p.is_file())} files); push with: "
