@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir, check_out
-from .wheels import EXLLAMAV3_VERSION, Wheel, pick_wheel
+from .wheels import EXLLAMAV3_VERSION, pick_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADIO_VERSION = "6.31.0"      # the sdk_version written when gradio is not installed here
@@ -37,7 +37,7 @@ def requirements(hardware: str, backend: str = "auto", python: str = PYTHON_VERS
     """What the Space installs: the app's dependencies; on GPU hardware (not ZeroGPU, not --backend torch) the
     prebuilt exllamav3 wheel with torch pinned to its build, or with `exllamav3_jit` the PyPI exllamav3 that
     compiles its extension on the Space; spaces on ZeroGPU."""
-    if hardware.startswith("cpu") or hardware.startswith("zero") or backend == "torch":
+    if hardware.startswith(("cpu", "zero")) or backend == "torch":
         if exllamav3_jit:
             raise ToolkitError(f"--exllamav3-jit: {hardware} with backend {backend} installs no exllamav3")
         extra = ["spaces"] if hardware.startswith("zero") else []   # ZeroGPU runs the torch backend (docs/space.md)
