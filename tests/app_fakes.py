@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from toolkit.core.errors import ToolkitError
-from toolkit.runtime.backend import GenSettings
+from toolkit.runtime.backend import Backend, GenSettings
 from toolkit.runtime.events import Round
 
 WORDS = ("speculative decoding drafts a block of tokens and the target checks them all in one forward pass so "
@@ -24,7 +24,7 @@ class FakeTokenizer:
 
 
 @dataclass
-class FakeBackend:
+class FakeBackend(Backend):
     name: str = "fake"
     block_size: int = 16
     max_context: int = 1024
@@ -33,6 +33,7 @@ class FakeBackend:
     fail_at: int | None = None       # raise `fault` before this round index
     fault: BaseException = field(default_factory=lambda: RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     answer_len: int = 400            # the target emits EOS after this many tokens
+    eos_ids: tuple[int, ...] = (EOS,)
     tokenizer: object = field(default_factory=FakeTokenizer)
     calls: list = field(default_factory=list)
 

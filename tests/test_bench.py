@@ -12,7 +12,7 @@ import pytest
 from toolkit.bench import bench, job_list, main, run_jobs
 from toolkit.assets.prompts import BUILTIN, load_prompts
 from toolkit.core.errors import ToolkitError
-from toolkit.runtime.backend import GenSettings
+from toolkit.runtime.backend import Backend, GenSettings
 from toolkit.runtime.events import Round, tokens_of
 
 
@@ -99,8 +99,10 @@ def test_job_list_fills_whole_waves():
     assert len(job_list(ids, 32)) == 32
 
 
-class Sequential:
-    name, block_size, max_context = "fake", 4, 100
+class Sequential(Backend):
+    """A backend that does not batch: the base class runs its jobs one after another."""
+
+    name, block_size, max_context, eos_ids, tokenizer = "fake", 4, 100, (), None
 
     def generate(self, ids, settings, speculative=True):
         yield Round((), 0, ids[0], prefill=True)

@@ -25,20 +25,17 @@ from .assets.prompts import load_prompts
 from .core.errors import ToolkitError, run_cli
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize, tokens_of
+from .runtime.factory import load_backend
 
 PROMPT_BUDGET = 1024        # prompt tokens per job the exllamav3 cache is sized for (see --cache-tokens)
 
 
 def run_jobs(backend: Backend, prompts: list[list[int]], settings: GenSettings, speculative: bool) -> tuple[list[list[Round]], float]:
-    """Decode `prompts` as concurrent jobs (sequentially on a backend without generate_many); (rounds per job, seconds)."""
+    """Decode `prompts` as concurrent jobs (one after another on a backend that does not batch); (rounds per job, seconds)."""
     rounds: list[list[Round]] = [[] for _ in prompts]
     t0 = time.perf_counter()
-    if hasattr(backend, "generate_many"):
-        for i, r in backend.generate_many(prompts, settings, speculative=speculative):
-            rounds[i].append(r)
-    else:
-        for i, p in enumerate(prompts):
-            rounds[i] = list(backend.generate(p, settings, speculative=speculative))
+    for i, r in backend.generate_many(prompts, settings, speculative=speculative):
+        rounds[i].append(r)
     return rounds, time.perf_counter() - t0
 
 
@@ -151,8 +148,6 @@ def bench(
     quiet: bool = False,
 ) -> dict:
     """Run the grid; returns the bench.json dict (also written, with bench.png, into `out`)."""
-    from .runtime.factory import load_backend
-
     if target is None and draft is None:
         from .assets.pairs import tiny_pair
 
@@ -175,24 +170,47 @@ def bench(
         order = [p for k in range(len(items)) for c in cats for p in [q for q in items if q.category == c][k:k + 1]]
         items = order[:limit]
     concs = sorted(set(concurrency))
-    kw: dict = {}
-    if backend == "exllamav3":
-        per_job = -(-(PROMPT_BUDGET + max_new_tokens + max(block_sizes) + 1) // 256) * 256
-        kw = {"cache_tokens": cache_tokens or max(concs) * per_job, "max_concurrency": max(concs)}
-    elif device is not None:
-        kw = {"device": device}
-    be = load_backend(backend, target, draft, **kw)
-    if be.block_size < 2:
-        raise ToolkitError(f"{draft}: no drafter loaded, nothing to compare with AR")
+    per_job = -(-(PROMPT_BUDGET + max_new_tokens + max(block_sizes) + 1) // 256) * 256
+    cache_tokens = cache_tokens or max(concs) * per_job
+    be = load_backend(backend, target, draft, device=device or "cpu", cache_tokens=cache_tokens, max_concurrency=max(concs))
+    try:
+        if be.block_size < 2:
+            raise ToolkitError(f"{draft}: no drafter loaded, nothing to compare with AR")
+        blocks = cut_blocks(block_sizes, be.block_size)
+        ids = [be.raw_encode(p.text) if raw else be.encode(p.text) for p in items]
+        ar_cells, cells = run_grid(be, ids, settings, blocks, concs, warmup, quiet)
+    finally:
+        be.close()
+    result = {
+        "backend": be.name, "target": str(target), "draft": str(draft), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(backend, device), "prompts": prompts or "builtin", "num_prompts": len(items),
+        "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
+        "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
+        "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": cells,
+        "best": best_per_concurrency(ar_cells, cells),
+    }
+    write_outputs(result, Path(out))
+    if not quiet:
+        print_table(result)
+        print(f"wrote {Path(out) / 'bench.json'} and {Path(out) / 'bench.png'}", file=sys.stderr)
+    return result
+
+
+def cut_blocks(block_sizes: list[int], native: int) -> list[int]:
+    """The asked block sizes cut to the drafter's own, without repeats (a note for each one cut)."""
     blocks: list[int] = []
     for B in block_sizes:
-        eff = min(B, be.block_size)
+        eff = min(B, native)
         if eff != B:
-            print(f"note: block size {B} is cut to the drafter's {be.block_size}", file=sys.stderr)
+            print(f"note: block size {B} is cut to the drafter's {native}", file=sys.stderr)
         if eff not in blocks:
             blocks.append(eff)
-    ids = [be.tokenizer.encode(p.text) if raw else be.encode(p.text) for p in items]
+    return blocks
 
+
+def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, blocks: list[int], concs: list[int], warmup: bool,
+             quiet: bool) -> tuple[list[dict], list[dict]]:
+    """AR once per concurrency, then every block size on the same jobs: (AR cells, speculative cells checked against AR)."""
     ar_cells, cells = [], []
     grid = [(None, c) for c in concs] + [(B, c) for B in blocks for c in concs]
     ar_tokens: dict[int, list[list[int]]] = {}
@@ -209,22 +227,9 @@ def bench(
         ar = next(a for a in ar_cells if a["concurrency"] == c)
         same = [t == a for t, a in zip(toks, ar_tokens[c])]
         stats.update(block_size=B, ar_tok_s=ar["tok_s"], speedup=stats["tok_s"] / ar["tok_s"] if ar["tok_s"] else 0.0,
-                     lossless=(sum(same) / len(same)) if temperature == 0 else None)
+                     lossless=(sum(same) / len(same)) if settings.temperature == 0 else None)
         cells.append(stats)
-
-    result = {
-        "backend": be.name, "target": str(target), "draft": str(draft), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(backend, device), "prompts": prompts or "builtin", "num_prompts": len(items),
-        "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
-        "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
-        "cache_tokens": getattr(be, "cache_tokens", None), "ar": ar_cells, "cells": cells,
-        "best": best_per_concurrency(ar_cells, cells),
-    }
-    write_outputs(result, Path(out))
-    if not quiet:
-        print_table(result)
-        print(f"wrote {Path(out) / 'bench.json'} and {Path(out) / 'bench.png'}", file=sys.stderr)
-    return result
+    return ar_cells, cells
 
 
 def device_name(backend: str, device: str | None) -> str:

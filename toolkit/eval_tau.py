@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .core.errors import ToolkitError, run_cli
-from .runtime.backend import GenSettings
+from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
 
 PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
@@ -75,18 +75,17 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
             raise ToolkitError(f"{name}: {p} is not a folder")
     held = read_heldout(Path(heldout) if heldout else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
-    if backend == "exllamav3":                     # exllamav3 runs fp16 on the GPU; its cache is sized for one wave
-        dev, dt, wave = "cuda", torch.float16, concurrency
-        be = load_backend(backend, target, draft, max_concurrency=wave,
-                          cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256)
+    exl3 = backend == "exllamav3"                 # exllamav3 runs fp16 on the GPU, `concurrency` prompts a wave
+    dev = "cuda" if exl3 else ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "float32": torch.float32}.get("auto" if exl3 else dtype)
+    if dt is None:
+        raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
+    wave = concurrency if exl3 else 1
+    be = load_backend(backend, target, draft, device=dev, dtype=dt, max_concurrency=wave,
+                      cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256)
+    if exl3:
         dev = torch.cuda.get_device_name()
-    else:
-        dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
-              "bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
-        if dt is None:
-            raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
-        be, wave = load_backend(backend, target, draft, device=dev, dtype=dt), 1
     sizes = sorted({min(b, be.block_size) for b in block_sizes})
     deadline = time.time() + minutes * 60 if minutes else None
     rounds: dict[tuple[str, int], list[Round]] = {(c, b): [] for c in held for b in sizes}
@@ -107,8 +106,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
             if out:
                 write_atomic(Path(out), json.dumps(result, indent=1) + "\n")
     finally:
-        if hasattr(be, "close"):                   # exllamav3: free the GPU for the next model
-            be.close()
+        be.close()                                 # exllamav3: free the GPU for the next model
     if not result:
         raise ToolkitError("no prompt was evaluated (empty heldout.json or --minutes too small)")
     if write_card:
@@ -119,11 +117,9 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     return result
 
 
-def decode(be, prompts: list[list[int]], settings: GenSettings) -> list[Round]:
+def decode(be: Backend, prompts: list[list[int]], settings: GenSettings) -> list[Round]:
     """Every round of every prompt (one generator for all of them where the backend batches)."""
-    if hasattr(be, "generate_many"):
-        return [r for _, r in be.generate_many(prompts, settings)]
-    return [r for p in prompts for r in be.generate(p, settings)]
+    return [r for _, r in be.generate_many(prompts, settings)]
 
 
 def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) -> dict:

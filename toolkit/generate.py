@@ -11,11 +11,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from .core.errors import ToolkitError, run_cli
 from .runtime.backend import Backend, GenSettings
-from .runtime.events import Round, summarize, tokens_of
+from .runtime.events import Round, Summary, summarize, tokens_of
+from .runtime.factory import load_backend
 
 
 def load(backend: str, target: str | None, draft: str | None, device: str | None = None) -> Backend:
@@ -26,24 +26,34 @@ def load(backend: str, target: str | None, draft: str | None, device: str | None
         target, draft = (str(p) for p in tiny_pair())
     elif target is None:
         raise ToolkitError("--draft needs --target (the drafter uses the target's embeddings and lm_head)")
-    for name, p in (("--target", target), ("--draft", draft)):
-        if p is not None and not Path(p).is_dir():
-            raise ToolkitError(f"{name}: {p} is not a folder")
-    if backend == "torch":
-        from .runtime.torch_backend import TorchBackend
-
-        return TorchBackend.from_dirs(target, draft, device=device or "cpu")
-    if backend == "exllamav3":
-        from .runtime.factory import load_backend
-
-        return load_backend("exllamav3", target, draft)
-    raise ToolkitError(f"--backend must be torch or exllamav3, got {backend!r}")
+    return load_backend(backend, target, draft, device=device or "cpu")
 
 
 def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: bool) -> tuple[list[Round], float]:
     t0 = time.perf_counter()
     rounds = list(backend.generate(ids, settings, speculative=speculative))
     return rounds, time.perf_counter() - t0
+
+
+def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, system: str | None,
+        raw: bool) -> tuple[dict, Summary]:
+    """Decode the prompt speculatively (and with compare_ar plain AR too); the JSON-contract dict and its summary."""
+    ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
+    rounds, secs = timed(be, ids, settings, speculative=True)
+    toks = tokens_of(rounds)
+    s = summarize(rounds, secs)
+    result = {
+        "backend": be.name, "prompt_tokens": len(ids), "block_size": min(settings.block_size or be.block_size, be.block_size),
+        "tokens": toks, "text": be.decode(toks), "rounds": [r.to_json() for r in rounds],
+        "tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "seconds": secs,
+    }
+    if compare_ar:
+        ar_rounds, ar_secs = timed(be, ids, settings, speculative=False)
+        ar = tokens_of(ar_rounds)
+        ar_tok_s = len(ar) / ar_secs if ar_secs > 0 else 0.0
+        result.update(ar_tokens=ar, ar_tok_s=ar_tok_s, ar_seconds=ar_secs,
+                      speedup=(s.tok_s / ar_tok_s) if ar_tok_s else 0.0, lossless=(ar == toks))
+    return result, s
 
 
 def generate(
@@ -69,26 +79,15 @@ def generate(
     except ValueError as e:
         raise ToolkitError(str(e)) from None
     be = load(backend, target, draft, device)
-    ids = be.tokenizer.encode(prompt) if raw and hasattr(be, "tokenizer") else be.encode(prompt, system=system)
-    rounds, secs = timed(be, ids, settings, speculative=True)
-    toks = tokens_of(rounds)
-    s = summarize(rounds, secs)
-    result = {
-        "backend": be.name, "prompt_tokens": len(ids), "block_size": min(block_size or be.block_size, be.block_size),
-        "tokens": toks, "text": be.decode(toks), "rounds": [r.to_json() for r in rounds],
-        "tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "seconds": secs,
-    }
-    if compare_ar:
-        ar_rounds, ar_secs = timed(be, ids, settings, speculative=False)
-        ar = tokens_of(ar_rounds)
-        ar_tok_s = len(ar) / ar_secs if ar_secs > 0 else 0.0
-        result.update(ar_tokens=ar, ar_tok_s=ar_tok_s, ar_seconds=ar_secs,
-                      speedup=(s.tok_s / ar_tok_s) if ar_tok_s else 0.0, lossless=(ar == toks))
+    try:
+        result, s = run(be, prompt, settings, compare_ar, system, raw)
+    finally:
+        be.close()
     if json_out:
         print(json.dumps(result))
     else:
         print(result["text"])
-        line = f"\n[{be.name}] {len(toks)} tokens, {s.rounds} rounds, tau {s.tau:.2f}, {s.tok_s:.1f} tok/s"
+        line = f"\n[{be.name}] {len(result['tokens'])} tokens, {s.rounds} rounds, tau {s.tau:.2f}, {s.tok_s:.1f} tok/s"
         if compare_ar:
             line += f"; AR {result['ar_tok_s']:.1f} tok/s, speedup {result['speedup']:.2f}x, lossless {result['lossless']}"
         print(line, file=sys.stderr)

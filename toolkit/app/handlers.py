@@ -16,7 +16,7 @@ from typing import Iterator
 import gradio as gr
 
 from ..core.errors import ToolkitError
-from ..runtime.backend import GenSettings, message_text
+from ..runtime.backend import Backend, GenSettings, message_text
 from ..runtime.events import Round, Summary, summarize
 from . import render
 from .models import Loaded
@@ -31,7 +31,7 @@ FAILED = "⚠️ "          # the start of the chat reply of a turn that failed
 class Run:
     """One decode of the prompt, timed inside the backend only."""
 
-    backend: object
+    backend: Backend
     ids: list[int]
     settings: GenSettings
     speculative: bool
@@ -60,9 +60,7 @@ class Run:
                 self.transcript.add(r)
                 yield r
         finally:
-            close = getattr(it, "close", None)
-            if close:
-                close()
+            it.close()              # a stopped run ends the backend's generator (exllamav3 frees its jobs' pages)
 
     @property
     def tokens(self) -> list[int]:

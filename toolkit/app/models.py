@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..core.errors import ToolkitError
+from ..runtime.backend import Backend
+from ..runtime.factory import load_backend
 
 log = logging.getLogger("toolkit.app")
 BACKENDS = ("auto", "torch", "exllamav3")
@@ -85,7 +87,7 @@ class ModelSpec:
 class Loaded:
     """The loaded backend (or None and the reason), and what the page says about it."""
 
-    backend: object | None
+    backend: Backend | None
     error: str | None = None
     demo: bool = False
     backend_name: str = ""
@@ -98,20 +100,17 @@ class Loaded:
 
     @property
     def block_size(self) -> int:
-        return int(getattr(self.backend, "block_size", 16) or 16)
+        """The drafter's block size; 16 (the page's default) while nothing is loaded."""
+        return self.backend.block_size if self.backend is not None else 16
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.backend, "max_context", 4096) or 4096)
+        return self.backend.max_context if self.backend is not None else 4096
 
     @property
     def thinking(self) -> bool:
         """Whether the target's chat template has a thinking switch (Qwen3 / Qwen3.5 / Qwen3.6)."""
-        flag = getattr(self.backend, "supports_thinking", None)
-        if flag is not None:
-            return bool(flag)
-        tmpl = getattr(getattr(self.backend, "tokenizer", None), "chat_template", None) or ""
-        return "enable_thinking" in str(tmpl)
+        return self.backend is not None and self.backend.supports_thinking
 
 
 def fetch_model(ref: str, what: str) -> str:
@@ -146,22 +145,12 @@ def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
     return want, device, notes
 
 
-def open_backend(name: str, target: str, draft: str | None, device: str):
-    """The named backend over local folders (the factory when present, else TorchBackend directly)."""
-    try:
-        from ..runtime.factory import load_backend
-    except ImportError:
-        load_backend = None
-    if load_backend is not None:
-        return load_backend(name, target, draft, **({"device": device} if name == "torch" else {}))
-    if name != "torch":
-        raise ToolkitError(f"backend {name} is not available in this checkout (toolkit.runtime.factory missing)")
-    from ..runtime.torch_backend import TorchBackend
-
-    return TorchBackend.from_dirs(target, draft, device=device)
+def open_backend(name: str, target: str, draft: str | None, device: str) -> Backend:
+    """The named backend over local folders, built by the runtime's factory."""
+    return load_backend(name, target, draft, device=device)
 
 
-def warm_up(backend) -> None:
+def warm_up(backend: Backend) -> None:
     """One short decode each way, so lazy initialisation does not skew the first measured run."""
     from ..runtime.backend import GenSettings
 

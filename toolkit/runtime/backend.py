@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Any, Generator, Iterator
 
+from ..core.errors import ToolkitError
 from .events import Round
 
 
@@ -59,21 +61,69 @@ def encode_chat(tokenizer, prompt, system: str | None = None, thinking: bool | N
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in msgs))
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """A target plus an optional DFlash drafter that turns prompts into a stream of `Round`s."""
+class Backend(ABC):
+    """A target plus an optional DFlash drafter that turns prompts into a stream of `Round`s.
+
+    Every consumer (generate, bench, eval_tau, the app) calls these members as written; a backend sets the
+    attributes in its constructor and implements `generate`. The token methods work on a transformers
+    tokenizer; a backend whose tokenizer is something else overrides them.
+    """
 
     name: str
-    block_size: int       # the drafter's native block size (1 without a drafter)
-    max_context: int      # longest prompt + generation the target takes
+    block_size: int                 # the drafter's native block size (1 without a drafter)
+    max_context: int                # longest prompt + generation the target takes
+    eos_ids: tuple[int, ...]        # stop ids when GenSettings.stop_ids is None
+    tokenizer: Any                  # the target's transformers tokenizer
 
-    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
-        """Token ids of a chat prompt (through the chat template when the tokenizer has one)."""
-        ...
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether the chat template has an `enable_thinking` switch (Qwen3 / Qwen3.5 / Qwen3.6)."""
+        return "enable_thinking" in str(getattr(self.tokenizer, "chat_template", None) or "")
+
+    # -- tokens --------------------------------------------------------------------------------------
+
+    def encode(self, prompt, system: str | None = None, thinking: bool | None = None) -> list[int]:
+        """Token ids of a chat prompt or conversation (through the chat template when the tokenizer has one)."""
+        return encode_chat(self.tokenizer, prompt, system, thinking)
+
+    def raw_encode(self, text: str) -> list[int]:
+        """Token ids of `text` as is, without the chat template (--raw)."""
+        return list(self.tokenizer.encode(text))
 
     def decode(self, ids: list[int]) -> str:
-        ...
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
-        """Decode; with speculative=False the same target runs plain AR (one token per round)."""
-        ...
+    # -- decoding ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Generator[Round, None, None]:
+        """Decode one prompt; with speculative=False the same target runs plain AR (one token per round)."""
+
+    def generate_many(self, prompts: list[list[int]], settings: GenSettings,
+                      speculative: bool = True) -> Iterator[tuple[int, Round]]:
+        """Decode several prompts, yielding (prompt index, Round); here one after another, batched where a backend can."""
+        for i, p in enumerate(prompts):
+            for r in self.generate(p, settings, speculative):
+                yield i, r
+
+    def close(self) -> None:
+        """Free what the backend holds (GPU memory); nothing to do by default."""
+
+    # -- shared checks -------------------------------------------------------------------------------
+
+    def draft_width(self, settings: GenSettings, speculative: bool) -> int:
+        """Tokens drafted per round: B-1 for the asked block size B, cut to the drafter's; 0 for plain AR."""
+        if not speculative or self.block_size < 2:
+            return 0
+        return min(settings.block_size or self.block_size, self.block_size) - 1
+
+    def stop_ids(self, settings: GenSettings) -> tuple[int, ...]:
+        return tuple(settings.stop_ids if settings.stop_ids is not None else self.eos_ids)
+
+    def check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """One line for an empty prompt or one that does not fit the context with its new tokens."""
+        if not prompts or any(not p for p in prompts):
+            raise ToolkitError("prompt is empty")
+        n = max(len(p) for p in prompts)
+        if n + max_new_tokens > self.max_context:
+            raise ToolkitError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the context of {self.max_context}")

@@ -8,26 +8,19 @@ any machine.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import ToolkitError
-from .backend import GenSettings, encode_chat
+from ..core.target import TargetInfo, read_optional
+from .backend import Backend, GenSettings
 from .events import Round
 from .exl3_hook import JobTrack, build_round, check_version, exllamav3_version, recording_generator_class
 
 PAGE = 256            # exllamav3's cache page size
 GIB = 1024**3
 MIN_CAPABILITY = (8, 0)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def check_cuda() -> str:
@@ -55,17 +48,17 @@ def import_exllamav3():
 
 def weight_bytes(folder: Path) -> int:
     """Bytes the folder's weights take once loaded: EXL3 tensors as stored, unquantized ones as fp16."""
-    cfg = read_json(folder / "config.json")
+    info = TargetInfo(read_optional(folder / "config.json"))
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    if "quantization_config" in cfg:
+    if info.exl3:
         return size
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    dtype = str(info.config.get("torch_dtype") or info.config.get("dtype") or "bfloat16")
     return size // 2 if "32" in dtype else size
 
 
 def cache_bytes(cfg: dict, tokens: int, slots: int) -> int:
     """K/V bytes for `tokens` positions over the attention layers of a config, plus recurrent state for `slots` jobs."""
-    t = cfg.get("text_config") or cfg
+    t = TargetInfo(cfg).text
     layers = int(t.get("num_hidden_layers", 0))
     types = t.get("layer_types") or ["full_attention"] * layers
     heads = int(t.get("num_attention_heads", 1))
@@ -85,9 +78,9 @@ def check_memory(target: Path, draft: Path | None, tokens: int, slots: int, gpu:
 
     free, _ = torch.cuda.mem_get_info()
     w = weight_bytes(target) + (weight_bytes(draft) if draft else 0)
-    c = cache_bytes(read_json(target / "config.json"), tokens, slots)
+    c = cache_bytes(read_optional(target / "config.json"), tokens, slots)
     if draft:
-        c += cache_bytes(read_json(draft / "config.json"), tokens, slots)
+        c += cache_bytes(read_optional(draft / "config.json"), tokens, slots)
     need = w + c + GIB // 2
     if need > free:
         raise ToolkitError(
@@ -96,8 +89,8 @@ def check_memory(target: Path, draft: Path | None, tokens: int, slots: int, gpu:
         )
 
 
-class Exl3Backend:
-    """Backend over exllamav3 models (see runtime.backend.Backend); `generate_many` runs several jobs in one generator."""
+class Exl3Backend(Backend):
+    """Backend over exllamav3 models; `generate_many` runs several jobs in one generator."""
 
     name = "exllamav3"
 
@@ -110,24 +103,20 @@ class Exl3Backend:
         self.cache_tokens = cache.max_num_tokens
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
-        self.iterations, self.seconds = 0, 0.0   # iterate() calls and wall time (after enqueue) of the last generate_many
-        self.overhead_s = 0.0                    # of which our capture and Round assembly (consumer time excluded)
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
-                  cache_tokens: int = 32768, max_concurrency: int = 32, **_) -> "Exl3Backend":
+                  cache_tokens: int = 32768, max_concurrency: int = 32) -> "Exl3Backend":
         """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU."""
         from ..dflash import DFlashConfig
 
         target, draft = Path(target), Path(draft) if draft is not None else None
-        tcfg = read_json(target / "config.json")
-        if not tcfg:
-            raise ToolkitError(f"{target}: no config.json (not a model folder)")
+        info = TargetInfo.read(target)
         dconf = None
         if draft is not None:
             dconf = DFlashConfig.from_dir(draft)
             try:
-                dconf.validate_against(tcfg)
+                dconf.validate_against(info.config)
             except ToolkitError as e:
                 raise ToolkitError(f"drafter {draft} does not fit target {target}: {e}") from None
         native = dconf.block_size if dconf else 1
@@ -158,14 +147,10 @@ class Exl3Backend:
             if isinstance(e, (AssertionError, ValueError, KeyError, OSError)):
                 raise ToolkitError(f"exllamav3 cannot load {target} / {draft}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             raise
-        from transformers import AutoTokenizer
+        from .torch_backend import load_hf_tokenizer
 
-        hf_tok = AutoTokenizer.from_pretrained(str(target))
-        gen = read_json(target / "generation_config.json")
-        eos = gen.get("eos_token_id", tcfg.get("eos_token_id", hf_tok.eos_token_id))
-        eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        ctx = int((tcfg.get("text_config") or tcfg).get("max_position_embeddings") or 1 << 20)
-        return cls(exl, model, cache, tok, hf_tok, dmodel, dcache, native, ctx, eos_ids, max_concurrency)
+        return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,
+                   info.eos_ids, max_concurrency)
 
     def close(self) -> None:
         """Retire the generator and unload both models (the GPU memory comes back)."""
@@ -175,21 +160,6 @@ class Exl3Backend:
         for m in (self.draft, self.model):
             if m is not None:
                 m.unload()
-
-    # -- tokens --------------------------------------------------------------------------------------
-
-    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
-        return encode_chat(self.tokenizer, prompt, system, thinking)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    # -- decoding ------------------------------------------------------------------------------------
-
-    def draft_width(self, settings: GenSettings, speculative: bool) -> int:
-        if not speculative or self.draft is None:
-            return 0
-        return min(settings.block_size or self.block_size, self.block_size) - 1
 
     def generator(self, width: int, hooked: bool = True):
         """The one Generator that owns the cache, rebuilt when the draft width or the hook changes."""
@@ -210,20 +180,16 @@ class Exl3Backend:
     def _jobs(self, prompts: list[list[int]], settings: GenSettings) -> list:
         import torch
 
-        if not prompts or any(not p for p in prompts):
-            raise ToolkitError("prompt is empty")
+        self.check_prompts(prompts, settings.max_new_tokens)
         if len(prompts) > self.max_concurrency:
             raise ToolkitError(f"{len(prompts)} jobs exceed max_concurrency {self.max_concurrency}")
-        longest = max(len(p) for p in prompts) + settings.max_new_tokens
-        if longest > self.max_context:
-            raise ToolkitError(f"prompt + {settings.max_new_tokens} new tokens = {longest} exceeds the context of {self.max_context}")
         need = sum(-(-(len(p) + settings.max_new_tokens + self.block_size + 1) // PAGE) * PAGE for p in prompts)
         if need > self.cache_tokens:
             raise ToolkitError(f"{len(prompts)} jobs need about {need} cache tokens, the cache holds {self.cache_tokens} (raise cache_tokens)")
         from exllamav3.generator.sampler import ArgmaxSampler, CategoricalSampler
 
         sampler = ArgmaxSampler() if settings.temperature <= 0 else CategoricalSampler(temperature=settings.temperature)
-        stop = list(settings.stop_ids if settings.stop_ids is not None else self.eos_ids)
+        stop = list(self.stop_ids(settings))
         return [
             self.exl.Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=settings.max_new_tokens,
                          sampler=sampler, seed=settings.seed + i, stop_conditions=stop, identifier=i)
@@ -232,57 +198,32 @@ class Exl3Backend:
 
     def generate_many(self, prompts: list[list[int]], settings: GenSettings, speculative: bool = True) -> Iterator[tuple[int, Round]]:
         """Decode several prompts as concurrent jobs of one generator; yields (prompt index, Round) as rounds finish."""
-        width = self.draft_width(settings, speculative)
-        gen = self.generator(width)
+        gen = self.generator(self.draft_width(settings, speculative))
         jobs = self._jobs(prompts, settings)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
         gen.enqueue(jobs)
-        self.iterations, self.overhead_s, start = 0, 0.0, time.perf_counter()
-        consumer = 0.0
         try:
             while gen.num_remaining_jobs():
                 t0 = time.perf_counter()
                 results = gen.iterate()
-                t1 = time.perf_counter()
-                self.iterations += 1
-                t_round = (t1 - t0) * 1000.0
+                t_round = (time.perf_counter() - t0) * 1000.0
                 for r in results:
                     if r.get("stage") == "error":
                         raise RuntimeError(f"exllamav3 job failed: {r.get('error')!r}")
                 done = []
                 for job, tr in zip(jobs, tracks):
                     ids = job.sequences[0].sequence_ids
-                    n = len(ids)
-                    if n == tr.seen:
+                    if len(ids) == tr.seen:
                         continue
-                    new = ids.torch_slice(tr.seen, n).reshape(-1).tolist()
+                    new = ids.torch_slice(tr.seen, len(ids)).reshape(-1).tolist()
                     rnd = build_round(tr, new, job.draft_stats, gen.drafted.get(id(job)), gen.t_draft_ms, t_round)
                     if rnd is not None:
                         done.append((tr.index, rnd))
-                self.overhead_s += time.perf_counter() - t1 + getattr(gen, "capture_s", 0.0)
-                t2 = time.perf_counter()
                 yield from done
-                consumer += time.perf_counter() - t2
         finally:
-            self.seconds = time.perf_counter() - start - consumer
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages
                 gen.clear_queue()
 
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         for _, r in self.generate_many([list(prompt_ids)], settings, speculative):
             yield r
-
-    def generate_plain(self, prompts: list[list[int]], settings: GenSettings, speculative: bool = True,
-                       hooked: bool = False) -> tuple[list[list[int]], float, int]:
-        """A bare iterate() loop with no Round assembly: (emitted ids per job, seconds, iterations), for overhead checks.
-        hooked=False runs the library's own Generator; True the capturing subclass."""
-        gen = self.generator(self.draft_width(settings, speculative), hooked=hooked)
-        jobs = self._jobs(prompts, settings)
-        gen.enqueue(jobs)
-        t0, steps = time.perf_counter(), 0
-        while gen.num_remaining_jobs():
-            gen.iterate()
-            steps += 1
-        secs = time.perf_counter() - t0
-        out = [j.sequences[0].sequence_ids.torch().reshape(-1).tolist()[len(p):] for j, p in zip(jobs, prompts)]
-        return out, secs, steps

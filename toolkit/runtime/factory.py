@@ -1,4 +1,8 @@
-"""One entry point for every consumer: `load_backend("torch" | "exllamav3", target, draft, **kw)`."""
+"""The one place a backend is chosen and built: `load_backend("torch" | "exllamav3", target, draft, ...)`.
+
+generate, bench, eval_tau and the app all build through it; which options reach which backend is decided
+here, so a consumer passes what it knows and never branches on the backend's name to build it.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +14,24 @@ from .backend import Backend
 BACKENDS = ("torch", "exllamav3")
 
 
-def load_backend(backend: str, target: str | Path, draft: str | Path | None = None, **kw) -> Backend:
+def load_backend(name: str, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu", dtype=None,
+                 cache_tokens: int = 32768, max_concurrency: int = 32) -> Backend:
     """The named backend over a target folder and an optional DFlash drafter folder.
 
-    Extra keywords go to the backend's from_dirs (torch: device, dtype; exllamav3: block_size, cache_tokens,
-    max_concurrency); each backend ignores the ones it does not take.
+    torch takes `device` and `dtype` (a torch.dtype; None = float32); exllamav3 runs on the GPU and takes
+    `cache_tokens` (its paged cache, a multiple of 256) and `max_concurrency` (jobs decoded together).
     """
-    if backend not in BACKENDS:
-        raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    for name, p in (("target", target), ("draft", draft)):
+    if name not in BACKENDS:
+        raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    for flag, p in (("--target", target), ("--draft", draft)):
         if p is not None and not Path(p).is_dir():
-            raise ToolkitError(f"{name}: {p} is not a folder")
-    if backend == "torch":
+            raise ToolkitError(f"{flag}: {p} is not a folder")
+    if name == "torch":
+        import torch
+
         from .torch_backend import TorchBackend
 
-        return TorchBackend.from_dirs(target, draft, **kw)
+        return TorchBackend.from_dirs(target, draft, device=device, dtype=dtype or torch.float32)
     from .exl3_backend import Exl3Backend
 
-    return Exl3Backend.from_dirs(target, draft, **kw)
+    return Exl3Backend.from_dirs(target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency)

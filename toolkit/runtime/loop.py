@@ -3,7 +3,8 @@
 Verification follows exllamav3 and z-lab: the target picks its own token at every block position (argmax,
 or a sample at temperature > 0); drafted ids are accepted while they equal the target's picks, and the
 target's pick after the accepted prefix is the bonus. Every emitted token is the target's own choice, so
-greedy output equals AR output and sampling keeps the target's distribution.
+greedy output equals AR output and sampling keeps the target's distribution, whatever width each round
+verifies: a `Policy` (runtime/policy.py) picks it per round, 0 being a plain AR round with no drafter call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from typing import Iterator, Protocol
 
 from .events import Round
+from .policy import Policy
 from .sampling import Sampler
 
 
@@ -59,15 +61,21 @@ def decode(
     sampler: Sampler,
     stop_ids: set[int],
     draft_width: int = 0,
+    policy: Policy | None = None,
 ) -> Iterator[Round]:
-    """Yield one Round per target forward. draft_width=0 is plain AR; B-1 is speculative with block B."""
+    """Yield one Round per target forward. Without a policy every round verifies `draft_width` drafts
+    (0 = plain AR, B-1 = speculative with block B); with one, `policy.width()` picks each round's width."""
+    policy = policy or Policy.fixed(draft_width)
     t0 = time.perf_counter()
     token = sampler(steps.prefill(prompt_ids))[-1]
+    policy.begin(token)
     yield Round(drafted=(), accepted=0, bonus=token, t_verify_ms=_ms(t0), prefill=True)
     emitted = 1
     while emitted < max_new_tokens and token not in stop_ids:
+        width = policy.width()
         t0 = time.perf_counter()
-        drafted = steps.draft_block(token, draft_width) if draft_width else []
+        proposal = steps.draft_block(token, policy.draft_len) if width else []
+        drafted = proposal[:width]
         t_draft = _ms(t0)
 
         t0 = time.perf_counter()
@@ -79,4 +87,6 @@ def decode(
 
         token = out[-1]
         emitted += len(out)
-        yield Round(tuple(drafted), len(out) - 1, token, t_draft, t_verify)
+        rnd = Round(tuple(drafted), len(out) - 1, token, t_draft, t_verify, proposed=len(proposal))
+        policy.observe(proposal, rnd)
+        yield rnd

@@ -16,8 +16,8 @@ import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
 from ..core.errors import ToolkitError
-from ..core.folders import read_config
-from .backend import GenSettings, encode_chat
+from ..core.target import TargetInfo
+from .backend import Backend, GenSettings
 from .events import Round
 from .loop import decode
 from .sampling import Sampler
@@ -83,56 +83,54 @@ class TorchSteps:
         self._pending = self._snapshot = None
 
 
-class TorchBackend:
-    """Backend over a transformers target and an optional reference drafter (see runtime.backend.Backend)."""
+def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: str = "target"):
+    """A transformers causal LM from a local folder, on `device`, in eval mode with its weights frozen."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise ToolkitError(f"{what}: cannot load {folder} with transformers ({str(e).splitlines()[0]})") from None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_hf_tokenizer(folder: str | Path, what: str = "target"):
+    """The folder's transformers tokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ToolkitError(f"{what}: cannot load the tokenizer of {folder} ({str(e).splitlines()[0]})") from None
+
+
+class TorchBackend(Backend):
+    """Backend over a transformers target and an optional reference drafter."""
 
     name = "torch"
 
     def __init__(self, target, tokenizer, drafter: DFlashDraft | None = None):
         self.target, self.tokenizer, self.drafter = target.eval(), tokenizer, drafter
+        info = TargetInfo.of_model(target, tokenizer)
         self.block_size = drafter.config.block_size if drafter is not None else 1
-        self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 20)
-        gen = getattr(target, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.max_context, self.eos_ids = info.max_context, info.eos_ids
 
     @classmethod
-    def from_dirs(
-        cls, target: str | Path, draft: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32, **_
-    ) -> "TorchBackend":
+    def from_dirs(cls, target: str | Path, draft: str | Path | None = None, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> "TorchBackend":
         """Load a local target folder (transformers) and drafter folder (upstream layout), checked against each other."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tcfg = read_config(target, "target")
+        info = TargetInfo.read(target, "target")
         drafter = None
         if draft is not None:
-            DFlashConfig.from_dir(draft).validate_against(tcfg)
+            DFlashConfig.from_dir(draft).validate_against(info.config)
             drafter = load_drafter(draft, dtype=dtype, device=device)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device)
-            tok = AutoTokenizer.from_pretrained(str(target))
-        except (OSError, ValueError, KeyError) as e:
-            raise ToolkitError(f"{target}: cannot load the target with transformers ({str(e).splitlines()[0]})") from None
-        return cls(model, tok, drafter)
-
-    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
-        return encode_chat(self.tokenizer, prompt, system, thinking)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return cls(load_hf_model(target, device, dtype), load_hf_tokenizer(target), drafter)
 
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
-        if not prompt_ids:
-            raise ToolkitError("prompt is empty")
-        if len(prompt_ids) + settings.max_new_tokens > self.max_context:
-            raise ToolkitError(
-                f"prompt of {len(prompt_ids)} tokens + {settings.max_new_tokens} new tokens exceeds the context of {self.max_context}"
-            )
-        width = 0
-        if speculative and self.drafter is not None:
-            width = min(settings.block_size or self.block_size, self.block_size) - 1
+        self.check_prompts([prompt_ids], settings.max_new_tokens)
+        width = self.draft_width(settings, speculative)
         steps = TorchSteps(self.target, self.drafter if width else None)
-        stop = set(settings.stop_ids if settings.stop_ids is not None else self.eos_ids)
-        yield from decode(steps, list(prompt_ids), settings.max_new_tokens, Sampler(settings.temperature, settings.seed), stop, width)
+        sampler = Sampler(settings.temperature, settings.seed)
+        yield from decode(steps, list(prompt_ids), settings.max_new_tokens, sampler, set(self.stop_ids(settings)), width)
