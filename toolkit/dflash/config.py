@@ -8,6 +8,7 @@ from typing import Any
 
 from ..core.errors import ToolkitError
 from ..core.folders import read_config
+from ..core.target import text_config
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -139,7 +140,7 @@ class DFlashConfig:
 
     def validate_against(self, target: dict) -> None:
         """Check the drafter fits a target config.json (a dict; a multimodal config's text_config is used)."""
-        t = target.get("text_config") or target
+        t = text_config(target)
         th, tl, tv = t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size")
         if th is not None and th != self.hidden_size:
             raise ToolkitError(f"hidden_size: drafter has {self.hidden_size}, target has {th}")

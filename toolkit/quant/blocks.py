@@ -14,7 +14,6 @@ from typing import Iterator
 import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, gather_taps
-from ..core.errors import ToolkitError
 
 
 @dataclass
@@ -29,17 +28,13 @@ class Prompt:
 
 def load_target(path: Path, device: str = "cpu"):
     """A transformers target and its tokenizer; float32 unless it is large and on a GPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..runtime.torch_backend import load_hf_model, load_hf_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    except (OSError, ValueError, KeyError) as e:
-        raise ToolkitError(f"--target: cannot load {path} with transformers ({str(e).splitlines()[0]})") from None
-    n = sum(p.numel() for p in model.parameters())
-    if device != "cpu" and n < 2_000_000_000:
+    tok = load_hf_tokenizer(path, "--target")
+    model = load_hf_model(path, device, torch.float32 if device == "cpu" else torch.bfloat16, "--target")
+    if device != "cpu" and sum(p.numel() for p in model.parameters()) < 2_000_000_000:
         model = model.float()
-    return model.to(device).eval(), tok
+    return model, tok
 
 
 def run_target(target, ids: list[int], config: DFlashConfig, shifts: list[int], continue_tokens: int = 0) -> Prompt:

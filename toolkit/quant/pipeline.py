@@ -19,6 +19,7 @@ from .plan import format_plan, make_plan, plan_json
 from .blocks import load_target, run_target
 from .recipe import Recipe, load_recipe, parse_bits
 from ..core.folders import read_config
+from ..core.target import TargetInfo
 from .source import resolve, target_kind
 from .validate import linear_keys, unquantized_keys, validate
 
@@ -209,8 +210,7 @@ def quantize(recipe: str | None = None, model: str | None = None, revision: str 
 
 
 def len_hidden(tcfg: dict | None) -> int:
-    t = (tcfg or {}).get("text_config") or tcfg or {}
-    return int(t.get("num_hidden_layers", 1 << 30))   # tap L + shift must name one of the target's layers
+    return TargetInfo(tcfg or {}).num_layers or 1 << 30   # tap L + shift must name one of the target's layers
 
 
 def push_run(out: Path, repo: str) -> None:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..core.errors import ToolkitError
+from ..core.target import TargetInfo
 
 
 def is_local(ref: str | Path) -> bool:
@@ -47,5 +48,4 @@ def resolve(ref: str, revision: str | None = None, what: str = "model", config_o
 
 def target_kind(cfg: dict) -> str:
     """'exl3' for an exllamav3 model, else 'hf' (a transformers checkpoint, BF16 or otherwise)."""
-    q = cfg.get("quantization_config") or {}
-    return "exl3" if q.get("quant_method") == "exl3" else "hf"
+    return "exl3" if TargetInfo(cfg).exl3 else "hf"

@@ -101,7 +101,9 @@ class Backend(ABC):
 
     def generate_many(self, prompts: list[list[int]], settings: GenSettings,
                       speculative: bool = True) -> Iterator[tuple[int, Round]]:
-        """Decode several prompts, yielding (prompt index, Round); here one after another, batched where a backend can."""
+        """Decode several prompts, yielding (prompt index, Round); here one after another, batched where a backend can.
+        Every prompt is checked before the first is decoded."""
+        self.check_prompts(prompts, settings.max_new_tokens)
         for i, p in enumerate(prompts):
             for r in self.generate(p, settings, speculative):
                 yield i, r

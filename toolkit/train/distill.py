@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ..assets.prompts import Prompt
 from ..dflash import DFlashConfig, gather_taps
+from ..core.target import TargetInfo
 from ..runtime.backend import encode_chat
 
 
@@ -30,10 +31,7 @@ class Sequences:
 
 
 def stop_ids(model, tok) -> set[int]:
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    eos = tok.eos_token_id if eos is None else eos
-    return set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return set(TargetInfo.of_model(model, tok).eos_ids)
 
 
 @torch.inference_mode()

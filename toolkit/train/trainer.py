@@ -23,6 +23,8 @@ from ..dflash import DFlashConfig, DFlashDraft, save_drafter
 from ..core.errors import ToolkitError
 from ..dflash.shapes import drafter_config, spread_taps
 from ..core.folders import read_config
+from ..core.target import text_config
+from ..runtime.torch_backend import load_hf_model, load_hf_tokenizer
 from .data import CATEGORIES, prompt_pool, split
 from .distill import Sequences, compute_taps, generate
 from .objective import anchor_batch, block_loss, position_weights
@@ -108,7 +110,7 @@ def mask_token_id(tok, mask_token: str | None, vocab_size: int) -> int:
 
 def build_config(cfg: TrainConfig, tcfg: dict, tok) -> dict:
     """The drafter's config.json (dflash.shapes.drafter_config layout) at the target's width and head shape."""
-    t = tcfg.get("text_config") or tcfg
+    t = text_config(tcfg)
     layers, hidden, vocab = t["num_hidden_layers"], t["hidden_size"], t["vocab_size"]
     taps = cfg.taps if cfg.taps is not None else spread_taps(layers, cfg.num_taps)
     d = drafter_config(hidden, list(taps), mask_token_id(tok, cfg.mask_token, vocab), cfg.block_size, cfg.layers, vocab,
@@ -122,16 +124,8 @@ def build_config(cfg: TrainConfig, tcfg: dict, tok) -> dict:
 
 
 def load_target(path: str, device: str):
-    from transformers import AutoModelForCausalLM
-
     dtype = "auto" if device.startswith("cuda") else torch.float32     # the GPU runs the stored fp16/bf16
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    except (OSError, ValueError, KeyError) as e:
-        raise ToolkitError(f"--target: cannot load {path} with transformers ({str(e).splitlines()[0]})") from None
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
+    return load_hf_model(path, device, dtype, "--target")
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -203,13 +197,8 @@ def train_drafter(target: str, out: str, layers: int = TrainConfig.layers, inter
     cfg.check()
     t0 = time.time()
     budget = None if cfg.minutes is None else cfg.minutes * 60
-    from transformers import AutoTokenizer
-
     tcfg = read_config(cfg.target, "target")
-    try:
-        tok = AutoTokenizer.from_pretrained(cfg.target)
-    except (OSError, ValueError, KeyError) as e:
-        raise ToolkitError(f"--target: cannot load the tokenizer of {cfg.target} ({str(e).splitlines()[0]})") from None
+    tok = load_hf_tokenizer(cfg.target, "--target")
     dcfg = build_config(cfg, tcfg, tok)
     dev = pick_device(cfg.device)
     ckdir = Path(cfg.checkpoint_dir or f"{cfg.out}.ckpt")
