@@ -1,0 +1,264 @@
+"""The drafting policy: width arithmetic, hindsight acceptance, probing backoff, the cost cache, losslessness."""
+
+import json
+
+import pytest
+import torch
+
+from toolkit.runtime.events import Round, summarize, tokens_of
+from toolkit.runtime.loop import decode
+from toolkit.runtime.policy import (
+    COST_CACHE_ENV, Acceptance, CostTable, Hindsight, Policy, cached_costs, cost_dir, cost_key, interpolate,
+    measure_torch_costs, measure_widths,
+)
+from toolkit.runtime.sampling import Sampler
+
+B = 16
+V = 50
+
+
+def truth(i: int) -> int:
+    """The scripted target's greedy token at output position i."""
+    return (7 * i + 3) % V
+
+
+def linear(t0: float, base: float, per: float, block: int = B) -> CostTable:
+    """AR costs t0; a round verifying w >= 1 drafts costs base + per * w."""
+    return CostTable({1: {0: t0, **{w: base + per * w for w in range(1, block)}}})
+
+
+class Scripted:
+    """Target: one-hot on truth(). Drafter: right for the first good(n) ids of a block, n = tokens kept so far."""
+
+    def __init__(self, good):
+        self.good, self.n = good, 0
+
+    def onehot(self, ids):
+        x = torch.full((len(ids), V), -1e9)
+        x[torch.arange(len(ids)), torch.tensor(ids)] = 0.0
+        return x
+
+    def prefill(self, prompt):
+        self.n = 0
+        return self.onehot([truth(0)])[-1]
+
+    def draft_block(self, token, width):
+        g = self.good(self.n)
+        return [truth(self.n + 1 + i) if i < g else (truth(self.n + 1 + i) + 1) % V for i in range(width)]
+
+    def verify(self, block):
+        return self.onehot([truth(self.n + 1 + i) for i in range(len(block))])
+
+    def accept(self, n):
+        self.n += n
+
+
+class Forced(Policy):
+    """An auto-mode policy (drafts all B-1) whose widths follow a script, cycling."""
+
+    def __init__(self, widths, block=B):
+        super().__init__(block, linear(10, 20, 1, block))
+        self.script, self.k = widths, 0
+
+    def width(self):
+        self.k += 1
+        return self.script[(self.k - 1) % len(self.script)]
+
+
+def run(policy, good, max_new):
+    return list(decode(Scripted(good), [1, 2, 3], max_new, Sampler(), set(), policy=policy))
+
+
+# -- (a) arithmetic ----------------------------------------------------------------------------------------------
+
+def test_scores_are_expected_tokens_over_cost():
+    p = Policy.auto(4, linear(10, 20, 2, block=4))
+    assert p.acceptance.expected_tokens() == pytest.approx([1, 1.6, 1.96, 2.176])   # the 0.6^i prior
+    assert p.scores() == pytest.approx([1 / 10, 1.6 / 22, 1.96 / 24, 2.176 / 26])
+    assert p.best() == 0
+
+
+@pytest.mark.parametrize("L, costs, want", [
+    (15, linear(10, 10.5, 0.5), 15),      # everything accepted and verifying is cheap: full width
+    (0, linear(10, 11, 0.1), 0),          # nothing accepted: AR, the drafter is never worth it
+    (15, linear(10, 40, 20), 0),          # all accepted but each verified draft costs 2 AR steps: AR
+    (3, linear(10, 10, 2), 3),            # exactly 3 accepted: verify 3, more only adds cost
+    (6, linear(10, 30, 0.5), 6),
+])
+def test_width_follows_acceptance_and_costs(L, costs, want):
+    p = Policy.auto(B, costs)
+    for _ in range(300):
+        p.acceptance.update(L)
+    assert p.acceptance.rates == pytest.approx([1.0] * L + [0.0] * (B - 1 - L), abs=1e-5)
+    assert p.best() == want and p.width() == want
+
+
+def test_expensive_drafter_falls_back_to_ar_from_the_prior():
+    p = Policy.auto(B, linear(10, 100, 1))
+    p.begin(0)
+    assert p.width() == 0 and not p.probing
+
+
+def test_fixed_policy_keeps_its_width_and_drafts_only_that():
+    p = Policy.fixed(5)
+    assert p.draft_len == 5 and all(p.width() == 5 for _ in range(3))
+    assert Policy.fixed(0).width() == 0
+    auto = Policy.auto(8, linear(10, 11, 1, block=8))
+    assert auto.draft_len == 7
+    with pytest.raises(ValueError):
+        Policy.auto(8, None)
+    with pytest.raises(ValueError):
+        Policy(4, fixed_width=4)
+
+
+def test_cost_curve_interpolates_and_is_monotone():
+    t = CostTable({1: {0: 10, 1: 12, 5: 20}})
+    assert t.curve(8) == pytest.approx([10, 12, 14, 16, 18, 20, 22, 24])      # linear, then the last slope
+    t = CostTable({1: {0: 10, 2: 15, 4: 13}})
+    assert t.curve(6) == pytest.approx([10, 15, 15, 15, 15, 15])              # flat below, never decreasing
+    assert CostTable({1: {0: 10, 1: 8}}).curve(3) == pytest.approx([10, 10, 10])  # drafting never beats AR's cost
+    t = CostTable({1: {0: 1, 1: 2}, 4: {0: 3, 1: 4}})
+    assert t.curve(2, concurrency=3) == [3, 4] and t.curve(2, concurrency=2) == [1, 2]
+    assert interpolate([(3, 7.0)], 9) == 7.0
+    assert measure_widths(8) == list(range(8)) and measure_widths(64) == [0, 1, 2, 4, 8, 16, 32, 63]
+
+
+@pytest.mark.parametrize("bad", [{}, {1: {1: 2.0}}, {1: {0: 1.0}}, {1: {0: 1.0, 1: -2.0}}, {0: {0: 1, 1: 2}}])
+def test_cost_table_rejects_bad_tables(bad):
+    with pytest.raises(ValueError):
+        CostTable(bad)
+
+
+# -- (b) hindsight acceptance ------------------------------------------------------------------------------------
+
+def test_hindsight_resolves_full_width_lengths_from_later_rounds():
+    h = Hindsight(5)                              # the stream goes 5, 6, 7, 8, 1, 2, 3, 4
+    assert h.add((6, 7, 8, 9), [6, 7]) == []      # verified 1 of 4: 6 accepted, 7 the bonus; 8 and 9 unknown yet
+    assert h.add((), [8]) == []                   # an AR round confirms 8; position 4 still unknown
+    assert h.add((9, 2, 3), [1]) == [3, 0]        # 1 != 9 resolves the first (L=3) and the new one (L=0)
+    assert h.add((2, 3), [2, 3, 4]) == [2]        # all confirmed
+    assert h.add((4, 4), []) == [] and len(h.pending) == 1
+
+
+def test_hindsight_learns_every_position_while_verifying_only_one():
+    good = 5
+    p = Forced([1])                               # verify 1 draft per round, draft all 15
+    rounds = run(p, lambda n: good, 201)           # 1 + 100 rounds of 2: none clipped
+    assert all(len(r.drafted) == 1 and r.proposed == B - 1 for r in rounds[1:])
+    assert tokens_of(rounds) == [truth(i) for i in range(201)]
+    pending = len(p.hindsight.pending)            # L = 5 is known at the 6th token: 2 tokens a round, the last 2 wait
+    assert pending == 2 and p.acceptance.count == len(rounds) - 1 - pending
+    assert p.acceptance.rates == pytest.approx([1.0] * good + [0.0] * (B - 1 - good), abs=0.02)
+    assert summarize(rounds).accept_per_position == [1.0]          # what was verified: position 1 only
+
+
+def test_summary_acceptance_counts_only_rounds_that_verified_the_position():
+    rounds = [Round((), 0, 1, prefill=True), Round((1, 2, 3), 3, 4, proposed=7), Round((5,), 0, 6, proposed=7),
+              Round((), 0, 7, proposed=0)]
+    s = summarize(rounds)
+    assert s.accept_per_position == [0.5, 1.0, 1.0] and s.rounds == 2 and s.tau == 2.5
+    assert rounds[2].proposed == 7 and Round((1, 2), 1, 3).proposed == 2
+    assert Round.from_json(rounds[1].to_json()) == rounds[1]
+    old = {k: v for k, v in rounds[1].to_json().items() if k != "proposed"}       # a stream saved before the field
+    assert Round.from_json(old).proposed == 3
+    with pytest.raises(ValueError):
+        Round((1, 2), 0, 3, proposed=1)
+
+
+# -- (c) probing -------------------------------------------------------------------------------------------------
+
+def probes(rounds):
+    return [i for i, r in enumerate(rounds) if r.drafted]
+
+
+def test_probing_backs_off_to_within_three_percent_of_ar():
+    costs = linear(10, 40, 1)                     # a full-width round costs 5.5 AR steps; nothing is ever accepted
+    p = Policy.auto(B, costs)
+    rounds = run(p, lambda n: 0, 6000)[1:]
+    assert p.probe_cap == 150                     # (55 - 10) / (0.03 * 10)
+    at = probes(rounds)
+    gaps = [b - a - 1 for a, b in zip([-1] + at, at)]
+    assert gaps[:8] == [4, 8, 16, 32, 64, 128, 150, 150] and set(gaps[6:]) == {150}
+    assert all(len(rounds[i].drafted) == B - 1 for i in at)
+    t = costs.curve(B)
+    steady = rounds[at[6] + 1:]
+    spent = sum(t[len(r.drafted)] for r in steady)
+    assert spent / (len(tokens_of(steady)) * t[0]) - 1 <= 0.03
+
+
+def test_probing_sees_acceptance_come_back():
+    switch = 2000                                 # the drafter is useless for 2000 tokens, then always right
+    p = Policy.auto(B, linear(10, 40, 1))
+    rounds = run(p, lambda n: 0 if n < switch else B, 4000)[1:]
+    first = next(i for i, r in enumerate(rounds) if sum(len(x.tokens) for x in rounds[: i + 1]) > switch)
+    spec = [i for i in range(first, len(rounds)) if rounds[i].drafted]
+    assert p.probe_every == p.min_probe_every and rounds[-2].full and len(rounds[-2].drafted) == B - 1   # the last one is clipped
+    assert spec[0] - first <= 150 + 1                             # the next scheduled probe at worst
+    ar_after = [i for i in range(spec[0], len(rounds)) if not rounds[i].drafted]
+    assert len(ar_after) <= 4 * 8                                  # a few quick probes turn the estimate
+
+
+# -- (d) cost cache ----------------------------------------------------------------------------------------------
+
+def test_cost_cache_round_trip_and_corrupt_file(tmp_path, monkeypatch):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return CostTable({1: {0: 1.5, 3: 4.0}}, device="test")
+
+    monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path / "c"))
+    assert cost_dir() == tmp_path / "c"
+    a = cached_costs("k1", measure)
+    b = cached_costs("k1", measure)
+    assert a == b and b.ms == {1: {0: 1.5, 3: 4.0}} and b.device == "test" and len(calls) == 1
+    for junk in ("{not json", json.dumps({"ms": {"1": {"2": 3}}}), json.dumps([1, 2]), ""):
+        (tmp_path / "c" / "k1.json").write_text(junk)
+        assert cached_costs("k1", measure) == a
+    assert len(calls) == 5 and CostTable.from_json(json.loads((tmp_path / "c" / "k1.json").read_text())) == a
+    cached_costs("k1", measure, refresh=True)
+    assert len(calls) == 6
+
+
+def test_cost_key_follows_configs_device_dtype_and_block(pair):
+    t, d = pair
+    k = cost_key([t, d], "cpu", torch.float32, 16)
+    assert k == cost_key([t, d], "cpu", torch.float32, 16)
+    assert len({k, cost_key([t], "cpu", torch.float32, 16), cost_key([t, d], "cpu", torch.bfloat16, 16),
+                cost_key([t, d], "cpu", torch.float32, 8)}) == 4
+
+
+# -- (e) lossless with variable widths on the tiny pair ----------------------------------------------------------
+
+PROMPTS = ["Return the list of", "Open the file", "Write a function", "hi"]
+
+
+def pair_decode(backend, prompt, policy, draft_width=0, n=48):
+    from toolkit.runtime.torch_backend import TorchSteps
+
+    ids = backend.tokenizer.encode(prompt)
+    drafter = backend.drafter if (policy is not None or draft_width) else None
+    return list(decode(TorchSteps(backend.target, drafter), ids, n, Sampler(), set(backend.eos_ids), draft_width, policy))
+
+
+def test_variable_widths_are_lossless_on_the_tiny_pair(pair_backend):
+    widths = [0, 3, 15, 1, 7, 0, 0, 15, 2, 11]
+    for prompt in PROMPTS:
+        ar = pair_decode(pair_backend, prompt, None)
+        p = Forced(widths)
+        spec = pair_decode(pair_backend, prompt, p)
+        assert tokens_of(spec) == tokens_of(ar), prompt
+        assert [len(r.drafted) for r in spec[1:]] == [widths[i % len(widths)] for i in range(len(spec) - 1)]
+        assert all(r.proposed == (B - 1 if r.drafted else 0) for r in spec[1:])
+        assert p.acceptance.count > 0
+
+
+def test_auto_policy_is_lossless_on_the_tiny_pair(pair_backend):
+    costs = measure_torch_costs(pair_backend.target, pair_backend.drafter, reps=2, widths=[1, 4, 15])
+    assert sorted(costs.ms[1]) == [0, 1, 4, 15] and all(v > 0 for v in costs.ms[1].values())
+    for table in (costs, linear(10, 10.5, 0.1), linear(10, 30, 0.5)):
+        p = Policy.auto(B, table)
+        for prompt in PROMPTS:
+            spec = pair_decode(pair_backend, prompt, p)
+            assert tokens_of(spec) == tokens_of(pair_decode(pair_backend, prompt, None)), prompt
+            assert all(0 <= len(r.drafted) <= B - 1 for r in spec)
