@@ -65,13 +65,19 @@ class HessianAccumulator:
 def write_hessians(hessians: dict[str, torch.Tensor], out_dir: Path, rows: dict[str, int] | None = None) -> Path:
     """<key>.safetensors with `hin` (in, in) per Linear, written to a temp folder renamed into place."""
     out_dir = Path(out_dir)
+    def cannot(e: OSError) -> ToolkitError:
+        return ToolkitError(f"calibration: cannot write Hessians to {out_dir} ({e.strerror or e})")
+
     try:
         with atomic_dir(out_dir) as tmp:
-            for key, h in hessians.items():
-                meta = {"rows": str((rows or {}).get(key, 0)), "format": "pt"}
-                save_file({"hin": h.to(torch.float32).contiguous()}, str(tmp / f"{key}.safetensors"), metadata=meta)
+            try:    # raised inside, so atomic_dir's generic full-disk line does not replace ours
+                for key, h in hessians.items():
+                    meta = {"rows": str((rows or {}).get(key, 0)), "format": "pt"}
+                    save_file({"hin": h.to(torch.float32).contiguous()}, str(tmp / f"{key}.safetensors"), metadata=meta)
+            except OSError as e:
+                raise cannot(e) from None
     except OSError as e:
-        raise ToolkitError(f"calibration: cannot write Hessians to {out_dir} ({e.strerror or e})") from None
+        raise cannot(e) from None
     return out_dir
 
 
