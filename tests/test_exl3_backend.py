@@ -1,6 +1,6 @@
 """The exllamav3 backend on CPU: imports without CUDA, one-line loading errors, the round capture and the
 job bookkeeping of generate_many against a small stand-in for exllamav3's Generator. The real thing runs on
-the device (tests/gpu)."""
+the device (tests/test_exl3_gpu.py, experiments/device_check.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.stream_shape import assert_stream_shape
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 from toolkit.runtime.exl3_hook import JobTrack, build_round, check_version, recording_generator_class
-
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-from stream_shape import assert_stream_shape  # noqa: E402
 
 
 def test_module_imports_without_exllamav3_or_cuda():

@@ -201,11 +201,8 @@ def test_shipped_smollm2_recipe_checks_on_held_out_prompts():
 
 
 def test_smollm2_bitrate_table_from_the_device_data(tmp_path):
-    import importlib.util
+    from experiments import smol_tables as mod
 
-    spec = importlib.util.spec_from_file_location("smol_tables", "tests/gpu/smol_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     data = json.loads(open("docs/smol_2026-12-03.json").read())
     lines = mod.table(data).splitlines()
     assert len(lines) == 2 + 1 + 12 and lines[2].startswith("| BF16 |")

@@ -1,25 +1,25 @@
-"""Device tests of the exllamav3 backend on the shipped tiny pair (skipped without CUDA and exllamav3)."""
+"""Device tests of the exllamav3 backend on the shipped tiny pair (skipped without CUDA and exllamav3).
+
+    source .device/on-device.sh && python -m pytest -q tests/test_exl3_gpu.py -m gpu
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from stream_shape import assert_stream_shape  # noqa: E402
-
-from toolkit.runtime.backend import GenSettings  # noqa: E402
-from toolkit.runtime.events import tokens_of  # noqa: E402
+from experiments.stream_shape import assert_stream_shape
+from toolkit.runtime.backend import GenSettings
+from toolkit.runtime.events import tokens_of
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def gpu_pair(pair):
-    """TOOLKIT_GPU_PAIR=target:draft (device_check.py trains a hidden-128 pair), else the shipped pair."""
+    """TOOLKIT_GPU_PAIR=target:draft (experiments.device_check trains a hidden-128 pair), else the shipped pair."""
     env = os.environ.get("TOOLKIT_GPU_PAIR")
     return tuple(Path(p) for p in env.split(":")) if env else pair
 

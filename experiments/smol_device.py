@@ -1,75 +1,40 @@
 """Train and measure the SmolLM2-135M-Instruct DFlash drafter on one GPU, inside 9.5 minutes.
 
-Here (CPU, once):   python tests/gpu/smol_device.py pack
+Here (CPU, once):   python -m experiments.smol_device pack
     writes .smol1/part1 (the GGUF's first 60 MiB), .smol/part2 (the rest), .smol/LICENSE, .smol/prompts.jsonl
     (the ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
 Device, call 1:     carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/`
                     (ignored files that a call does not carry are deleted from the device's checkout, but /tmp
                     survives while the machine stays warm: issue call 2 within its 30 s idle window)
 Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
-                    command `cp /tmp/parts/part1 .smol/ && python3 tests/gpu/smol_device.py run`   (7.5 minutes on an H200)
-Here, afterwards:   python tests/gpu/smol_device.py install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
+                    command `cp /tmp/parts/part1 .smol/ && python3 -m experiments.smol_device run`   (7.5 minutes on an H200)
+Here, afterwards:   python -m experiments.smol_device install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
 
 `run`: (a) joins the parts and checks the sha256, (b) `toolkit.assets.smollm2 prepare --gguf`, (c) trains the drafter
 with a --minutes budget (the target's own greedy answers to ~4000 prompts, batched on the GPU), (d) measures
 tau at B=8 and 16 on the held-out chat and code prompts (torch backend, fp16), (e) writes the drafter (its
 safetensors in two shards, each < 16 MiB), results.json and tau.json into $OUT. Partial results are written
-after each stage, so a timeout still returns what was done. SMOL_QUICK=1 runs the same flow tiny, on CPU.
+after each stage, so a timeout still returns what was done. SMOL_QUICK=1 (--quick) runs the same flow tiny, on CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
 import shutil
-import subprocess
+import site
 import sys
-import time
-import traceback
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-T0 = time.time()
-BUDGET = float(os.environ.get("SMOL_BUDGET_S", 550))     # the call's 570 s, less a margin for the copy-back
-EVAL_RESERVE = float(os.environ.get("SMOL_EVAL_S", 75))
-EVAL_LIMIT = int(os.environ.get("SMOL_EVAL_LIMIT", 8))     # held-out prompts per category here; all of them in call 3
+from experiments.harness import Run, device_name, download_wheels, env_float
+
+ROOT = Path(__file__).resolve().parents[1]
 CHAT_NEEDED = 5200                                          # ShareGPT prompts read into the pool (training + held out)
 SMOL, SMOL1, WHL = ROOT / ".smol", ROOT / ".smol1", ROOT / ".whl"   # .smol1: call 1's part, apart from call 2's
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
 WORK = Path("/tmp/smol-run")
-QUICK = os.environ.get("SMOL_QUICK") == "1"
-RESULTS: dict = {"stages": {}, "errors": {}}
-
-
-def log(*a) -> None:
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def save() -> None:
-    RESULTS["elapsed_s"] = round(time.time() - T0, 1)
-    OUT.mkdir(parents=True, exist_ok=True)
-    tmp = OUT / ".results.json.tmp"
-    tmp.write_text(json.dumps(RESULTS, indent=1) + "\n")
-    os.replace(tmp, OUT / "results.json")
-
-
-def stage(name: str, fn, *a, **k):
-    log("begin", name)
-    t = time.time()
-    try:
-        out = fn(*a, **k)
-        RESULTS["stages"][name] = {"seconds": round(time.time() - t, 1), "result": out}
-        log("ok", name, json.dumps(out, default=str)[:500])
-        return out
-    except BaseException as e:                               # record it; later stages see None
-        RESULTS["errors"][name] = "".join(traceback.format_exception(e))[-3000:]
-        log("FAILED", name, repr(e)[:400])
-        return None
-    finally:
-        save()
 
 
 def pack() -> None:
@@ -89,9 +54,7 @@ def pack() -> None:
     shutil.rmtree(SMOL / "src", ignore_errors=True)
     pool = prompt_pool(None, None, chat_needed=CHAT_NEEDED)
     write_pool(SMOL / "prompts.jsonl", pool)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                    "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
-                    "-d", str(WHL), "gguf"], check=True)
+    download_wheels(WHL, ["gguf"])
     for p in sorted([*SMOL1.iterdir(), *SMOL.iterdir(), *WHL.glob("gguf-*.whl")]):
         print(f"{p.relative_to(ROOT)}  {p.stat().st_size / 2**20:.1f} MiB")
     print(f"prompt pool: {len(pool)} prompts")
@@ -117,7 +80,7 @@ def join_gguf() -> dict:
 
 
 def install_gguf() -> dict:
-    """The gguf wheel into a private folder on sys.path (before transformers is imported)."""
+    """The gguf wheel unpacked into a private site folder (before transformers is imported)."""
     try:
         import gguf  # noqa: F401
         return {"gguf": "already installed"}
@@ -129,7 +92,7 @@ def install_gguf() -> dict:
         raise FileNotFoundError("no .whl/gguf-*.whl: carry it")
     with zipfile.ZipFile(whl[-1]) as z:                     # a pure-Python wheel is a zip of the package + dist-info
         z.extractall(lib)
-    sys.path.insert(0, str(lib))
+    site.addsitedir(str(lib))                               # a private site folder: the device has no network to pip from
     importlib.import_module("gguf")
     return {"gguf": str(whl[-1].name)}
 
@@ -153,56 +116,58 @@ def shard(src: Path, dst: Path, n: int = 2) -> list[str]:
     return names
 
 
-def copy_drafter(draft: Path) -> dict:
-    OUT.mkdir(parents=True, exist_ok=True)
+def copy_drafter(draft: Path, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "README.md", "heldout.json"):     # training.json is in results.json: 8 files come back
-        shutil.copy(draft / name, OUT / name)
-    names = shard(draft / "model.safetensors", OUT)
-    return {"files": names, "mib": [round((OUT / n).stat().st_size / 2**20, 2) for n in names]}
+        shutil.copy(draft / name, out / name)
+    names = shard(draft / "model.safetensors", out)
+    return {"files": names, "mib": [round((out / n).stat().st_size / 2**20, 2) for n in names]}
 
 
-def run() -> None:
+def run(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool) -> int:
     os.environ.setdefault("TQDM_MININTERVAL", "20")        # a progress line every 20 s, not every 0.1 s
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     WORK.mkdir(parents=True, exist_ok=True)
-    joined = stage("join_gguf", join_gguf)
-    stage("install_gguf", install_gguf)
+    rn = Run("results.json", budget_s=budget_s, section="stages")
+    out = rn.path.parent
+    joined = rn.step("join_gguf", join_gguf)
+    rn.step("install_gguf", install_gguf)
     import torch
 
-    RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    RESULTS["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    rn.results["device"] = device_name()
+    rn.results["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
     from toolkit.assets.smollm2 import prepare
 
     target = WORK / "smollm2-135m-instruct"
-    prep = stage("prepare", lambda: vars(prepare(out=str(target), gguf=joined["gguf"], check_prompts=3))) if joined else None
+    prep = rn.step("prepare", lambda: vars(prepare(out=str(target), gguf=joined["gguf"], check_prompts=3))) if joined else None
     if prep is None:
-        return
+        return rn.finish()
     from toolkit.train.trainer import train_drafter
 
     draft = WORK / "smollm2_dflash"
-    minutes = (BUDGET - EVAL_RESERVE - 15 - (time.time() - T0)) / 60
+    minutes = (rn.left() - eval_reserve_s - 15) / 60
     kw = dict(chat=5000, code=1500, heldout_chat=24, heldout_code=24, max_new_tokens=192, gen_batch=1024, steps=100_000,
               batch_seqs=64, anchors=16, lr=1e-3, warmup=200, device="cuda", checkpoint_every=2000, log_every=100)
-    if QUICK:                                               # a CPU dry run of the whole flow
+    if quick:                                               # a CPU dry run of the whole flow
         kw.update(chat=6, code=2, heldout_chat=1, heldout_code=1, max_new_tokens=16, gen_batch=8, steps=6, batch_seqs=2,
                   anchors=2, warmup=2, device="auto", log_every=1)
-    RESULTS["train_options"] = kw
-    info = stage("train", lambda: {k: v for k, v in train_drafter(
+    rn.results["train_options"] = kw
+    info = rn.step("train", lambda: {k: v for k, v in train_drafter(
         str(target), str(draft), prompts=str(SMOL / "prompts.jsonl"), minutes=minutes, **kw).items() if k != "config"})
     if info is None:
-        return
-    stage("copy_drafter", copy_drafter, draft)
+        return rn.finish()
+    rn.step("copy_drafter", copy_drafter, draft, out)
     from toolkit.eval_tau import eval_tau
 
-    left = (BUDGET - 10 - (time.time() - T0)) / 60
-    tau = stage("eval_tau", lambda: eval_tau(str(target), str(draft), max_new_tokens=16 if QUICK else 128, limit=EVAL_LIMIT,
-                                             device="auto" if QUICK else "cuda", minutes=left,
-                                             out=str(OUT / "tau.json"), write_card=True, quiet=True))
+    left = (rn.left() - 10) / 60
+    tau = rn.step("eval_tau", lambda: eval_tau(str(target), str(draft), max_new_tokens=16 if quick else 128, limit=eval_limit,
+                                               device="auto" if quick else "cuda", minutes=left,
+                                               out=str(out / "tau.json"), write_card=True, quiet=True))
     if tau is not None:
-        shutil.copy(draft / "README.md", OUT / "README.md")
-        RESULTS["tau"] = tau["tau"]
-    save()
-    log("done", json.dumps(RESULTS.get("tau")))
+        shutil.copy(draft / "README.md", out / "README.md")
+        rn.results["tau"] = tau["tau"]
+    rn.log("tau", json.dumps(rn.results.get("tau")))
+    return rn.finish()
 
 
 def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_dflash")) -> None:
@@ -227,6 +192,31 @@ def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_df
     print(f"wrote {to}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.smol_device", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("pack", help="here: split the GGUF, write the prompt pool, fetch the gguf wheel")
+    r = sub.add_parser("run", help="on the device: join, prepare, train, measure tau; results into $OUT")
+    r.add_argument("--budget-s", type=float, default=env_float("SMOL_BUDGET_S", 550),
+                   help="the call's time, less a margin for the copy-back (default: SMOL_BUDGET_S, else 550)")
+    r.add_argument("--eval-reserve-s", type=float, default=env_float("SMOL_EVAL_S", 75),
+                   help="seconds kept for measuring tau after training (default: SMOL_EVAL_S, else 75)")
+    r.add_argument("--eval-limit", type=int, default=int(env_float("SMOL_EVAL_LIMIT", 8)),
+                   help="held-out prompts per category (default: SMOL_EVAL_LIMIT, else 8)")
+    r.add_argument("--quick", action="store_true", default=os.environ.get("SMOL_QUICK") == "1",
+                   help="the same flow tiny, on CPU (default: SMOL_QUICK=1)")
+    i = sub.add_parser("install", help="here, afterwards: the device's files into toolkit/data/smollm2_dflash")
+    i.add_argument("files_at", help="the folder the device call's files were fetched to")
+    i.add_argument("--to", default=str(ROOT / "toolkit" / "data" / "smollm2_dflash"), help="drafter folder to write")
+    a = ap.parse_args(argv)
+    if a.cmd == "pack":
+        pack()
+        return 0
+    if a.cmd == "install":
+        install(a.files_at, a.to)
+        return 0
+    return run(a.budget_s, a.eval_reserve_s, a.eval_limit, a.quick)
+
+
 if __name__ == "__main__":
-    cmd = sys.argv[1] if len(sys.argv) > 1 else "run"
-    {"pack": pack, "run": run, "install": lambda: install(*sys.argv[2:])}[cmd]()
+    sys.exit(main())

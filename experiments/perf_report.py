@@ -1,4 +1,5 @@
-"""`python -m toolkit.perf`: the real-shape performance model, from a perf.json written by tests/gpu/perf_synth.py.
+"""`python -m experiments.perf_report`: the real-shape performance model, from a perf.json written on the device by
+`python -m experiments.perf_synth`.
 
 Writes docs/performance.md (per-combination table, cost breakdown, VRAM, pass/fail against the targets)
 and docs/performance.png (projected speedup(tau) = tau * t_AR / t_round per block size and concurrency,
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .core.errors import ToolkitError, run_cli
-from .core.folders import read_json
+from toolkit.core.errors import ToolkitError, run_cli
+from toolkit.core.folders import read_json
 
 # Published for z-lab/Qwen3.6-35B-A3B-DFlash (seed model card; SGLang on B200, concurrency 1)
 BENCHES = ("math500", "gsm8k", "humaneval", "mbpp", "mt-bench")
@@ -26,6 +27,8 @@ TERMS = ("draft", "verify", "sample", "rewind", "draft_update", "runtime")
 GIB = 1024**3
 CARDS = (24, 48)
 RESERVE_GIB = 0.5          # exllamav3's default per-device reserve when loading
+DEVICE_COMMAND = "source .device/on-device.sh && python -m experiments.perf_synth"
+OLD_SCRIPT = "python tests/gpu/perf_synth.py"   # how perf.json files written before the move name the script
 
 
 @dataclass
@@ -48,7 +51,7 @@ def kctx(ctx: int) -> str:
 
 
 def load(path: Path) -> dict:
-    data = read_json(path, "--perf ", "no such file (run tests/gpu/perf_synth.py on the device first)")
+    data = read_json(path, "--perf ", "no such file (run python -m experiments.perf_synth on the device first)")
     combos = [c for c in data.get("combos") or [] if c.get("t_ar_ms") and c.get("t_round_ms")]
     if not combos:
         raise ToolkitError(f"--perf {path}: no measured combinations (the device run produced no 'combos')")
@@ -244,12 +247,12 @@ def render(data: dict, bits: float, src: Path, md: Path, png: Path, t: Targets) 
         "## Commands", "",
         "```bash",
         "# device (one H200 call; synthesises into /tmp, writes $OUT/perf.json)",
-        data.get("command") or "source .device/on-device.sh && python tests/gpu/perf_synth.py",
+        (data.get("command") or DEVICE_COMMAND).replace(OLD_SCRIPT, "python -m experiments.perf_synth"),
         "# the checkpoints it synthesises (also usable on their own)",
         "python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b.json --bits 4 --out /tmp/perf/target-4.0",
         "python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b-dflash.json --bits 6 --out /tmp/perf/draft-6.0",
         "# this report",
-        f"python -m toolkit.perf --perf {src} --md {md} --png {png}",
+        f"python -m experiments.perf_report --perf {src} --md {md} --png {png}",
         "```", "",
         f"Synthesis of the 4.0 bpw target: {tgt.get('size', '?')} in {tgt.get('seconds', '?')} s "
         f"(target <= 180 s: **{'PASS' if tgt.get('seconds') is not None and tgt['seconds'] <= 180 else 'FAIL' if tgt.get('seconds') else '?'}**).", "",
@@ -321,9 +324,9 @@ def perf(perf: str = "perf.json", md: str = "docs/performance.md", png: str = "d
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.perf", description=__doc__.split("\n\n")[0],
-                                 epilog="Example: python -m toolkit.perf --perf out/perf.json")
-    ap.add_argument("--perf", default="perf.json", help="perf.json from tests/gpu/perf_synth.py (default ./perf.json)")
+    ap = argparse.ArgumentParser(prog="python -m experiments.perf_report", description=__doc__.split("\n\n")[0],
+                                 epilog="Example: python -m experiments.perf_report --perf out/perf.json")
+    ap.add_argument("--perf", default="perf.json", help="perf.json from experiments.perf_synth (default ./perf.json)")
     ap.add_argument("--md", default="docs/performance.md", help="Markdown report to write (default docs/performance.md)")
     ap.add_argument("--png", default="docs/performance.png", help="plot to write (default docs/performance.png)")
     ap.add_argument("--bits", type=float, help="drafter bitrate for the headline table and plot (default 6.0 if measured)")

@@ -1,10 +1,11 @@
-"""The shape every backend's Round stream has; shared by the CPU tests and the device checks."""
+"""The shape every backend's Round stream has; shared by the CPU tests (tests/test_exl3_backend.py), the GPU
+test (tests/test_exl3_gpu.py) and experiments/device_check.py."""
 
 from __future__ import annotations
 
 from toolkit.runtime.events import Round, summarize, tokens_of
 
-FIELDS = {"drafted", "accepted", "bonus", "t_draft_ms", "t_verify_ms", "prefill"}
+FIELDS = {"drafted", "accepted", "bonus", "t_draft_ms", "t_verify_ms", "prefill", "proposed"}
 
 
 def assert_stream_shape(rounds: list, width: int, max_new_tokens: int, stop_ids: set[int] | None = None) -> None:

@@ -1,12 +1,19 @@
 """Device-side fixtures exllamav3 can load: its linears pad to multiples of 128 (and EXL3 conversion needs
 128-divisible input dims), so the shipped hidden-64 pair does not load there. This trains a hidden-128 pair
 with the same recipe (toolkit.train.tiny's functions and tokenizer) on the GPU in well under a minute, and
-renames a Qwen3.5-MoE fixture's tensors to the `model.language_model.` prefix exllamav3 reads."""
+renames a Qwen3.5-MoE fixture's tensors to the `model.language_model.` prefix exllamav3 reads.
+
+    source .device/on-device.sh && python -m experiments.pair128 --out /tmp/pair128 [--moe [--trained]]
+
+device_check, app_device, quantize_device and perf_synth build their fixtures with these functions.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -109,3 +116,23 @@ def moe_pair(out: Path, hidden: int = 128, seed: int = 0, trained: bool = False,
         save_drafter(random_drafter(dcfg, seed), ddir, dtype=torch.bfloat16)
     copy_tokenizer(tdir)
     return to_language_model_prefix(tdir, out / "target"), ddir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.pair128", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for target/ and draft/")
+    ap.add_argument("--moe", action="store_true", help="the Qwen3.5-MoE-shaped pair (random unless --trained)")
+    ap.add_argument("--trained", action="store_true", help="with --moe: train it on the docstring corpus")
+    ap.add_argument("--device", default="cuda", help="where training runs (default cuda)")
+    a = ap.parse_args(argv)
+    if a.moe:
+        t, d = moe_pair(a.out, trained=a.trained, device=a.device)
+        print(f"target {t}\ndraft {d}")
+    else:
+        t, d, secs = train_pair(a.out, device=a.device)
+        print(f"target {t}\ndraft {d}\ntrained in {secs:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,11 +1,12 @@
 """Device run of toolkit.quant (issue 3), end to end with the real exllamav3 converter; prints and writes JSON.
 
-  source .device/on-device.sh && python tests/gpu/quantize_device.py --out "$OUT"     (carry [".device"])
+  source .device/on-device.sh && python -m experiments.quantize_device --out "$OUT"     (carry [".device"])
 
 1. fixture: a tiny target + DFlash drafter trained on the GPU (hidden 128, a multiple of exllamav3's 128 tiles),
    converted at 2, 4 and 8 bits, calibrated and uncalibrated, checked (KL, top-1, τ, tap_shift).
-2. real shape: a random drafter with the issue's upstream shape (6 layers, hidden 2048, 5 sliding + 1 full, taps for
-   40 target layers), converted per bitrate uncalibrated, plus one calibrated with synthetic Hessians; timed.
+2. real shape: a random drafter with the issue's upstream shape (quantize/shapes/qwen3.6-35b-a3b-dflash.json:
+   6 layers, hidden 2048, 5 sliding + 1 full, taps for 40 target layers), converted per bitrate uncalibrated,
+   plus one calibrated with synthetic Hessians; timed.
 Targets: top-1 at 8 bits >= 0.99 on the fixture; <= 120 s per bitrate for the real shape.
 """
 
@@ -16,19 +17,17 @@ import json
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from experiments.harness import Run, device_name
+from toolkit.core.errors import ToolkitError
+from toolkit.quant import convert as conv
+from toolkit.quant import quantize
 
-from toolkit.core.errors import ToolkitError  # noqa: E402
-from toolkit.quant import convert as conv  # noqa: E402
-from toolkit.quant import quantize  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "quantize" / "shapes"
 CAL = ["Return the number of items in a container.", "Open the file and return a stream object.",
        "Split the string at the first occurrence of sep.", "Create a new dictionary with keys from iterable.",
        "Return a copy of the string with leading whitespace removed.", "Raise an error if the path does not exist.",
@@ -52,33 +51,11 @@ def timed_converter():
     conv.run_converter = run
 
 
-def train_fixture(work: Path, target_steps: int, draft_steps: int, device: str = "cuda") -> tuple[Path, Path]:
-    """Target (4-layer Llama, hidden 128) and drafter (2 layers, block 16) trained on the GPU with toolkit.train.tiny."""
-    from toolkit.dflash import save_drafter
-    from toolkit.assets.fixtures import MASK_TOKEN, TOKENIZER, copy_tokenizer, drafter_config, target_config
-    from toolkit.train.tiny import SPECIALS, corpus, self_distill, train_drafter, train_target
-    from transformers import AutoTokenizer
-
-    tdir, ddir = work / "target", work / "draft"
-    tdir.mkdir(parents=True, exist_ok=True)
-    copy_tokenizer(tdir)
-    for extra in ("chat_template.jinja",):
-        if (TOKENIZER / extra).exists():
-            shutil.copy(TOKENIZER / extra, tdir / extra)
-    tok = AutoTokenizer.from_pretrained(str(tdir))
-    sp = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
-    torch.manual_seed(0)
-    with torch.device(device):
-        ids = torch.tensor(tok(corpus())["input_ids"], dtype=torch.long)
-        tcfg = target_config("llama", len(tok), 128, 4, sp["<|im_end|>"], sp["<|endoftext|>"])
-        tcfg["initializer_range"] = 0.02
-        target = train_target(ids, tcfg, target_steps)
-        seqs = self_distill(target, ids, 256)
-        dcfg = drafter_config(128, [0, 1, 2], sp[MASK_TOKEN], 16, layers=2, vocab_size=len(tok), window=32, target_layers=4)
-        drafter = train_drafter(target, seqs, dcfg, draft_steps)
-    target.to("cpu").save_pretrained(str(tdir))
-    save_drafter(drafter.to("cpu"), ddir, dtype=torch.bfloat16)
-    return tdir, ddir
+def shape_config(name: str) -> dict:
+    """A config of quantize/shapes without its `_source` note."""
+    cfg = json.loads((SHAPES / name).read_text())
+    cfg.pop("_source", None)
+    return cfg
 
 
 def write_recipe(path: Path, target: Path) -> Path:
@@ -92,9 +69,11 @@ def write_recipe(path: Path, target: Path) -> Path:
 
 
 def run_fixture(out: Path, bits: str, target_steps: int, draft_steps: int) -> dict:
+    from experiments.pair128 import train_pair
+
     t0 = time.time()
     try:
-        tdir, ddir = train_fixture(out / "fixture-models", target_steps, draft_steps)
+        tdir, ddir, _ = train_pair(out / "fixture-models", target_steps=target_steps, draft_steps=draft_steps, sequences=256)
         trained = True
     except Exception as e:  # fall back to random weights: conversion still runs, quality targets are moot
         print(f"fixture training failed ({type(e).__name__}: {e}); using random weights", file=sys.stderr)
@@ -111,8 +90,7 @@ def run_fixture(out: Path, bits: str, target_steps: int, draft_steps: int) -> di
         res["error"] = str(e)
     rpath = qout / "report.json"
     if rpath.is_file():
-        rep = json.loads(rpath.read_text())
-        res["report"] = rep
+        rep = json.loads(rpath.read_text())                 # brought back whole as fixture_report.json
         eight = [r for r in rep["results"] if r["bits"] == 8.0 and r["calibrated"]]
         res["top1_8bit"] = eight[0]["top1"] if eight else None
         res["top1_8bit_ok"] = bool(eight and eight[0]["top1"] is not None and eight[0]["top1"] >= 0.99)
@@ -124,15 +102,16 @@ def run_fixture(out: Path, bits: str, target_steps: int, draft_steps: int) -> di
     return res
 
 
-def real_shape_drafter(folder: Path) -> Path:
-    from fixtures_upstream import upstream_drafter_config
+def real_shape(folder: Path) -> tuple[Path, Path]:
+    """A random drafter of the upstream shape (weights std 0.02) and its target's config.json (no weights)."""
     from toolkit.dflash import save_drafter
     from toolkit.assets.fixtures import random_drafter
 
-    cfg = upstream_drafter_config("issue")
-    model = random_drafter(cfg, seed=0, std=0.02)
-    save_drafter(model, folder, dtype=torch.bfloat16)
-    return folder
+    ddir, tdir = folder / "draft", folder / "target"
+    save_drafter(random_drafter(shape_config("qwen3.6-35b-a3b-dflash.json"), seed=0, std=0.02), ddir, dtype=torch.bfloat16)
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "config.json").write_text(json.dumps(shape_config("qwen3.6-35b-a3b.json"), indent=2) + "\n")
+    return ddir, tdir
 
 
 def synthetic_hessians(model_dir: Path, out: Path) -> Path:
@@ -152,14 +131,14 @@ def synthetic_hessians(model_dir: Path, out: Path) -> Path:
 
 
 def run_real(out: Path, bits: str, cal_bits: str) -> dict:
-    from fixtures_upstream import write_upstream_target
     from toolkit.quant.plan import PlanItem
     from toolkit.quant.validate import read_headers, unquantized_keys, validate
 
-    res = {"shape": "6 layers, hidden 2048, 5 sliding + 1 full, taps [1, 10, 19, 28, 37] of 40", "error": None}
+    d = shape_config("qwen3.6-35b-a3b-dflash.json")
+    res = {"shape": f"{d['num_hidden_layers']} layers, hidden {d['hidden_size']}, layer types {d['layer_types']}, "
+                    f"taps {d['dflash_config']['target_layer_ids']} of {d['num_target_layers']}", "error": None}
     t0 = time.time()
-    ddir = real_shape_drafter(out / "real-models" / "draft")
-    tdir = write_upstream_target(out / "real-models" / "target")
+    ddir, tdir = real_shape(out / "real-models")
     res["build_seconds"] = round(time.time() - t0, 1)
     qout = out / "real-exl3"
     try:
@@ -184,8 +163,8 @@ def run_real(out: Path, bits: str, cal_bits: str) -> dict:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.quantize_device", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for outputs and quantize_device.json")
     ap.add_argument("--fixture-bits", default="2,4,8")
     ap.add_argument("--target-steps", type=int, default=800)
@@ -193,31 +172,24 @@ def main() -> int:
     ap.add_argument("--real-bits", default="3,4,5,6,8", help="bitrates to time on the real shape ('' to skip)")
     ap.add_argument("--real-calibrated-bits", default="4", help="bitrates to time with synthetic Hessians ('' to skip)")
     ap.add_argument("--skip-fixture", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/quantize_device")
     work.mkdir(parents=True, exist_ok=True)
     timed_converter()
-    result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "torch": torch.__version__}
-    for name, fn in (("fixture", None if a.skip_fixture else lambda: run_fixture(work, a.fixture_bits, a.target_steps, a.draft_steps)),
-                     ("real_shape", (lambda: run_real(work, a.real_bits, a.real_calibrated_bits)) if a.real_bits else None)):
-        if fn is None:
-            continue
-        try:
-            result[name] = fn()
-        except Exception as e:
-            result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        (out / "quantize_device.json").write_text(json.dumps(result, indent=2))
+    run = Run("quantize_device.json", out=out)
+    run.results.update(device=device_name(), torch=torch.__version__)
+    if not a.skip_fixture:
+        run.step("fixture", run_fixture, work, a.fixture_bits, a.target_steps, a.draft_steps)
+    if a.real_bits:
+        run.step("real_shape", run_real, work, a.real_bits, a.real_calibrated_bits)
     for f in ("report.json", "report.md", "tau_top1.png"):
         if (work / "fixture-exl3" / f).exists():
             shutil.copy(work / "fixture-exl3" / f, out / f"fixture_{f}")
     for log in list((work / "fixture-exl3" / ".work").glob("*.log"))[:8] + list((work / "real-exl3" / ".work").glob("*.log"))[:8]:
         shutil.copy(log, out / f"{log.parent.parent.name}_{log.name}")
-    summary = {k: v for k, v in result.items() if k not in ("fixture",)}
-    if "fixture" in result:
-        summary["fixture"] = {k: v for k, v in result["fixture"].items() if k != "report"}
-    print(json.dumps(summary, indent=2))
+    run.finish()
+    print(json.dumps(run.results, indent=2, default=str))
     return 0
 
 

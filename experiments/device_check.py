@@ -1,134 +1,93 @@
 """One device call that checks the exllamav3 backend end to end; results go to $OUT/device_check.json.
 
-    source .device/on-device.sh && python3 tests/gpu/device_check.py
+    source .device/on-device.sh && python -m experiments.device_check        (carry [".device"])
 
 Builds the fixtures (the trained tiny pair; its drafter as BF16 and as EXL3 4.0 bpw; a random
 Qwen3.5-MoE-shaped target with recurrent layers), then checks: greedy losslessness against the backend's own
 AR baseline token for token over 24 prompts, per drafter and block size; that every Round is consistent with
 the final tokens (and with the unhooked library generator's); the stream shape against the torch backend;
 the hook's per-round overhead; tok/s of AR and speculative through the bench CLI. Every check runs even when
-an earlier one fails; failures are recorded with their traceback.
+an earlier one fails; failures are recorded with their traceback; once the budget is spent, checks not yet
+begun are recorded as skipped. --quick (or DEVICE_QUICK=1) is the short
+re-run: fewer steps, prompts and checks; --checks / --combos (DEVICE_CHECKS, DEVICE_COMBOS) pick a subset.
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
-import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
+import torch
 
-import torch  # noqa: E402
+from experiments.exl3_timing import run_jobs
+from experiments.harness import Run, convert_exl3, device_name, free_cuda, tail
+from experiments.stream_shape import assert_stream_shape
+from toolkit.runtime.backend import GenSettings
+from toolkit.runtime.events import summarize, tokens_of
 
-from stream_shape import assert_stream_shape  # noqa: E402
-from toolkit.runtime.backend import GenSettings  # noqa: E402
-from toolkit.runtime.events import summarize, tokens_of  # noqa: E402
-
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
+ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-T0 = time.time()
-REPORT: dict = {"checks": {}, "errors": {}}
-QUICK = os.environ.get("DEVICE_QUICK") == "1"      # the short re-run: fewer steps, prompts and checks
-MAX_NEW = 48 if QUICK else 64
-NPROMPTS = 20 if QUICK else 24
+CHECKS = ("lossless", "moe", "sampling", "shape", "overhead", "errors", "cli")
+QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
-def log(*a) -> None:
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+@dataclass
+class Ctx:
+    """What every check reads: the run (results, budget), the options and the fixtures built."""
 
+    run: Run
+    quick: bool = False
+    checks: tuple[str, ...] = CHECKS
+    combos: tuple[str, ...] = ()                         # e.g. bf16-drafter: a re-run of one combination
+    fix: dict = field(default_factory=dict)
 
-def check(name: str):
-    def wrap(fn):
-        def run(*a, **k):
-            log("begin", name)
-            try:
-                REPORT["checks"][name] = fn(*a, **k)
-                log("ok", name, json.dumps(REPORT["checks"][name])[:600])
-            except Exception as e:                     # record and go on with the next check
-                REPORT["errors"][name] = "".join(traceback.format_exception(e))[-3000:]
-                log("FAILED", name, repr(e)[:400])
-            save()
-        return run
-    return wrap
+    @property
+    def max_new(self) -> int:
+        return 48 if self.quick else 64
 
-
-def save() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "device_check.json").write_text(json.dumps(REPORT, indent=1, default=str))
-
-
-def free(be) -> None:
-    if be is not None:
-        be.close()
-    gc.collect()
-    torch.cuda.empty_cache()
+    @property
+    def nprompts(self) -> int:
+        return 20 if self.quick else 24
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
 
 
-def to_bf16(src: Path, dst: Path) -> Path:
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    for f in dst.glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["torch_dtype"] = "bfloat16"
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
-    return dst
-
-
-def convert(src: Path, dst: Path, bits: float = 4.0) -> dict:
-    t = time.time()
-    p = subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(src), "-o", str(dst),
-                        "-w", str(WORK / f"work-{dst.name}"), "-b", str(bits)], capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"convert {src.name} failed: {(p.stdout + p.stderr)[-1500:]}")
-    return {"seconds": round(time.time() - t, 1), "bytes": sum(f.stat().st_size for f in dst.glob("*.safetensors"))}
-
-
-FIX: dict = {}
-
-
-@check("fixtures")
-def build_fixtures() -> dict:
-    import shutil
-
-    from pair128 import moe_pair, train_pair
+def build_fixtures(ctx: Ctx) -> dict:
+    from experiments.pair128 import moe_pair, train_pair
     from toolkit.assets.fixtures import build
 
     WORK.mkdir(parents=True, exist_ok=True)
-    out = {}
+    fix, out = ctx.fix, {}
     try:                                   # trained hidden-128 pair (exllamav3 cannot load the hidden-64 one)
-        steps = dict(target_steps=400, draft_steps=700, sequences=256) if QUICK else {}
+        steps = {"target_steps": 400, "draft_steps": 700, "sequences": 256} if ctx.quick else {}
         t, d, secs = train_pair(WORK / "pair128", **steps)
         out["pair128_train_s"] = round(secs, 1)
     except Exception as e:                 # fall back to random models: still lossless checks, no acceptance
         out["pair128_error"] = repr(e)[:600]
         t, d = build(WORK / "rand128", arch="llama", block_size=16, hidden=128)
-    FIX["target"], FIX["draft_bf16"] = t, d
+    fix["target"], fix["draft_bf16"] = t, d
     t0 = time.time()
     try:                                   # trained: wide top-1 margins, so a divergence means a rollback bug
-        if "moe" in os.environ.get("DEVICE_CHECKS", "moe"):
-            FIX["moe_target"], FIX["moe_draft"] = moe_pair(WORK / "moe", trained=True, **({"target_steps": 500, "draft_steps": 500} if QUICK else {}))
+        if "moe" in ctx.checks:
+            steps = {"target_steps": 500, "draft_steps": 500} if ctx.quick else {}
+            fix["moe_target"], fix["moe_draft"] = moe_pair(WORK / "moe", trained=True, **steps)
             out["moe_trained_s"] = round(time.time() - t0, 1)
     except Exception as e:
         out["moe_train_error"] = repr(e)[:600]
-        FIX["moe_target"], FIX["moe_draft"] = moe_pair(WORK / "moe-random")
-    for key, src in (("draft_exl3", FIX["draft_bf16"]), ("target_exl3", FIX["target"]))[: (0 if os.environ.get("DEVICE_COMBOS") else 1) if QUICK else 2]:
+        fix["moe_target"], fix["moe_draft"] = moe_pair(WORK / "moe-random")
+    for key, src in (("draft_exl3", fix["draft_bf16"]), ("target_exl3", fix["target"]))[: (0 if ctx.combos else 1) if ctx.quick else 2]:
         try:
-            out[key] = convert(src, WORK / key)
-            FIX[key] = WORK / key
+            out[key] = convert_exl3(src, WORK / key, 4.0)
+            fix[key] = WORK / key
         except RuntimeError as e:
             out[key] = str(e)[-600:]
     shutil.rmtree(WORK / "work-draft_exl3", ignore_errors=True)
@@ -177,17 +136,16 @@ def reference_agreement(src: Path, prompts: list[list[int]], exl_ar: list[list[i
         out["max_margin_at_divergence"] = max(ms, default=None)
     finally:
         tb = None                          # frees the reference model before the next check
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_cuda()
     return out
 
 
 # -- checks -----------------------------------------------------------------------------------------
 
 
-def lossless(be, prompts: list[list[int]], B: int, label: str) -> dict:
+def lossless(be, prompts: list[list[int]], B: int, label: str, max_new: int) -> dict:
     """Greedy spec vs AR per prompt (1 job), rounds vs final tokens, the batched run, and the unhooked library."""
-    st = GenSettings(max_new_tokens=MAX_NEW, block_size=B)
+    st = GenSettings(max_new_tokens=max_new, block_size=B)
     stop = set(be.eos_ids)
     same, rounds_all, kinds = 0, [], {"zero": 0, "partial": 0, "full": 0}
     ar_all, spec_all = [], []
@@ -195,7 +153,7 @@ def lossless(be, prompts: list[list[int]], B: int, label: str) -> dict:
         ar = tokens_of(list(be.generate(p, st, speculative=False)))
         rounds = list(be.generate(p, st))
         spec = tokens_of(rounds)
-        assert_stream_shape(rounds, width=B - 1, max_new_tokens=MAX_NEW, stop_ids=stop)
+        assert_stream_shape(rounds, width=B - 1, max_new_tokens=max_new, stop_ids=stop)
         same += spec == ar
         ar_all.append(ar)
         spec_all.append(spec)
@@ -210,7 +168,7 @@ def lossless(be, prompts: list[list[int]], B: int, label: str) -> dict:
     for i, r in be.generate_many(prompts, st, speculative=False):
         ar_batch[i].append(r)
     ar_batch_same = sum(tokens_of(ar_batch[i]) == ar_all[i] for i in ar_batch)
-    plain, _, _ = be.generate_plain(prompts[:4], st)
+    plain = run_jobs(be, prompts[:4], st, hooked=False).tokens
     s = summarize(rounds_all)
     res = {"label": label, "B": B, "prompts": len(prompts), "lossless_1job": f"{same}/{len(prompts)}",
            "batched_spec_equals_1job": f"{batch_same}/{len(prompts)}", "batched_ar_equals_1job": f"{ar_batch_same}/{len(prompts)}",
@@ -222,85 +180,82 @@ def lossless(be, prompts: list[list[int]], B: int, label: str) -> dict:
     return res
 
 
-@check("lossless")
-def check_lossless() -> dict:
+def check_lossless(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
 
-    out = {}
-    combos = [("bf16-drafter", FIX["target"], FIX["draft_bf16"])]
-    if "draft_exl3" in FIX:
-        combos.append(("exl3-drafter", FIX["target"], FIX["draft_exl3"]))
-    if "target_exl3" in FIX and "draft_exl3" in FIX:
-        combos.append(("exl3-target+exl3-drafter", FIX["target_exl3"], FIX["draft_exl3"]))
+    fix, out = ctx.fix, {}
+    combos = [("bf16-drafter", fix["target"], fix["draft_bf16"])]
+    if "draft_exl3" in fix:
+        combos.append(("exl3-drafter", fix["target"], fix["draft_exl3"]))
+    if "target_exl3" in fix and "draft_exl3" in fix:
+        combos.append(("exl3-target+exl3-drafter", fix["target_exl3"], fix["draft_exl3"]))
     failures = []
-    only = os.environ.get("DEVICE_COMBOS")                # e.g. bf16-drafter: a re-run of one combination
-    combos = [c for c in combos if not only or c[0] in only.split(",")]
+    combos = [c for c in combos if not ctx.combos or c[0] in ctx.combos]
     for label, t, d in combos:
         be = None
         try:
             be = Exl3Backend.from_dirs(t, d, cache_tokens=32 * 512, max_concurrency=32)
-            prompts = doc_prompts(be.tokenizer, n=NPROMPTS)
+            prompts = doc_prompts(be.tokenizer, n=ctx.nprompts)
         except Exception as e:
             failures.append(f"{label}: load: {e!r}"[:500])
-            out[label] = "".join(traceback.format_exception(e))[-1500:]
-            free(be)
+            out[label] = tail(e, 1500)
+            free_cuda(be)
             continue
         for B in (8, 16):
             try:
-                res = out[f"{label}-B{B}"] = lossless(be, prompts, B, label)
+                res = out[f"{label}-B{B}"] = lossless(be, prompts, B, label, ctx.max_new)
                 ar, _ = res.pop("_ar"), res.pop("_spec")
                 if not res["ok"]:
                     failures.append(f"{label} B={B}: lossless on {res['lossless_1job']} prompts")
                 if label == "bf16-drafter" and B == 8:
-                    out["reference_vs_exl3_ar"] = reference_agreement(FIX["target"], prompts, ar, MAX_NEW)
+                    out["reference_vs_exl3_ar"] = reference_agreement(fix["target"], prompts, ar, ctx.max_new)
             except Exception as e:
                 failures.append(f"{label} B={B}: {e!r}"[:500])
-                out[f"{label}-B{B}"] = "FAILED: " + "".join(traceback.format_exception(e))[-1500:]
-        free(be)
-        REPORT["checks"]["lossless_detail"] = out          # kept even when a combination fails
+                out[f"{label}-B{B}"] = "FAILED: " + tail(e, 1500)
+        free_cuda(be)
+        ctx.run.steps["lossless_detail"] = out          # kept even when a combination fails
     assert not failures, "; ".join(failures)
     return out
 
 
-@check("recurrent_moe")
-def check_moe() -> dict:
+def check_moe(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
 
-    be = Exl3Backend.from_dirs(FIX["moe_target"], FIX["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
+    be = Exl3Backend.from_dirs(ctx.fix["moe_target"], ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=20)
     try:
         out = {}
         for B in (8, 16):
-            res = out[f"B{B}"] = lossless(be, prompts, B, "qwen3_5_moe")
+            res = out[f"B{B}"] = lossless(be, prompts, B, "qwen3_5_moe", ctx.max_new)
             ar, spec = res.pop("_ar"), res.pop("_spec")
-            REPORT["checks"]["recurrent_moe_detail"] = out
+            ctx.run.steps["recurrent_moe_detail"] = out
             if B == 8:                     # the reference tells a near-tie from a rollback bug
-                src = FIX["moe_target"].parent / "target-src"
-                out["reference"] = reference_agreement(src, prompts, ar, MAX_NEW, spec)
+                src = ctx.fix["moe_target"].parent / "target-src"
+                out["reference"] = reference_agreement(src, prompts, ar, ctx.max_new, spec)
         bad = [k for k, v in out.items() if isinstance(v, dict) and v.get("ok") is False]
         assert not bad, f"qwen3_5_moe: not lossless at {bad}"
         return out
     finally:
-        free(be)
+        free_cuda(be)
 
 
-@check("sampling_and_stops")
-def check_sampling() -> dict:
+def check_sampling(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
 
-    be = Exl3Backend.from_dirs(FIX["target"], FIX["draft_bf16"], cache_tokens=8 * 512, max_concurrency=8)
+    be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], cache_tokens=8 * 512, max_concurrency=8)
     prompts = doc_prompts(be.tokenizer, n=8)
+    max_new = ctx.max_new
     try:
-        hot = GenSettings(max_new_tokens=MAX_NEW, temperature=0.8, seed=3, block_size=16)
+        hot = GenSettings(max_new_tokens=max_new, temperature=0.8, seed=3, block_size=16)
         rs = [list(be.generate(p, hot)) for p in prompts]
         for r in rs:
-            assert_stream_shape(r, width=15, max_new_tokens=MAX_NEW)
+            assert_stream_shape(r, width=15, max_new_tokens=max_new)
         again = [tokens_of(be.generate(p, hot)) for p in prompts]
-        ar = tokens_of(be.generate(prompts[0], GenSettings(max_new_tokens=MAX_NEW), speculative=False))
+        ar = tokens_of(be.generate(prompts[0], GenSettings(max_new_tokens=max_new), speculative=False))
         stop_tok = ar[min(10, len(ar) - 1)]
-        st = GenSettings(max_new_tokens=MAX_NEW, block_size=16, stop_ids=(stop_tok,))
+        st = GenSettings(max_new_tokens=max_new, block_size=16, stop_ids=(stop_tok,))
         cut = list(be.generate(prompts[0], st))
-        assert_stream_shape(cut, width=15, max_new_tokens=MAX_NEW, stop_ids={stop_tok})
+        assert_stream_shape(cut, width=15, max_new_tokens=max_new, stop_ids={stop_tok})
         ar_cut = tokens_of(be.generate(prompts[0], st, speculative=False))
         assert tokens_of(cut) == ar_cut == ar[: ar.index(stop_tok) + 1]
         short = tokens_of(be.generate(prompts[1], GenSettings(max_new_tokens=5, block_size=16)))
@@ -308,16 +263,15 @@ def check_sampling() -> dict:
         return {"temperature_tau": round(summarize([x for r in rs for x in r]).tau, 3),
                 "seeded_repeat_equal": sum(tokens_of(a) == b for a, b in zip(rs, again)), "stop_at": len(ar_cut), "max5": len(short)}
     finally:
-        free(be)
+        free_cuda(be)
 
 
-@check("shape_vs_torch")
-def check_shape() -> dict:
+def check_shape(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
     from toolkit.runtime.torch_backend import TorchBackend
 
-    tb = TorchBackend.from_dirs(FIX["target"], FIX["draft_bf16"], device="cpu")
-    eb = Exl3Backend.from_dirs(FIX["target"], FIX["draft_bf16"], cache_tokens=4 * 512, max_concurrency=4)
+    tb = TorchBackend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], device="cpu")
+    eb = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], cache_tokens=4 * 512, max_concurrency=4)
     try:
         prompts = doc_prompts(tb.tokenizer, n=6)
         chat = tb.encode("Return the number of items in a container.")
@@ -331,34 +285,33 @@ def check_shape() -> dict:
             agree += tokens_of(t_rounds) == tokens_of(e_rounds)
         return {"prompts": len(prompts) + 1, "same_tokens_torch_vs_exl3": agree}
     finally:
-        free(eb)
+        free_cuda(eb)
 
 
-@check("hook_overhead")
-def check_overhead() -> dict:
+def check_overhead(ctx: Ctx) -> dict:
+    """Seconds per iterate() of the library's own loop, the loop with our hook, and the hook plus the Round
+    assembly generate_many does; interleaved repetitions, medians; plus our own code's share timed directly."""
     from toolkit.runtime.exl3_backend import Exl3Backend
 
-    be = Exl3Backend.from_dirs(FIX["target"], FIX["draft_bf16"], cache_tokens=32 * 512, max_concurrency=32)
+    be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], cache_tokens=32 * 512, max_concurrency=32)
+    modes = {"plain": dict(hooked=False), "hook_only": dict(hooked=True, rounds=False), "hook_and_rounds": dict(hooked=True)}
     out = {}
     try:
         prompts = doc_prompts(be.tokenizer, n=24)
         st = GenSettings(max_new_tokens=128, block_size=16)
-        for name, batches in (("conc1", [[p] for p in prompts[:4 if QUICK else 8]]), ("conc24", [prompts])):
-            per = {"plain": [], "hook_only": [], "hook_and_rounds": []}
+        for name, batches in (("conc1", [[p] for p in prompts[:4 if ctx.quick else 8]]), ("conc24", [prompts])):
+            per = {k: [] for k in modes}
             iters, direct = {}, []
-            for rep in range(4 if QUICK else 6):       # interleaved; rep 0 is a warm-up
+            for rep in range(4 if ctx.quick else 6):       # interleaved; rep 0 is a warm-up
                 tot = {k: [0.0, 0] for k in per}
                 ours = 0.0
                 for batch in batches:
-                    for _ in be.generate_many(batch, st):
-                        pass
-                    ours += be.overhead_s
-                    tot["hook_and_rounds"][0] += be.seconds
-                    tot["hook_and_rounds"][1] += be.iterations
-                    for k, hooked in (("plain", False), ("hook_only", True)):
-                        _, secs, it = be.generate_plain(batch, st, hooked=hooked)
-                        tot[k][0] += secs
-                        tot[k][1] += it
+                    for k in ("hook_and_rounds", "plain", "hook_only"):
+                        loop = run_jobs(be, batch, st, **modes[k])
+                        tot[k][0] += loop.seconds
+                        tot[k][1] += loop.iterations
+                        if k == "hook_and_rounds":
+                            ours += loop.overhead_s
                 for k, (secs, it) in tot.items():
                     per[k].append(secs / it)
                     iters[k] = it
@@ -370,15 +323,14 @@ def check_overhead() -> dict:
             out[name].update(rounds=iters, all_ms={k: [round(x * 1000, 3) for x in v] for k, v in per.items()})
         return out
     finally:
-        free(be)
+        free_cuda(be)
 
 
-@check("cli")
-def check_cli() -> dict:
-    env = {**os.environ}
-    g = subprocess.run([sys.executable, "-m", "toolkit.generate", "--backend", "exllamav3", "--target", str(FIX["target"]),
-                        "--draft", str(FIX["draft_bf16"]), "--prompt", "Return a new list", "--compare-ar", "--json",
-                        "--max-new-tokens", "48"], capture_output=True, text=True, env=env, cwd=ROOT)
+def check_cli(ctx: Ctx) -> dict:
+    fix, outdir = ctx.fix, ctx.run.path.parent
+    g = subprocess.run([sys.executable, "-m", "toolkit.generate", "--backend", "exllamav3", "--target", str(fix["target"]),
+                        "--draft", str(fix["draft_bf16"]), "--prompt", "Return a new list", "--compare-ar", "--json",
+                        "--max-new-tokens", "48"], capture_output=True, text=True, cwd=ROOT)
     out = {}
     if g.returncode == 0:
         j = json.loads(g.stdout.strip().splitlines()[-1])
@@ -388,63 +340,79 @@ def check_cli() -> dict:
     docs = WORK / "doc_prompts.txt"
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(FIX["target"]))
-    docs.write_text("\n".join(tok.decode(p).replace("\n", " ") for p in doc_prompts(tok, n=NPROMPTS)))
-    quick = ["--concurrency", "1", "4", "16", "32", "--max-new-tokens", "64", "--limit", "32"] if QUICK else ["--max-new-tokens", "128"]
-    for name, extra, draft in (("bench_doc_bf16", ["--prompts", str(docs), "--raw"], FIX["draft_bf16"]),
-                               ("bench_doc_exl3", ["--prompts", str(docs), "--raw"], FIX.get("draft_exl3")),
-                               ("bench_builtin_bf16", [], FIX["draft_bf16"])):
-        if time.time() - T0 > (330 if QUICK else 480) or draft is None or (QUICK and name == "bench_doc_exl3"):
+    tok = AutoTokenizer.from_pretrained(str(fix["target"]))
+    docs.write_text("\n".join(tok.decode(p).replace("\n", " ") for p in doc_prompts(tok, n=ctx.nprompts)))
+    quick = ["--concurrency", "1", "4", "16", "32", "--max-new-tokens", "64", "--limit", "32"] if ctx.quick else ["--max-new-tokens", "128"]
+    for name, extra, draft in (("bench_doc_bf16", ["--prompts", str(docs), "--raw"], fix["draft_bf16"]),
+                               ("bench_doc_exl3", ["--prompts", str(docs), "--raw"], fix.get("draft_exl3")),
+                               ("bench_builtin_bf16", [], fix["draft_bf16"])):
+        if ctx.run.left() < 0 or draft is None or (ctx.quick and name == "bench_doc_exl3"):
             out[name] = "skipped"
             continue
-        b = subprocess.run([sys.executable, "-m", "toolkit.bench", "--backend", "exllamav3", "--target", str(FIX["target"]),
-                            "--draft", str(draft), "--out", str(OUT / name), *quick, *extra],
-                           capture_output=True, text=True, env=env, cwd=ROOT)
+        b = subprocess.run([sys.executable, "-m", "toolkit.bench", "--backend", "exllamav3", "--target", str(fix["target"]),
+                            "--draft", str(draft), "--out", str(outdir / name), *quick, *extra],
+                           capture_output=True, text=True, cwd=ROOT)
         if b.returncode:
             out[name] = "FAILED: " + b.stderr[-800:]
             continue
         print(b.stdout, flush=True)
-        cells = json.loads((OUT / name / "bench.json").read_text())["cells"]
+        cells = json.loads((outdir / name / "bench.json").read_text())["cells"]
         out[name] = [[c["block_size"], c["concurrency"], round(c["tau"], 2), round(c["tok_s"]), round(c["ar_tok_s"]),
                       round(c["speedup"], 2), c["lossless"]] for c in cells]
     return out
 
 
-@check("errors")
-def check_errors() -> dict:
+def check_errors(ctx: Ctx) -> dict:
     from toolkit.core.errors import ToolkitError
     from toolkit.runtime.exl3_backend import Exl3Backend
 
-    import shutil
-
-    bad = Path(shutil.copytree(FIX["draft_bf16"], WORK / "draft-bad", dirs_exist_ok=True))
+    bad = Path(shutil.copytree(ctx.fix["draft_bf16"], WORK / "draft-bad", dirs_exist_ok=True))
     cfg = json.loads((bad / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [0, 9]
     (bad / "config.json").write_text(json.dumps(cfg))
     msgs = {}
     for name, kw in (("memory", {"cache_tokens": 256 * 4_000_000}), ("drafter_mismatch", {})):
         try:
-            d = FIX["draft_bf16"] if name == "memory" else bad
-            Exl3Backend.from_dirs(FIX["target"], d, **kw)
+            d = ctx.fix["draft_bf16"] if name == "memory" else bad
+            Exl3Backend.from_dirs(ctx.fix["target"], d, **kw)
             msgs[name] = "no error raised"
         except ToolkitError as e:
             msgs[name] = str(e)
     return msgs
 
 
+STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
+         "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
+         "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m experiments.device_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", default=env("DEVICE_QUICK") == "1",
+                    help="the short re-run: fewer steps, prompts and checks (default: DEVICE_QUICK=1)")
+    ap.add_argument("--checks", default=env("DEVICE_CHECKS"),
+                    help=f"comma-separated subset of {','.join(CHECKS)} (default: DEVICE_CHECKS, else all; "
+                         f"{','.join(QUICK_CHECKS)} with --quick)")
+    ap.add_argument("--combos", default=env("DEVICE_COMBOS", ""),
+                    help="lossless: only these drafter combinations, e.g. bf16-drafter (default: DEVICE_COMBOS, else all)")
+    ap.add_argument("--budget-s", type=float, help="start no check or bench cell after this many seconds (default 480; 330 with --quick)")
+    a = ap.parse_args(argv)
+    checks = tuple(a.checks.split(",")) if a.checks else QUICK_CHECKS if a.quick else CHECKS
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        ap.error(f"unknown checks {unknown}; choose from {','.join(CHECKS)}")
+    run = Run("device_check.json", budget_s=a.budget_s or (330 if a.quick else 480), section="checks")
+    ctx = Ctx(run, a.quick, checks, tuple(c for c in a.combos.split(",") if c))
+    run.results.update(gpu=device_name(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    run.step("fixtures", build_fixtures, ctx)
+    if "target" in ctx.fix:
+        for name in checks:
+            label, fn = STEPS[name]
+            run.step(label, fn, ctx)
+    (run.path.parent / "pair").write_text(f"{ctx.fix.get('target')}:{ctx.fix.get('draft_bf16')}")
+    return run.finish()
+
+
 if __name__ == "__main__":
-    REPORT["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    REPORT["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    build_fixtures()
-    default = "lossless,moe,cli" if QUICK else "lossless,moe,sampling,shape,overhead,errors,cli"
-    chosen = os.environ.get("DEVICE_CHECKS", default).split(",")       # e.g. DEVICE_CHECKS=moe,overhead
-    steps = {"lossless": check_lossless, "moe": check_moe, "sampling": check_sampling, "shape": check_shape,
-             "overhead": check_overhead, "errors": check_errors, "cli": check_cli}
-    if "target" in FIX:
-        for name in chosen:
-            steps[name]()
-    (OUT / "pair").write_text(f"{FIX.get('target')}:{FIX.get('draft_bf16')}")
-    REPORT["seconds"] = round(time.time() - T0, 1)
-    save()
-    log("errors:", list(REPORT["errors"]) or "none")
-    sys.exit(1 if REPORT["errors"] else 0)
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The per-bitrate table and plot of docs/benchmarks.md (issue 8), rebuilt from the device's raw data.
 
-    python tests/gpu/smol_tables.py docs/smol_2026-12-03.json docs/smol_quant.png
+    python -m experiments.smol_tables docs/smol_2026-12-03.json docs/smol_quant.png
 
 Reads the JSON that collects what calls 2-4 of the SmolLM2 device run returned (quantize report rows: KL, top-1,
 tau through the torch runtime; tau of every EXL3 drafter on exllamav3) and prints the markdown table.
@@ -8,6 +8,7 @@ tau through the torch runtime; tau of every EXL3 drafter on exllamav3) and print
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -68,10 +69,17 @@ def plot(data: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python tests/gpu/smol_tables.py DATA_JSON PLOT_PNG")
-    d = json.loads(Path(sys.argv[1]).read_text())
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.smol_tables", description=__doc__.split("\n\n")[0])
+    ap.add_argument("data", type=Path, help="the collected device data, e.g. docs/smol_2026-12-03.json")
+    ap.add_argument("png", help="the plot to write, e.g. docs/smol_quant.png")
+    a = ap.parse_args(argv)
+    d = json.loads(a.data.read_text())
     print(table(d))
-    plot(d, sys.argv[2])
-    print(f"wrote {sys.argv[2]}")
+    plot(d, a.png)
+    print(f"wrote {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

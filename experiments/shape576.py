@@ -5,7 +5,7 @@ With --padded, both go through toolkit.assets.padding first (hidden 768, 12 Q / 
 2026-12-02 15:20 UTC on the H200: unpadded, loading fails (`size of tensor a (576) must match ... (640)`)
 and EXL3 conversion fails (`assert n % had_dim == 0`).
 
-    source .device/on-device.sh && python3 tests/gpu/shape576.py      # writes $OUT/shape576.json
+    source .device/on-device.sh && python -m experiments.shape576 [--padded]     # writes $OUT/shape576.json
 
 576 and 192 are not multiples of 128 (exllamav3 pads linears to 128), so this is checked before the real
 SmolLM2 pair is carried to the device.
@@ -13,22 +13,15 @@ SmolLM2 pair is carried to the device.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import argparse
 import sys
-import time
-import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT)]
+import torch
 
-import torch  # noqa: E402
+from experiments.harness import Run, convert_exl3
 
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
 WORK = Path("/tmp/shape576")
-REPORT: dict = {}
 
 
 def smol_like(out: Path, draft_layers: int = 3) -> tuple[Path, Path]:
@@ -54,16 +47,6 @@ def smol_like(out: Path, draft_layers: int = 3) -> tuple[Path, Path]:
     return tdir, ddir
 
 
-def step(name: str, fn):
-    t = time.time()
-    try:
-        REPORT[name] = {"ok": True, "result": fn(), "s": round(time.time() - t, 1)}
-    except Exception as e:
-        REPORT[name] = {"ok": False, "error": "".join(traceback.format_exception(e))[-1500:], "s": round(time.time() - t, 1)}
-    print(name, json.dumps(REPORT[name])[:800], flush=True)
-    (OUT / "shape576.json").write_text(json.dumps(REPORT, indent=1))
-
-
 def decode(t: Path, d: Path | None) -> dict:
     from toolkit.runtime.backend import GenSettings
     from toolkit.runtime.events import tokens_of
@@ -80,24 +63,30 @@ def decode(t: Path, d: Path | None) -> dict:
         be.close()
 
 
-def convert(src: Path, bits: float) -> Path:
+def decode_exl3(t: Path, d: Path, bits: float) -> dict:
     dst = WORK / f"draft-{bits}"
-    p = subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(src), "-o", str(dst),
-                        "-w", str(WORK / f"w{bits}"), "-b", str(bits)], capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError((p.stdout + p.stderr)[-1200:])
-    return dst
+    convert_exl3(Path(d), dst, bits, WORK / f"w{bits}")
+    return decode(t, dst)
 
 
-if __name__ == "__main__":
-    OUT.mkdir(parents=True, exist_ok=True)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.shape576", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--padded", action="store_true", help="pad both models to hidden 768 with toolkit.assets.padding first")
+    a = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
+    run = Run("shape576.json")
     t, d = smol_like(WORK)
-    if "--padded" in sys.argv:
+    if a.padded:
         from toolkit.assets.padding import pad
 
         t, d = pad(str(t), str(WORK / "target-pad")), pad(str(d), str(WORK / "draft-pad"))
-    step("target_alone", lambda: decode(t, None))
-    step("bf16_drafter", lambda: decode(t, d))
+    run.step("target_alone", decode, t, None)
+    run.step("bf16_drafter", decode, t, d)
     for b in (2.0, 4.0):
-        step(f"exl3_{b}_drafter", lambda b=b: decode(t, convert(d, b)))
+        run.step(f"exl3_{b}_drafter", decode_exl3, t, d, b)
+    run.finish()
+    return 0                    # a failing step is a finding of the probe, not a failed run
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The timing rig of tests/gpu/perf_synth.py: exllamav3 forwards called directly, the way its Generator calls
+"""The timing rig of experiments/perf_synth.py: exllamav3 forwards called directly, the way its Generator calls
 them, on the caches of an Exl3Backend, with the context filled without computing it.
 
 Context: the target's K/V pages are zeroed and each job gets an exllamav3 test state at position ctx
