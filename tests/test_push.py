@@ -240,15 +240,16 @@ def test_quantize_push_download_round_trip(hub, tmp_path, pair, monkeypatch):
     """python -m toolkit.quantize ... --push REPO on the tiny pair (only the exllamav3 subprocess faked)."""
     import test_quantize_fakes as quantize_fakes
     from test_quantize_pipeline import write_recipe
-    from toolkit.quant import quantize
+    from toolkit.quantize import main
 
     quantize_fakes.install(monkeypatch)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # what HF_ENDPOINT=... does for a real mirror
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     target, draft = pair
     out = tmp_path / "q"
-    report = quantize(recipe=str(write_recipe(tmp_path / "r.toml", target)), model=str(draft), out=str(out),
-                      device="cpu", progress=False, bits="2,8", also_uncalibrated=True, push=REPO)
+    assert main(["--recipe", str(write_recipe(tmp_path / "r.toml", target)), "--model", str(draft), "--out", str(out),
+                 "--device", "cpu", "--bits", "2,8", "--also-uncalibrated", "--push", REPO]) == 0
+    report = json.loads((out / "report.json").read_text())
     refs = {b.name for b in HfApi(endpoint=hub.url, token=TOKEN).list_repo_refs(REPO).branches}
     assert refs == {"main", "2.0bpw", "8.0bpw"} and hub.commits(REPO) == 3
     got = download(hub, tmp_path, "8.0bpw")

@@ -93,12 +93,12 @@ def test_hessian_write_failure_leaves_nothing(tmp_path, monkeypatch):
 def test_calibrate_on_tiny_pair(tmp_path, pair):
     from toolkit.dflash import load_drafter
     from toolkit.quant.blocks import load_target
-    from toolkit.quant.pipeline import encode_all
+    from toolkit.runtime.backend import encode_chat
 
     t, d = pair
     target, tok = load_target(t)
     drafter = load_drafter(d)
-    ids = encode_all(target, tok, ["Return the sum of two numbers.", "Open a file."])
+    ids = [encode_chat(tok, p) for p in ["Return the sum of two numbers.", "Open a file."]]
     keys = linear_keys(drafter.config)
     rows = calibrate(drafter, target, ids, keys, 2, tmp_path / "hess", progress=False)
     B = drafter.config.block_size

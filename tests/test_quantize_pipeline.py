@@ -82,7 +82,9 @@ def test_norms_kept_unquantized(tmp_path, pair, monkeypatch):
 
 def test_model_card_per_output(tmp_path, pair, monkeypatch):
     quantize_fakes.install(monkeypatch)
-    run(tmp_path, pair, bits="4", check=False)
+    t, d = pair
+    main(["--recipe", str(write_recipe(tmp_path / "r.toml", t)), "--model", str(d), "--out", str(tmp_path / "out"),
+          "--device", "cpu", "--bits", "4", "--no-check"])
     card = (tmp_path / "out" / "4.0bpw" / "README.md").read_text()
     assert "base_model: test/tiny-dflash" in card and "base_model_relation: quantized" in card
     assert "library_name: exllamav3" in card and "tags:" in card
@@ -155,6 +157,7 @@ def test_thresholds_fail_with_nonzero_exit(tmp_path, pair, monkeypatch, capsys):
     assert err.startswith("error: below the recipe's thresholds: 2.0bpw: top-1")
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["results"][0]["passed"] is False
+    assert (tmp_path / "out" / "2.0bpw" / "README.md").is_file()       # the card is written for a failing run too
 
 
 def test_out_exists_without_force(tmp_path, pair, monkeypatch):
@@ -166,6 +169,32 @@ def test_out_exists_without_force(tmp_path, pair, monkeypatch):
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     run(tmp_path, pair, bits="2", check=False, calibrate=False, force=True)
     assert not (tmp_path / "out" / "notes.txt").exists() and (tmp_path / "out" / "2.0bpw").is_dir()
+
+
+def test_force_replaces_out_only_once_complete(tmp_path, pair, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    quantize_fakes.install(monkeypatch, {4.0: "crash"})
+    with pytest.raises(ToolkitError, match="converter crashed on 4.0bpw"):
+        run(tmp_path, pair, bits="2,4", check=False, calibrate=False, force=True)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []     # no half-built folder left
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    quantize_fakes.install(monkeypatch)
+    run(tmp_path, pair, bits="2,4", check=False, calibrate=False, force=True)
+    assert not (out / "notes.txt").exists() and (out / "4.0bpw" / ".quantize.json").is_file()
+    assert (out / ".work").is_dir() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_the_pipeline_does_not_publish():
+    """quant/ is a library: model cards and the push are hub/'s, composed by the toolkit.quantize command."""
+    import ast
+    from pathlib import Path
+
+    for path in (Path(__file__).resolve().parents[1] / "toolkit" / "quant").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "hub" not in (node.module or "").split("."), f"{path} imports {node.module}"
 
 
 def test_no_gpu_says_so(tmp_path, pair, monkeypatch):

@@ -3,8 +3,9 @@
 Steps: validate the checkpoint against the target, plan one output folder per bitrate (finished ones are
 skipped on a rerun, half-written ones redone), accumulate input Hessians from the target's hidden states,
 convert each bitrate with exllamav3 in a subprocess, compare every EXL3 drafter with the BF16 reference on
-held-out prompts (KL, top-1, τ; tap_shift verified), and write report.json / report.md / tau_top1.png plus a
-model card per folder. Flags override the recipe.
+held-out prompts (KL, top-1, τ; tap_shift verified), and write report.json / report.md / tau_top1.png. Then
+the publishing, from hub/: a model card per folder, and with --push the upload of a passing run. Flags override
+the recipe.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from .core.errors import run_cli
-from .quant.pipeline import quantize
+from .hub.push import push, write_cards
+from .quant.pipeline import enforce, execute, start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None):
-    args = build_parser().parse_args(argv)
-    result = quantize(**vars(args))
-    return 0 if isinstance(result, (dict, int)) else 1
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    repo = args.pop("push")
+    run = execute(start(**args))      # the library: OUT's bitrate folders and report, thresholds not yet enforced
+    if run.dry_run:
+        return 0
+    write_cards(run.out)              # publishing (hub/): a model card per bitrate folder, also for a failing run
+    enforce(run)                      # below the recipe's thresholds: one error line, nothing pushed
+    if repo:
+        push(repo=repo, out_dir=run.out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .card import check_report, human_size, pick_pushed, render_card
 from ..core.errors import ToolkitError
-from ..core.folders import read_json, sha256
+from ..core.folders import atomic_file, read_json, sha256
 
 MAIN = "main"
 MAIN_FILES = ("report.json", "report.md", "tau_top1.png")
@@ -110,12 +110,21 @@ def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: P
     return uploads
 
 
-def format_plan(repo: str, uploads: list[Upload]) -> str:
+def format_uploads(repo: str, uploads: list[Upload]) -> str:
+    """--dry-run: the branches and files the push would upload."""
     lines = [f"repo {repo}: {len(uploads) - 1} bitrate branch(es) + main"]
     for u in uploads:
         lines.append(f"  {u.branch}  ({len(u.files)} files, {human_size(sum(u.files.values()))})")
         lines += [f"    {path}  {human_size(size)}" for path, size in u.files.items()]
     return "\n".join(lines)
+
+
+def write_cards(out_dir: str | Path) -> list[Path]:
+    """README.md (the measured model card) in each bitrate folder of a finished quantize run, from its report.json."""
+    from_dir = Path(out_dir)
+    report = load_report(from_dir)
+    return [atomic_file(from_dir / r["folder"] / "README.md", render_card(report, repo=None, bits=r["bits"]))
+            for r in report["results"] if (from_dir / r["folder"]).is_dir()]
 
 
 def resolve_token(token: str | None) -> str:
@@ -217,7 +226,7 @@ def push(repo: str, out_dir: str | Path, private: bool = False, branch_template:
     with tempfile.TemporaryDirectory(prefix="push-") as stage:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
         if dry_run:
-            print(format_plan(repo, uploads))
+            print(format_uploads(repo, uploads))
             print(f"read the cards first: python -m toolkit.card --from {from_dir} --repo {repo} [--bits B]")
             return PushResult(repo, None, {u.branch: "planned" for u in uploads})
         return _upload_all(repo, uploads, private, endpoint, resolve_token(token), retries, retry_delay)

@@ -6,11 +6,13 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..core.errors import ToolkitError
 from ..dflash import DFlashConfig
 from .recipe import branch_name, format_bits
 from .validate import expected_shapes, linear_keys
 
-STAMP = ".quantize.json"      # written into a bitrate folder as its last file: its presence means complete
+MANIFEST = ".quantize-run.json"  # in OUT: the model it is a run of, so a rerun may resume it
+STAMP = ".quantize.json"         # written into a bitrate folder as its last file: its presence means complete
 UNCAL = "-uncal"
 
 
@@ -59,6 +61,21 @@ def folder_status(out: Path, item: PlanItem, model: str, revision: str | None) -
             pass
         return "partial"
     return "partial" if final.exists() or part.exists() else "todo"
+
+
+def check_out_dir(out: Path, manifest: dict, force: bool) -> None:
+    """A non-empty OUT must be an earlier run of the same model (resume), unless --force."""
+    if force or not out.exists() or not any(out.iterdir()):
+        return
+    m = out / MANIFEST
+    prev = None
+    if m.is_file():
+        try:
+            prev = json.loads(m.read_text())
+        except json.JSONDecodeError:
+            prev = None
+    if prev != manifest:
+        raise ToolkitError(f"--out: {out} exists and is not a resumable run of {manifest['model']}; pass --force to overwrite it")
 
 
 def make_plan(config: DFlashConfig, bits: list[float], out: Path, model: str, revision: str | None,

@@ -143,3 +143,35 @@ def load_recipe(path: str | Path) -> Recipe:
         expect=dict(model.get("expect") or {}),
         path=p,
     )
+
+
+@dataclass
+class Settings:
+    """The merged recipe + command line of one quantize run."""
+
+    model: str
+    model_id: str
+    revision: str | None
+    target: str | None
+    target_revision: str | None
+    bits: list[float]
+    out: Path
+    work_dir: Path | None     # None: OUT/.work, inside the folder this run writes
+    recipe: Recipe = field(default_factory=lambda: Recipe(model=""))
+
+
+def merge(recipe: str | None, model: str | None, revision: str | None, target: str | None, bits, out: str | None,
+          work_dir: str | None) -> Settings:
+    """The run's settings: a flag wins over the recipe; the recipe's pinned revisions follow only its own model and target."""
+    r = load_recipe(recipe) if recipe else None
+    if not model and not r:
+        raise ToolkitError("--model is required without --recipe")
+    model = model or r.model
+    from_recipe = r is not None and model == r.model
+    model_id = r.model if r else model
+    rev = revision or (r.revision if r and (from_recipe or Path(model).is_dir()) else None)
+    tgt = target or (r.target if r else None)
+    trev = r.target_revision if r and tgt == r.target else None
+    b = parse_bits(bits) if bits else (r.bits if r else [4.0])
+    o = Path(out) if out else Path("out") / (model_id.rstrip("/").split("/")[-1] + "-exl3")
+    return Settings(model, model_id, rev, tgt, trev, b, o, Path(work_dir) if work_dir else None, r or Recipe(model=model))

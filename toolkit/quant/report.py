@@ -1,4 +1,4 @@
-"""Step 6: report.json (schema 1), report.md, tau_top1.png, and a model card README.md per output folder."""
+"""Step 6: report.json (schema 1), report.md and tau_top1.png in OUT (the model cards are hub/'s, written by the command)."""
 
 from __future__ import annotations
 
@@ -123,16 +123,3 @@ def write_report(out: Path, report: dict, notes: list[str] | None = None) -> lis
     write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
     write_text(out / "report.md", render_markdown(report, notes))
     return [out / "report.json", out / "report.md", plot(report, out / "tau_top1.png")]
-
-
-def write_cards(out: Path, report: dict) -> str | None:
-    """README.md per output folder via toolkit.card.render_card; returns why it was skipped, or None."""
-    try:
-        from ..hub.card import render_card
-    except ImportError as e:
-        return f"model cards skipped: toolkit.card is not available ({e})"
-    for r in report["results"]:
-        folder = out / r["folder"]
-        if folder.is_dir():
-            write_text(folder / "README.md", render_card(report, repo=None, bits=r["bits"]))
-    return None
