@@ -6,21 +6,24 @@ the real repo name in links and download lines (default: USER/REPO).
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-from .core.errors import run_cli
+from .core.cli import entry, option, run
 from .hub.card import run_card
 
 
+@dataclass
+class CardOptions:
+    out_dir: str = option(help="the quantize OUT folder (report.json, upstream/)", flag="--from")
+    repo: str | None = option(None, "the Hub repo it will be pushed to, USER/NAME")
+    bits: float | None = option(None, "print this bitrate's branch card instead of main's")
+
+
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m toolkit.card", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-    p.add_argument("--from", dest="out_dir", required=True, help="the quantize OUT folder (report.json, upstream/)")
-    p.add_argument("--repo", default=None, help="the Hub repo it will be pushed to, USER/NAME")
-    p.add_argument("--bits", type=float, default=None, help="print this bitrate's branch card instead of main's")
-    text = run_card(**vars(p.parse_args(argv)))
+    text = run(run_card, CardOptions, argv, "python -m toolkit.card", __doc__.split("\n\n")[0].split(": ", 1)[1])
     print(text, end="")
     return text
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)

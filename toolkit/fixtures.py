@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-from .core.errors import run_cli
-from .assets.fixtures import ARCHS, fixtures, __doc__ as DOC
+from .assets.fixtures import ARCHS, __doc__ as DOC, fixtures
+from .core.cli import entry, option, run
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.fixtures", description=DOC.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder to write into")
-    ap.add_argument("--arch", default="llama", choices=[*ARCHS, "all"], help="target architecture (default llama)")
-    ap.add_argument("--block-size", type=int, default=16, help="drafter block size B (default 16)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pair", action="store_true", help="copy the shipped trained pair instead of building random models")
-    fixtures(**vars(ap.parse_args(argv)))
+@dataclass
+class FixturesOptions:
+    out: str = option(help="folder to write into")
+    arch: str = option("llama", "target architecture", choices=[*ARCHS, "all"])
+    block_size: int = option(16, "drafter block size B")
+    seed: int = option(0, "random seed")
+    pair: bool = option(False, "copy the shipped trained pair instead of building random models")
+
+
+def main(argv: list[str] | None = None):
+    run(fixtures, FixturesOptions, argv, "python -m toolkit.fixtures", DOC.split("\n\n")[0])
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-from .core.errors import run_cli
-from .assets.padding import ALIGN, pad, __doc__ as DOC
+from .assets.padding import ALIGN, __doc__ as DOC, pad
+from .core.cli import entry, option, run
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.pad", description=DOC.split("\n\n")[0])
-    ap.add_argument("src", help="HF model folder (dense Llama family, safetensors)")
-    ap.add_argument("dst", help="output folder (replaced when complete)")
-    ap.add_argument("--align", type=int, default=ALIGN, help=f"width multiple (default {ALIGN})")
-    args = ap.parse_args(argv)
-    print(pad(**vars(args)))
+@dataclass
+class PadOptions:
+    src: str = option(help="HF model folder (dense Llama family, safetensors), or its DFlash drafter", positional=True)
+    dst: str = option(help="output folder, written whole once complete", positional=True)
+    align: int = option(ALIGN, "width multiple")
+    force: bool = option(False, "replace a non-empty DST that is not an earlier padded folder")
+
+
+def main(argv: list[str] | None = None):
+    print(run(pad, PadOptions, argv, "python -m toolkit.pad", DOC.split("\n\n")[0], output_policy=True))
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)

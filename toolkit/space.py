@@ -2,36 +2,33 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-from .core.errors import run_cli
-from .hub.space import CUDA_VERSION, HARDWARE, PYTHON_VERSION, TORCH_VERSION, export, __doc__ as DOC
+from .core.cli import entry, option, run_sub
+from .hub.space import CUDA_VERSION, HARDWARE, PYTHON_VERSION, TORCH_VERSION, __doc__ as DOC, export
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.space", description=DOC.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="write a ready-to-push Space folder")
-    ex.add_argument("dir", help="folder to write (must be empty or absent unless --force)")
-    ex.add_argument("--target", help="target model Hub id the Space loads (default: the embedded tiny demo)")
-    ex.add_argument("--draft", help="DFlash drafter Hub id (with --target)")
-    ex.add_argument("--hardware", default="l4x1", choices=HARDWARE, help="suggested_hardware (default l4x1); "
-                    "cpu-* leaves exllamav3 out, zero-* runs the torch backend under @spaces.GPU, GPU hardware "
-                    "installs exllamav3's prebuilt wheel")
-    ex.add_argument("--backend", default="auto", help="auto (default), torch or exllamav3; torch installs no exllamav3")
-    ex.add_argument("--python", default=PYTHON_VERSION, help="the Space's python_version and the wheel's CPython "
-                    "(default %(default)s)")
-    ex.add_argument("--torch", default=TORCH_VERSION, help="torch the Space pins, with the exllamav3 wheel built "
-                    "against it (default %(default)s)")
-    ex.add_argument("--cuda", default=CUDA_VERSION, help="CUDA of that torch and wheel (default %(default)s)")
-    ex.add_argument("--exllamav3-jit", action="store_true", help="install exllamav3 from PyPI instead and let it "
-                    "compile its CUDA extension on the Space (needs nvcc; for hardware no wheel covers)")
-    ex.add_argument("--title", default="DFlash speculative decoding")
-    ex.add_argument("--force", action="store_true", help="replace a non-empty DIR")
-    args = vars(ap.parse_args(argv))
-    args.pop("command")
-    export(**args)
+@dataclass
+class ExportOptions:
+    dir: str = option(help="folder to write (must be empty or absent unless --force)", positional=True)
+    target: str | None = option(None, "target model Hub id the Space loads, REPO or REPO@REVISION (default: the embedded demo)")
+    draft: str | None = option(None, "DFlash drafter Hub id (with --target), REPO or REPO@REVISION")
+    hardware: str = option("l4x1", "suggested_hardware; cpu-* leaves exllamav3 out, zero-* runs the torch backend under "
+                           "@spaces.GPU, GPU hardware installs exllamav3's prebuilt wheel", choices=HARDWARE)
+    backend: str = option("auto", "auto, torch or exllamav3; torch installs no exllamav3")
+    python: str = option(PYTHON_VERSION, "the Space's python_version and the wheel's CPython")
+    torch: str = option(TORCH_VERSION, "torch the Space pins, with the exllamav3 wheel built against it")
+    cuda: str = option(CUDA_VERSION, "CUDA of that torch and wheel")
+    exllamav3_jit: bool = option(False, "install exllamav3 from PyPI instead and let it compile its CUDA extension on "
+                                        "the Space (needs nvcc; for hardware no wheel covers)")
+    title: str = option("DFlash speculative decoding", "the Space's title")
+    force: bool = option(False, "replace a non-empty DIR once the new one is complete")
+
+
+def main(argv: list[str] | None = None):
+    return run_sub({"export": (export, ExportOptions, "write a ready-to-push Space folder")}, argv,
+                   "python -m toolkit.space", DOC.split("\n\n")[0], output_policy=True)
 
 
 if __name__ == "__main__":
-    run_cli(lambda: main())
+    entry(lambda argv: main(argv) and 0)

@@ -9,10 +9,10 @@ into a temp folder beside --out that is renamed into place at the end (nothing h
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 
-from .core.errors import run_cli
+from .core.cli import entry, option, run
 from .synthetic.build import synth
 
 EPILOG = """examples:
@@ -23,22 +23,24 @@ supported configs: qwen3_5_moe targets (hub layout with text_config, or the flat
 DFlashDraftModel drafters. The last stdout line is a JSON summary (size, shards, decoded-weight check)."""
 
 
+@dataclass
+class SynthOptions:
+    config: str = option(help="HF config.json of the model to imitate (e.g. one under quantize/shapes/)")
+    bits: float = option(help="bits per weight of the decoder linears: an integer 1-8")
+    out: str = option(help="folder to create (must not exist or be empty, unless --overwrite)")
+    head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)")
+    codebook: str = option("mul1", "trellis codebook (mul1 as the converter)", choices=["mul1", "mcg", "3inst"])
+    seed: int = option(0, "random seed")
+    std: float | None = option(None, "std of the decoded weights (default: the config's initializer_range, else 0.02)")
+    shard_gb: float = option(4.0, "approximate shard size in GiB")
+    device: str = option("auto", "where to generate: auto (cuda if available), cpu or cuda[:N]")
+    overwrite: bool = option(False, "replace a non-empty --out (only once the new one is complete)")
+    quiet: bool = option(False, "no progress bar")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.synth", description=__doc__.split("\n\n")[0],
-                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="HF config.json of the model to imitate (e.g. one under quantize/shapes/)")
-    ap.add_argument("--bits", required=True, type=float, help="bits per weight of the decoder linears: an integer 1-8")
-    ap.add_argument("--out", required=True, help="folder to create (must not exist or be empty, unless --overwrite)")
-    ap.add_argument("--head-bits", type=float, default=6, help="bits of the lm_head: 1-8, or 16 for fp16 (default 6, as the converter)")
-    ap.add_argument("--codebook", default="mul1", choices=["mul1", "mcg", "3inst"], help="trellis codebook (default mul1, as the converter)")
-    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    ap.add_argument("--std", type=float, help="std of the decoded weights (default: the config's initializer_range, else 0.02)")
-    ap.add_argument("--shard-gb", type=float, default=4.0, help="approximate shard size in GiB (default 4)")
-    ap.add_argument("--device", default="auto", help="where to generate: auto (cuda if available), cpu or cuda[:N]")
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only once the new one is complete)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    print(json.dumps(synth(**vars(ap.parse_args(argv)))))
+    print(json.dumps(run(synth, SynthOptions, argv, "python -m toolkit.synth", __doc__.split("\n\n")[0], epilog=EPILOG)))
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)

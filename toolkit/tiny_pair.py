@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-from .core.errors import run_cli
 from .assets.pairs import PAIR
-from .train.tiny import build_pair, __doc__ as DOC
+from .core.cli import entry, option, run
+from .train.tiny import __doc__ as DOC, build_pair
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.tiny_pair", description=DOC.split("\n\n")[0])
-    ap.add_argument("--out", default=str(PAIR), help=f"output folder (default {PAIR})")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-steps", type=int, default=1500)
-    ap.add_argument("--draft-steps", type=int, default=3000)
-    ap.add_argument("--sequences", type=int, default=3072, help="self-distilled sequences for the drafter")
-    build_pair(**vars(ap.parse_args(argv)))
+@dataclass
+class TinyPairOptions:
+    out: str = option(str(PAIR), "output folder")
+    seed: int = option(0, "random seed")
+    target_steps: int = option(1500, "target training steps")
+    draft_steps: int = option(3000, "drafter training steps")
+    sequences: int = option(3072, "self-distilled sequences for the drafter")
+
+
+def main(argv: list[str] | None = None):
+    run(build_pair, TinyPairOptions, argv, "python -m toolkit.tiny_pair", DOC.split("\n\n")[0])
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)

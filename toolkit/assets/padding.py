@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.errors import ToolkitError
-from ..core.folders import atomic_dir, read_config
+from ..core.errors import OptionError, ToolkitError
+from ..core.folders import atomic_dir, claim, read_config
 
 ALIGN = 128
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -110,17 +110,22 @@ def padded_config(cfg: dict, a: Widths, b: Widths) -> dict:
     return new
 
 
-def pad(src: str, dst: str, align: int = ALIGN) -> Path:
-    """Write a padded copy of the model folder `src` to `dst` (atomically); other files are copied as they are."""
+def pad(src: str, dst: str, align: int = ALIGN, force: bool = False) -> Path:
+    """Write a padded copy of the model folder `src` to `dst` (atomically); other files are copied as they are.
+    A non-empty `dst` that is not an earlier padded folder is refused unless `force` (docs/outputs.md)."""
     from safetensors.torch import load_file, save_file
 
-    s, d = Path(src), Path(dst)
+    if align < 1:
+        raise OptionError("align", f"must be >= 1, got {align}")
+    s, d = Path(src), claim(dst, "pad", force, field="dst")
+    if d.resolve() == s.resolve():
+        raise OptionError("dst", f"{d} is SRC itself: name a new folder")
     cfg = read_config(s, "model")
     a, b = padded_widths(cfg, align)
     files = sorted(s.glob("*.safetensors"))
     if not files:
         raise ToolkitError(f"{s}: no .safetensors weights to pad")
-    with atomic_dir(d) as work:
+    with atomic_dir(d, command="pad", need=sum(f.stat().st_size for f in files) * 2) as work:
         for f in s.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
                 shutil.copy2(f, work / f.name)

@@ -71,6 +71,12 @@ def parser(cls: type, prog: str, description: str = "", epilog: str | None = Non
         epilog = f"{epilog}\n\n{OUTPUT_POLICY}" if epilog else OUTPUT_POLICY
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_fields(ap, cls)
+    return ap
+
+
+def add_fields(ap: argparse.ArgumentParser, cls: type) -> None:
+    """One argument per dataclass field: type, default, choices and help from the field."""
     groups: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -100,7 +106,22 @@ def parser(cls: type, prog: str, description: str = "", epilog: str | None = Non
         conv = tp if tp in (int, float, str) else str
         target.add_argument(*names, dest=f.name, type=conv, default=None if required else default,
                             required=required and not optional, **kw)
-    return ap
+
+
+def run_sub(subs: dict[str, tuple[Callable[..., Any], type, str]], argv: list[str] | None, prog: str,
+            description: str = "", output_policy: bool = False) -> Any:
+    """`prog SUBCOMMAND ...`: each subcommand is (function, options dataclass, help); calls the chosen one."""
+    ap = argparse.ArgumentParser(prog=prog, description=description,
+                                 epilog=OUTPUT_POLICY if output_policy else None)
+    sp = ap.add_subparsers(dest="_command", required=True)
+    for name, (_, cls, help) in subs.items():
+        add_fields(sp.add_parser(name, help=help, description=help), cls)
+    args = vars(ap.parse_args(argv))
+    fn, cls, _ = subs[args.pop("_command")]
+    try:
+        return fn(**args)
+    except OptionError as e:
+        raise ToolkitError(f"{flag_of(cls, e.field)}{e.rest}") from None
 
 
 def run(fn: Callable[..., Any], cls: type, argv: list[str] | None, prog: str, description: str = "",

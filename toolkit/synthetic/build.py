@@ -26,7 +26,7 @@ CHECK_TOL = 0.15             # decoded std must be within 15% of the requested s
 
 
 @dataclass
-class SynthOptions:
+class SynthInputs:
     """Validated inputs of synth()."""
 
     config: Path
@@ -124,7 +124,7 @@ class Checker:
         return out
 
 
-def quantization_config(o: SynthOptions, plan: Plan) -> dict:
+def quantization_config(o: SynthInputs, plan: Plan) -> dict:
     """quantization_config as exllamav3's compile step writes it, plus a `synthetic` note."""
     q = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": float(o.bits), "head_bits": o.head_bits,
          "out_scales": "auto", "codebook": o.codebook}
@@ -142,7 +142,7 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
         raise ToolkitError(f"--codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
     if not shard_gb > 0:
         raise ToolkitError(f"--shard-gb must be positive, got {shard_gb}")
-    o = SynthOptions(Path(config), _bits(bits, "--bits"), Path(out), _bits(head_bits, "--head-bits", allow16=True),
+    o = SynthInputs(Path(config), _bits(bits, "--bits"), Path(out), _bits(head_bits, "--head-bits", allow16=True),
                      codebook, seed, std, shard_gb, resolve_device(device), overwrite, quiet)
     cfg = read_shape(o.config)
     o.std = float(std if std is not None else cfg.get("initializer_range") or (cfg.get("text_config") or {}).get("initializer_range") or 0.02)
