@@ -14,7 +14,7 @@ from huggingface_hub import HfApi, constants
 from hubserver import Fault, HubServer
 from toolkit.core.errors import ToolkitError
 from toolkit.hub.push import hub_endpoint
-from toolkit.hub.refs import Ref, fetch, is_repo_id, parse_ref
+from toolkit.core.refs import Ref, fetch, is_repo_id, parse_ref
 
 TOKEN = "hf_refs_token_q7"
 REPO = "alice/drafter-exl3"

@@ -15,7 +15,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from ..core.errors import ToolkitError
 from ..core.folders import read_json
 from .howto import framing, requires_line, usage
-from .refs import is_repo_id
+from ..core.refs import is_repo_id
 from .upstream import UPSTREAM, Upstream, license_fields, read_upstream, upstream_url
 
 HUB = "https://huggingface.co"

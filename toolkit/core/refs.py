@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import ToolkitError
+from .errors import ToolkitError
 
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 REPO_RE = re.compile(rf"^(?:{_PART}/)?{_PART}$")
