@@ -33,6 +33,9 @@ def test_export_writes_a_space_folder(tmp_path):
     assert str(fm["sdk_version"]).startswith("6.") and fm["suggested_hardware"] == "l4x1"
     assert fm["models"] == ["me/Qwen3-8B-exl3", "me/Qwen3-8B-DFlash"] and len(fm["short_description"]) <= 60
     assert "exllamav3==1.6.5" in (out / "requirements.txt").read_text()
+    import re
+
+    assert re.search(r"^exllamav3 @ https://\S+/exllamav3-1\.6\.5\+\S+\.whl$", (out / "requirements.txt").read_text(), re.M)
     cfg = (out / "space.json").read_text()
     assert ModelSpec.resolve(env={}, defaults=__import__("json").loads(cfg)).target == "me/Qwen3-8B-exl3"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]       # no temp folder left behind

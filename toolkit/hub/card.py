@@ -142,7 +142,10 @@ def _about(report: dict) -> list[str]:
 
 def _method(report: dict) -> list[str]:
     device = report.get("device")
-    where = f"measured on {device}" if device else "not measured in this run (it needs a GPU)"
+    rows = [*(report.get("results") or []), report.get("bf16") or {}]
+    measured = any(isinstance(r, dict) and r.get("tau") is not None for r in rows)
+    where = (f"measured on {device}" if device else "measured on a device the report does not name") if measured \
+        else "not measured in this run (it needs a GPU)"
     return [
         "KL is the mean KL divergence of each quantized drafter's next-token distribution from the bf16 "
         "drafter's, and top-1 agreement the share of positions where both pick the same token, over the "
