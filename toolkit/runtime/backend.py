@@ -12,12 +12,19 @@ from .events import Round
 
 @dataclass
 class GenSettings:
-    """How to decode one prompt."""
+    """How to decode one prompt.
+
+    block_size: "auto" (the default) lets the drafting policy (runtime/policy.py) pick each round's verify width
+    w in 0..B-1 from measured round costs and running acceptance, B being the drafter's native block and w = 0 a
+    plain AR round; the drafter proposes B-1 ids whenever w > 0, so a Round's `proposed` is B-1 and `drafted` its
+    first w. An int N >= 2 is a fixed block: every round verifies min(N, B) - 1 drafts (the classic decoder).
+    None is the drafter's native block, fixed. A backend without a policy treats "auto" as the native block.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0        # 0 = greedy
     seed: int = 0
-    block_size: int | None = None   # verify width B; None = the drafter's own; drafts are cut to B-1
+    block_size: int | str | None = "auto"    # "auto" | N >= 2 (fixed B = N, drafts cut to N-1) | None (native, fixed)
     stop_ids: tuple[int, ...] | None = None  # None = the target's EOS ids
 
     def __post_init__(self) -> None:
@@ -25,8 +32,31 @@ class GenSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        self.block_size = self.parse_block(self.block_size)
+
+    @property
+    def auto(self) -> bool:
+        """Whether the drafting policy picks the width per round."""
+        return self.block_size == "auto"
+
+    def fixed_block(self, native: int) -> int:
+        """The block of a fixed-width run, cut to the drafter's `native` block; `native` itself for "auto"/None."""
+        return native if self.auto or self.block_size is None else min(self.block_size, native)
+
+    @staticmethod
+    def parse_block(value) -> int | str | None:
+        """ "auto", None or an int >= 2 (also from a string such as "8", for CLIs and web forms)."""
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None if value is None else "auto"
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = None
+        if n is None or (not isinstance(value, str) and n != value) or isinstance(value, bool):
+            raise ValueError(f"block_size must be auto or an integer >= 2, got {value!r}")
+        if n < 2:
+            raise ValueError(f"block_size must be >= 2, got {n}")
+        return n
 
 
 def message_text(content) -> str:
@@ -117,7 +147,7 @@ class Backend(ABC):
         """Tokens drafted per round: B-1 for the asked block size B, cut to the drafter's; 0 for plain AR."""
         if not speculative or self.block_size < 2:
             return 0
-        return min(settings.block_size or self.block_size, self.block_size) - 1
+        return settings.fixed_block(self.block_size) - 1
 
     def stop_ids(self, settings: GenSettings) -> tuple[int, ...]:
         return tuple(settings.stop_ids if settings.stop_ids is not None else self.eos_ids)
