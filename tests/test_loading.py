@@ -78,15 +78,35 @@ def test_unknown_architecture(folder):
 
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk while writing a checkpoint: one line naming the folder and the bytes needed, nothing left behind."""
+    from safetensors import SafetensorError
+
     m = random_drafter(drafter_config(16, [0, 1], 5, 4, vocab_size=32, window=8))
 
-    def full_disk(*a, **k):
-        raise OSError(28, "No space left on device")
+    def full_disk(*a, **k):     # what safetensors raises on ENOSPC (seen on a 64 KiB tmpfs)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("toolkit.dflash.loading.save_file", full_disk)
-    with pytest.raises(ToolkitError, match=r"^no space left on the device writing .*/out: "):
-        save_drafter(m, tmp_path / "out")              # a full disk is one line (issue 20), nothing left behind
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    with pytest.raises(ToolkitError, match=r"^no space left on the device writing .*/out: about 0\.0 MiB needed"):
+        save_drafter(m, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_over_an_old_one_keeps_it_on_a_full_disk(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    m = random_drafter(drafter_config(16, [0, 1], 5, 4, vocab_size=32, window=8))
+    out = save_drafter(m, tmp_path / "ckpt", dtype=torch.float32)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    with pytest.raises(ToolkitError, match="no space left"):
+        save_drafter(m, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]             # no .ckpt.* temp folder left
 
 
 def test_mask_embedding_is_used(folder):

@@ -109,7 +109,14 @@ class DFlashConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
-        return cls.from_dict(read_config(path))
+        cfg = read_config(path)
+        if ARCHITECTURE not in (cfg.get("architectures") or []):     # name what the folder is instead
+            from ..core.kinds import kind_of
+            from ..core.target import TargetInfo
+
+            raise ToolkitError(f"{path} is {kind_of(TargetInfo(cfg))}, not a DFlash drafter (architectures "
+                               f"{cfg.get('architectures')!r}, expected [{ARCHITECTURE!r}])")
+        return cls.from_dict(cfg)
 
     def check(self) -> None:
         """Self-consistency: each failure is one line naming the field and the values."""
@@ -140,6 +147,8 @@ class DFlashConfig:
 
     def validate_against(self, target: dict) -> None:
         """Check the drafter fits a target config.json (a dict; a multimodal config's text_config is used)."""
+        if ARCHITECTURE in (target.get("architectures") or []):
+            raise ToolkitError("the target folder is a DFlash drafter, not a target model (a drafter goes to --draft)")
         t = text_config(target)
         th, tl, tv = t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size")
         if th is not None and th != self.hidden_size:

@@ -7,22 +7,26 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir
+from ..core.kinds import DFLASH, exl3_tensor, require
+from ..core.tensorfiles import check_folder, save_tensors
 from .config import DFlashConfig
 from .model import DFlashDraft
 
 OPTIONAL = ("mask_embedding",)
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a model folder's *.safetensors files; a bad file is a one-line error naming it."""
+def read_tensors(path: str | Path, what: str = "") -> dict[str, torch.Tensor]:
+    """All tensors of a model folder's *.safetensors files; a bad file is a one-line error naming it.
+
+    Each header is checked first (core.tensorfiles: its structure, and its data against the file's length)."""
     path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
+    pre = f"{what}: " if what else ""
+    files = check_folder(path, what)
     if not files:
-        raise ToolkitError(f"{path}: no *.safetensors files")
+        raise ToolkitError(f"{pre}{path}: no *.safetensors files")
     out: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -31,44 +35,56 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
                     out[k] = sf.get_tensor(k)
         except Exception as e:  # safetensors raises its own error types for bad headers and short files
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ToolkitError(f"{f}: not a readable safetensors file (truncated or corrupt: {reason})") from None
+            raise ToolkitError(f"{pre}{f}: not a readable safetensors file (truncated or corrupt: {reason})") from None
     return out
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDraft:
-    """Build the reference drafter from an upstream-layout folder, checking every tensor's presence and shape."""
-    config = DFlashConfig.from_dir(path)
-    tensors = read_tensors(path)
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 what: str = "--draft") -> DFlashDraft:
+    """Build the reference drafter from an upstream-layout folder, strictly: the folder must be an unquantized
+    DFlash drafter (an HF model or an EXL3 checkpoint is named for what it is), and every tensor must be present,
+    of its shape, and used (an unknown tensor is refused, not ignored)."""
+    require(path, DFLASH, what)
+    config, pre = DFlashConfig.from_dir(path), f"{what}: " if what else ""
+    tensors = read_tensors(path, what)
     tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
     model = DFlashDraft(config)
     state = model.state_dict()
     for name, param in state.items():
         if name not in tensors:
-            raise ToolkitError(f"{path}: missing tensor {name!r}")
+            raise ToolkitError(f"{pre}{path}: missing tensor {name!r}")
         if tuple(tensors[name].shape) != tuple(param.shape):
             raise ToolkitError(
-                f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
+                f"{pre}{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
             )
+    unknown = sorted(set(tensors) - set(state) - set(OPTIONAL))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        kind = "an EXL3 tensor" if exl3_tensor(unknown[0]) else "a tensor the drafter does not use"
+        raise ToolkitError(f"{pre}{path}: unexpected tensor {unknown[0]!r}{more}, {kind}")
     model.load_state_dict({k: tensors[k] for k in state}, strict=True)
     if "mask_embedding" in tensors:
         emb = tensors["mask_embedding"].reshape(-1)
         if emb.numel() != config.hidden_size:
-            raise ToolkitError(f"{path}: tensor 'mask_embedding' has {emb.numel()} values, expected {config.hidden_size}")
+            raise ToolkitError(f"{pre}{path}: tensor 'mask_embedding' has {emb.numel()} values, expected {config.hidden_size}")
         model.mask_embedding = torch.nn.Parameter(emb.clone())
     return model.to(device=device, dtype=dtype).eval()
 
 
-def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict | None = None) -> Path:
-    """Write config.json + model.safetensors atomically: a temp folder renamed into place."""
+def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict | None = None,
+                 command: str | None = None) -> Path:
+    """Write config.json + model.safetensors atomically: a temp folder renamed into place (marked as `command`'s
+    output when given). A full disk is one line naming the folder and the bytes needed, and leaves nothing."""
     path = Path(path)
-    with atomic_dir(path) as tmp:
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.mask_embedding is not None:
+        state["mask_embedding"] = model.mask_embedding.detach().to(dtype).contiguous()
+    need = sum(v.numel() * v.element_size() for v in state.values())
+    with atomic_dir(path, command=command, need=need) as tmp:
         cfg = model.config.to_dict()
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-        if model.mask_embedding is not None:
-            state["mask_embedding"] = model.mask_embedding.detach().to(dtype).contiguous()
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return path

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +11,9 @@ from ..dflash import DFlashConfig, DFlashDraft
 from ..dflash.config import ARCHITECTURE
 from ..core.errors import ToolkitError
 from ..core.folders import read_config
+from ..core.tensorfiles import read_header, tensor_shapes  # noqa: F401  (read_header: re-exported)
 
 OPTIONAL = ("mask_embedding",)
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclass
@@ -29,34 +26,13 @@ class Checked:
     has_weights: bool = True
 
 
-def read_header(path: Path) -> dict:
-    """The JSON header of one safetensors file, checked against the file's length (truncation)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ToolkitError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", raw)
-        if n <= 0 or 8 + n > size:
-            raise ToolkitError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ToolkitError(f"{path}: corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ToolkitError(f"{path}: truncated safetensors file (needs {8 + n + end} bytes, has {size})")
-    return header
-
-
 def read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     total = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
         total += f.stat().st_size
-        for k, v in read_header(f).items():
-            if k != "__metadata__":
-                out[k.removeprefix("model.")] = (v["dtype"], tuple(v["shape"]))
+        for k, v in tensor_shapes(f).items():     # each header's structure and length checked (core.tensorfiles)
+            out[k.removeprefix("model.")] = v
     return out, total
 
 
