@@ -8,12 +8,12 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from exl3_fakes import V, Clock, FakeGenerator, ar_reference, make_backend, target_next  # noqa: F401  (re-exported)
 from experiments.stream_shape import assert_stream_shape
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
@@ -121,117 +121,12 @@ def test_recording_generator_keeps_drafted_rows_per_job():
         recording_generator_class(object)
 
 
-# -- generate_many against a stand-in Generator -------------------------------------------------------
-
-V = 97
-
-
-def target_next(t: int) -> int:
-    return (t * 7 + 3) % V
-
-
-class Seq:
-    def __init__(self, ids):
-        self.ids = list(ids)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def torch_slice(self, a, b):
-        return torch.tensor([self.ids[a:b]])
-
-    def torch(self):
-        return torch.tensor([self.ids])
-
-
-class FakeJob:
-    def __init__(self, input_ids, max_new_tokens, sampler, seed, stop_conditions, identifier):
-        self.sequences = [types.SimpleNamespace(sequence_ids=Seq(input_ids[0].tolist()))]
-        self.max_new, self.stop, self.new_tokens, self.draft_stats = max_new_tokens, set(stop_conditions), 0, []
-        self.prefilled = False
-
-    def is_prefill_done(self):
-        return self.prefilled
-
-
-class FakeGenerator:
-    """exllamav3's loop in miniature: prefill in the first iterate, then one verify per job per iterate."""
-
-    def __init__(self, model, cache, tokenizer, max_batch_size=256, draft_model=None, draft_cache=None,
-                 num_draft_tokens=0, record_draft_stats=False):
-        self.window = num_draft_tokens if draft_model is not None else 0
-        self.record, self.active_jobs = record_draft_stats, []
-        cache.owner_serial = self.cache_owner_serial = getattr(cache, "owner_serial", 0) + 1
-
-    def enqueue(self, jobs):
-        self.active_jobs += jobs
-
-    def num_remaining_jobs(self):
-        return len(self.active_jobs)
-
-    def clear_queue(self):
-        self.active_jobs = []
-
-    def close(self):
-        pass
-
-    def iterate_draftmodel_dflash_gen(self, results, window):
-        rows = []
-        for job in self.active_jobs:                    # right on a prefix that depends on the last token
-            last = job.sequences[0].sequence_ids.ids[-1]
-            good, chain, t = last % (window + 2), [], last
-            for k in range(window):
-                t = target_next(t)
-                chain.append(t if k < good else (t + 1) % V)
-            rows.append(chain)
-        return torch.tensor(rows + [[0] * window])
-
-    def iterate(self):
-        for job in self.active_jobs:
-            job.prefilled = True
-        drafted = self.iterate_draftmodel_dflash_gen([], self.window) if self.window else None
-        for j, job in enumerate(list(self.active_jobs)):
-            ids = job.sequences[0].sequence_ids.ids
-            accepted = 0
-            for i in range(self.window + 1):
-                t = target_next(ids[-1])
-                ids.append(t)
-                job.new_tokens += 1
-                if t in job.stop or job.new_tokens >= job.max_new:
-                    self.active_jobs.remove(job)
-                    break
-                if i == self.window or int(drafted[j, i]) != t:
-                    break
-                accepted += 1
-            if self.window and self.record:
-                job.draft_stats.append((job.new_tokens, self.window, accepted))
-        return []
+# -- generate_many against a stand-in Generator (tests/exl3_fakes.py) ---------------------------------------
 
 
 @pytest.fixture
-def fake_backend(monkeypatch):
-    from toolkit.runtime.exl3_backend import Exl3Backend
-
-    sampler = types.ModuleType("exllamav3.generator.sampler")
-    sampler.ArgmaxSampler = lambda: "argmax"
-    sampler.CategoricalSampler = lambda temperature: f"T={temperature}"
-    for name in ("exllamav3", "exllamav3.generator"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "exllamav3.generator.sampler", sampler)
-    exl = types.SimpleNamespace(Generator=FakeGenerator, Job=FakeJob)
-    cache = types.SimpleNamespace(max_num_tokens=8192)
-    return Exl3Backend(exl, "target", cache, None, None, draft="draft", draft_cache="dc", native_block=8,
-                       max_context=4096, eos_ids=(5,), max_concurrency=8)
-
-
-def ar_reference(prompt, n, stop=(5,)):
-    out, t = [], prompt[-1]
-    while len(out) < n:
-        t = target_next(t)
-        out.append(t)
-        if t in stop:
-            break
-    return out
+def fake_backend(monkeypatch, tmp_path):
+    return make_backend(monkeypatch, tmp_path)
 
 
 def test_generate_many_rounds_match_the_tokens(fake_backend):

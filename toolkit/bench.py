@@ -1,10 +1,15 @@
-"""`python -m toolkit.bench`: speculative vs AR throughput over a prompt set, block sizes x concurrency.
+"""`python -m toolkit.bench`: speculative vs AR throughput over a prompt set, settings x concurrency, repeated.
 
-For each concurrency c the AR baseline (same target, same cache, no drafter) runs once, then each block size
-B runs speculatively on the same jobs, all in one process, so the speedup compares like with like. Reports
-tau (mean accepted + 1 per verification round), per-position acceptance, tok/s of both and the speedup,
-prints a table and writes bench.json and bench.png into --out. Without --target/--draft it uses the shipped
-tiny pair. On the torch backend jobs run one after another (it has no batching): use it for small models.
+Settings are plain AR, fixed block sizes B and `auto` (the drafting policy), and with --levers each named
+exllamav3 lever as extra cells against stock settings, all in one process on the same jobs, so the speedup
+compares like with like. With --reps N every cell runs once per repetition, repetition after repetition, and
+each cell reports the median and spread (min/max, quartiles) of tok/s, t_round and t_AR. It reports tau (mean
+accepted + 1 per verification round), per-position acceptance and losslessness (greedy output identical to AR);
+with --timing-only (implied for synthetic checkpoints, whose acceptance means nothing) only the costs. With
+--project-tau it projects, from the measured t_AR and t_round(w, c), the speedup at a given tau for exllamav3's
+defaults (B-1 drafts every round) and for the policy's best width. It prints a table and writes bench.json and
+bench.png into --out. Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one
+after another (it has no batching): use it for small models.
 """
 
 from __future__ import annotations
@@ -15,91 +20,72 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tqdm import tqdm
-
 from .assets.prompts import load_prompts
 from .core.errors import ToolkitError, run_cli
-from .runtime.backend import Backend, GenSettings
-from .runtime.events import Round, summarize, tokens_of
+from .runtime.backend import GenSettings
+from .runtime.benchgrid import (Cell, best_per_concurrency, is_synthetic, job_list, project_cells, run_cell,  # noqa: F401
+                                run_grid, run_jobs)
+from .runtime.exl3_options import LEVERS, parse_lever
 from .runtime.factory import load_backend
+from .runtime.projection import ASSUMPTION, parse_taus
 
 PROMPT_BUDGET = 1024        # prompt tokens per job the exllamav3 cache is sized for (see --cache-tokens)
 
 
-def run_jobs(backend: Backend, prompts: list[list[int]], settings: GenSettings, speculative: bool) -> tuple[list[list[Round]], float]:
-    """Decode `prompts` as concurrent jobs (one after another on a backend that does not batch); (rounds per job, seconds)."""
-    rounds: list[list[Round]] = [[] for _ in prompts]
-    t0 = time.perf_counter()
-    for i, r in backend.generate_many(prompts, settings, speculative=speculative):
-        rounds[i].append(r)
-    return rounds, time.perf_counter() - t0
+def setting_name(c: dict) -> str:
+    B = c.get("block_size")
+    name = "AR" if B is None else ("auto" if B == "auto" else f"B={B}")
+    return f"{name} +{c['lever']}" if c.get("lever") else name
 
 
-def run_cell(backend: Backend, ids: list[list[int]], conc: int, settings: GenSettings, speculative: bool,
-             warmup: bool) -> tuple[list[list[Round]], float]:
-    """All jobs of one cell in waves of `conc`; the wall time excludes the optional warm-up wave."""
-    if warmup:
-        run_jobs(backend, ids[:conc], GenSettings(**{**vars(settings), "max_new_tokens": min(8, settings.max_new_tokens)}), speculative)
-    rounds: list[list[Round]] = []
-    secs = 0.0
-    for k in range(0, len(ids), conc):
-        r, s = run_jobs(backend, ids[k:k + conc], settings, speculative)
-        rounds += r
-        secs += s
-    return rounds, secs
-
-
-def cell_stats(rounds: list[list[Round]], secs: float) -> dict:
-    flat = [r for job in rounds for r in job]
-    s = summarize(flat, secs)
-    decode = [r for r in flat if not r.prefill]
-    return {
-        "tokens": s.tokens, "seconds": secs, "tok_s": s.tok_s, "tau": s.tau, "rounds": len(decode),
-        "accept_per_position": s.accept_per_position, "tau_histogram": s.tau_histogram,
-        "round_ms": sum(r.t_draft_ms + r.t_verify_ms for r in decode) / len(decode) if decode else 0.0,
-        "draft_ms": sum(r.t_draft_ms for r in decode) / len(decode) if decode else 0.0,
-    }
-
-
-def job_list(ids: list[list[int]], conc: int) -> list[list[int]]:
-    """At least `conc` jobs and at least one per prompt, a whole number of waves, prompts cycled."""
-    n = max(conc, len(ids))
-    n = -(-n // conc) * conc
-    return [ids[j % len(ids)] for j in range(n)]
-
-
-def best_per_concurrency(ar_cells: list[dict], cells: list[dict]) -> list[dict]:
-    """For each concurrency, the measured setting with the most tok/s: a block size, or plain AR when speculation loses."""
-    out = []
-    for a in ar_cells:
-        c = a["concurrency"]
-        spec = max((x for x in cells if x["concurrency"] == c), key=lambda x: x["tok_s"], default=None)
-        if spec is not None and spec["tok_s"] > a["tok_s"]:
-            out.append({"concurrency": c, "block_size": spec["block_size"], "speedup": spec["speedup"]})
-        else:
-            out.append({"concurrency": c, "block_size": None, "speedup": 1.0})   # AR is at least as fast
-    return out
+def span(c: dict, key: str, fmt: str = "{:.1f}") -> str:
+    """median [min-max] of a repeated measurement."""
+    sp = c.get("spread", {}).get(key) or {}
+    med = c.get(key) if key in c else sp.get("median")
+    if med is None:
+        return "-"
+    if sp.get("n", 1) > 1:
+        return f"{fmt.format(med)} [{fmt.format(sp['min'])}-{fmt.format(sp['max'])}]"
+    return fmt.format(med)
 
 
 def print_table(result: dict, file=None) -> None:
     file = file or sys.stdout
     ar = {c["concurrency"]: c for c in result["ar"]}
-    print(f"{result['backend']} | {result['target']} + {result['draft']}", file=file)
-    head = f"{'B':>3} {'conc':>5} {'tau':>6} {'spec tok/s':>11} {'AR tok/s':>10} {'speedup':>8} {'lossless':>9}  accept per position"
-    print(head, file=file)
+    timing = result.get("timing_only")
+    reps = result.get("reps", 1)
+    print(f"{result['backend']} | {result['target']} + {result['draft']} | {reps} repetition(s), median [min-max]"
+          + (" | timing only (synthetic weights: no tau, no losslessness)" if timing else ""), file=file)
+    print(f"{'B':>4} {'conc':>5} {'tau':>6} {'spec tok/s':>11} {'AR tok/s':>10} {'speedup':>8} {'lossless':>9}  "
+          "t_round ms | t_AR ms | widths | accept per position", file=file)
     for c in result["cells"]:
         loss = "-" if c["lossless"] is None else f"{c['lossless']:.0%}"
+        tau = "-" if c["tau"] is None else f"{c['tau']:.2f}"
         acc = " ".join(f"{a:.2f}" for a in c["accept_per_position"])
-        print(f"{c['block_size']:>3} {c['concurrency']:>5} {c['tau']:>6.2f} {c['tok_s']:>11.1f} "
-              f"{ar[c['concurrency']]['tok_s']:>10.1f} {c['speedup']:>7.2f}x {loss:>9}  {acc}", file=file)
+        B = c["block_size"]
+        widths = ",".join(f"{w}:{n}" for w, n in c.get("width_histogram", {}).items()) if B == "auto" else ""
+        print(f"{B:>4} {c['concurrency']:>5} {tau:>6} {c['tok_s']:>11.1f} {ar[c['concurrency']]['tok_s']:>10.1f} "
+              f"{c['speedup']:>7.2f}x {loss:>9}  {span(c, 'round_ms', '{:.2f}')} | {span(c, 't_ar_ms', '{:.2f}')} | "
+              f"{widths} | {acc}" + (f"  [{c['lever']}]" if c.get("lever") else ""), file=file)
     picks = [f"c={b['concurrency']}: " + (f"B={b['block_size']} ({b['speedup']:.2f}x)" if b["block_size"] else "AR (speculation slower)")
-             for b in result.get("best", [])]
+             + (f" +{b['lever']}" if b.get("lever") else "") for b in result.get("best", [])]
     if picks:
         print("fastest measured per concurrency: " + ", ".join(picks), file=file)
+    print_projection(result.get("projection"), file)
+
+
+def print_projection(proj: dict | None, file) -> None:
+    if not proj:
+        return
+    print(f"projection ({proj['assumption']}):", file=file)
+    for r in proj["rows"]:
+        print(f"  {r['setting']:<12} c={r['concurrency']:<3} {r['name']} (tau {r['tau']:g}, B={r['block_size']}, alpha {r['alpha']:.3f}): "
+              f"defaults w={r['default_width']} {r['default_speedup']:.2f}x AR | policy w={r['policy_width']} "
+              f"{r['policy_speedup']:.2f}x AR | policy/defaults {r['policy_over_default']:.2f}x"
+              + (" (t_round at B-1 extrapolated)" if r["extrapolated"] else ""), file=file)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -109,24 +95,55 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    concs = [c["concurrency"] for c in result["ar"]]
-    a.plot(concs, [c["tok_s"] for c in result["ar"]], "k--o", label="AR")
-    for B in result["block_sizes"]:
-        cells = [c for c in result["cells"] if c["block_size"] == B]
-        a.plot([c["concurrency"] for c in cells], [c["tok_s"] for c in cells], "-o", label=f"DFlash B={B}")
-        first = cells[0]
-        b.plot(range(1, len(first["accept_per_position"]) + 1), first["accept_per_position"], "-o",
-               label=f"B={B} (conc {first['concurrency']}, tau {first['tau']:.2f})")
+    timing = result.get("timing_only")
+    key = "round_ms" if timing else "tok_s"
+    groups: dict[str, list[dict]] = {"AR": result["ar"]}
+    for c in result["cells"]:
+        groups.setdefault(setting_name(c), []).append(c)
+    for name, cells in groups.items():
+        xs = [c["concurrency"] for c in cells]
+        sp = [c.get("spread", {}).get(key) or {} for c in cells]
+        ys = [c[key] for c in cells]
+        lo = [y - (s.get("min") if s.get("min") is not None else y) for y, s in zip(ys, sp)]
+        hi = [(s.get("max") if s.get("max") is not None else y) - y for y, s in zip(ys, sp)]
+        a.errorbar(xs, ys, yerr=[lo, hi], fmt="k--o" if name == "AR" else "-o", capsize=3, label=name)
+    for c in result["cells"]:
+        if not timing and c["accept_per_position"] and not c.get("lever") and c is next(
+                x for x in result["cells"] if x["block_size"] == c["block_size"] and not x.get("lever")):
+            b.plot(range(1, len(c["accept_per_position"]) + 1), c["accept_per_position"], "-o",
+                   label=f"{setting_name(c)} (conc {c['concurrency']}, tau {c['tau']:.2f})")
+    for r in (result.get("projection") or {}).get("rows", []):
+        if r["setting"] == "stock":
+            b.bar(f"c={r['concurrency']}\n{r['name']}", r["policy_speedup"], alpha=0.5, color="tab:green")
+            b.plot([f"c={r['concurrency']}\n{r['name']}"], [r["default_speedup"]], "kx")
     a.set_xscale("log", base=2)
-    a.set(xlabel="concurrent jobs", ylabel="tokens / s (all jobs)", title="throughput")
-    b.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.05), title="per-position acceptance")
+    a.set(xlabel="concurrent jobs", ylabel="ms per round" if timing else "tokens / s (all jobs)",
+          title=("round cost" if timing else "throughput") + f" (median, min-max of {result.get('reps', 1)})")
+    b.set(title="per-position acceptance" if not timing else "projected speedup: policy (bar), defaults (x)")
     for ax in (a, b):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(f"{result['backend']}: {Path(result['target']).name} + {Path(result['draft']).name}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def check_inputs(block_sizes, concurrency, limit, reps) -> list:
+    try:
+        blocks = [GenSettings.parse_block(b) for b in block_sizes]
+    except ValueError:
+        blocks = []
+    if not blocks or None in blocks:
+        raise ToolkitError(f"--block-sizes must be auto or integers >= 2, got {list(block_sizes)}")
+    if not concurrency or any(c < 1 for c in concurrency):
+        raise ToolkitError(f"--concurrency must be integers >= 1, got {list(concurrency)}")
+    if limit is not None and limit < 1:
+        raise ToolkitError(f"--limit must be >= 1, got {limit}")
+    if reps < 1:
+        raise ToolkitError(f"--reps must be >= 1, got {reps}")
+    return blocks
 
 
 def bench(
@@ -134,7 +151,7 @@ def bench(
     draft: str | None = None,
     backend: str = "torch",
     prompts: str | None = None,
-    block_sizes: list[int] = (8, 16),
+    block_sizes: list = ("auto", 8, 16),
     concurrency: list[int] = (1, 4, 16, 32),
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -146,6 +163,10 @@ def bench(
     warmup: bool = True,
     raw: bool = False,
     quiet: bool = False,
+    reps: int = 1,
+    levers: list[str] = (),
+    project_tau: list[str] = (),
+    timing_only: bool | None = None,
 ) -> dict:
     """Run the grid; returns the bench.json dict (also written, with bench.png, into `out`)."""
     if target is None and draft is None:
@@ -154,31 +175,33 @@ def bench(
         target, draft = (str(p) for p in tiny_pair())
     if target is None or draft is None:
         raise ToolkitError("--target and --draft go together (the benchmark compares a drafter against AR)")
-    if not block_sizes or any(b < 2 for b in block_sizes):
-        raise ToolkitError(f"--block-sizes must be integers >= 2, got {list(block_sizes)}")
-    if not concurrency or any(c < 1 for c in concurrency):
-        raise ToolkitError(f"--concurrency must be integers >= 1, got {list(concurrency)}")
-    if limit is not None and limit < 1:
-        raise ToolkitError(f"--limit must be >= 1, got {limit}")
+    blocks = check_inputs(block_sizes, concurrency, limit, reps)
+    lever_opts = [parse_lever(x) for x in levers]
+    if lever_opts and backend != "exllamav3":
+        raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
+    taus = parse_taus(project_tau)
     try:
         settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
+    synthetic = is_synthetic(target, draft)
+    timing_only = synthetic if timing_only is None else timing_only
     items = load_prompts(prompts)
     if limit:                                  # round-robin over categories so a short run still mixes them
         cats = sorted({p.category for p in items}, key=[p.category for p in items].index)
         order = [p for k in range(len(items)) for c in cats for p in [q for q in items if q.category == c][k:k + 1]]
         items = order[:limit]
     concs = sorted(set(concurrency))
-    per_job = -(-(PROMPT_BUDGET + max_new_tokens + max(block_sizes) + 1) // 256) * 256
+    per_job = -(-(PROMPT_BUDGET + max_new_tokens + 17) // 256) * 256
     cache_tokens = cache_tokens or max(concs) * per_job
     be = load_backend(backend, target, draft, device=device or "cpu", cache_tokens=cache_tokens, max_concurrency=max(concs))
     try:
         if be.block_size < 2:
             raise ToolkitError(f"{draft}: no drafter loaded, nothing to compare with AR")
-        blocks = cut_blocks(block_sizes, be.block_size)
+        blocks = cut_blocks(blocks, be.block_size, timing_only)
         ids = [be.raw_encode(p.text) if raw else be.encode(p.text) for p in items]
-        ar_cells, cells = run_grid(be, ids, settings, blocks, concs, warmup, quiet)
+        cells = grid_cells(blocks, concs, lever_opts)
+        ar_cells, spec_cells = run_grid(be, ids, settings, cells, reps, warmup, timing_only, quiet)
     finally:
         be.close()
     result = {
@@ -186,9 +209,13 @@ def bench(
         "device": device_name(backend, device), "prompts": prompts or "builtin", "num_prompts": len(items),
         "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
-        "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": cells,
-        "best": best_per_concurrency(ar_cells, cells),
+        "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": spec_cells,
+        "best": best_per_concurrency(ar_cells, spec_cells), "reps": reps, "levers": [label for label, _ in lever_opts],
+        "timing_only": timing_only, "synthetic": synthetic,
     }
+    if taus:
+        result["projection"] = {"assumption": ASSUMPTION, "taus": [{"name": n, "tau": t, "block_size": B} for n, t, B in taus],
+                                "rows": project_cells(ar_cells, spec_cells, taus)}
     write_outputs(result, Path(out))
     if not quiet:
         print_table(result)
@@ -196,40 +223,28 @@ def bench(
     return result
 
 
-def cut_blocks(block_sizes: list[int], native: int) -> list[int]:
-    """The asked block sizes cut to the drafter's own, without repeats (a note for each one cut)."""
-    blocks: list[int] = []
+def grid_cells(blocks: list, concs: list[int], levers: list) -> list[Cell]:
+    """AR per concurrency, then every setting per concurrency, then the same settings with each lever."""
+    cells = [Cell(None, c) for c in concs] + [Cell(B, c) for B in blocks for c in concs]
+    return cells + [Cell(B, c, label, opts) for label, opts in levers for B in blocks for c in concs]
+
+
+def cut_blocks(block_sizes: list, native: int, timing_only: bool = False) -> list:
+    """The asked block sizes cut to the drafter's own, without repeats (a note for each one cut); "auto" is kept
+    unless only costs are measured (the policy's widths follow acceptance)."""
+    blocks: list = []
     for B in block_sizes:
-        eff = min(B, native)
+        if B == "auto" and timing_only:
+            print("note: auto is left out of a timing-only run (its widths follow acceptance, meaningless here)", file=sys.stderr)
+            continue
+        eff = B if B == "auto" else min(B, native)
         if eff != B:
             print(f"note: block size {B} is cut to the drafter's {native}", file=sys.stderr)
         if eff not in blocks:
             blocks.append(eff)
+    if not blocks:
+        raise ToolkitError("nothing to measure: give --block-sizes with at least one integer for a timing-only run")
     return blocks
-
-
-def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, blocks: list[int], concs: list[int], warmup: bool,
-             quiet: bool) -> tuple[list[dict], list[dict]]:
-    """AR once per concurrency, then every block size on the same jobs: (AR cells, speculative cells checked against AR)."""
-    ar_cells, cells = [], []
-    grid = [(None, c) for c in concs] + [(B, c) for B in blocks for c in concs]
-    ar_tokens: dict[int, list[list[int]]] = {}
-    for B, c in tqdm(grid, desc="bench", disable=quiet, file=sys.stderr):
-        jobs = job_list(ids, c)
-        st = GenSettings(**{**vars(settings), "block_size": B})
-        rounds, secs = run_cell(be, jobs, c, st, speculative=B is not None, warmup=warmup)
-        stats = {"concurrency": c, "jobs": len(jobs), **cell_stats(rounds, secs)}
-        toks = [tokens_of(r) for r in rounds]
-        if B is None:
-            ar_tokens[c] = toks
-            ar_cells.append(stats)
-            continue
-        ar = next(a for a in ar_cells if a["concurrency"] == c)
-        same = [t == a for t, a in zip(toks, ar_tokens[c])]
-        stats.update(block_size=B, ar_tok_s=ar["tok_s"], speedup=stats["tok_s"] / ar["tok_s"] if ar["tok_s"] else 0.0,
-                     lossless=(sum(same) / len(same)) if settings.temperature == 0 else None)
-        cells.append(stats)
-    return ar_cells, cells
 
 
 def device_name(backend: str, device: str | None) -> str:
@@ -254,6 +269,10 @@ def write_outputs(result: dict, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def block_arg(text: str):
+    return text if text.strip().lower() == "auto" else int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m toolkit.bench", description=__doc__.split("\n\n")[0],
                                  epilog="Example (CPU, tiny pair): python -m toolkit.bench --concurrency 1 4 --max-new-tokens 32")
@@ -261,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft", help="DFlash drafter folder (default: the shipped tiny pair)")
     ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"])
     ap.add_argument("--prompts", help="prompt file: JSON lines with \"prompt\" (and \"category\"), or one prompt a line (default: built-in chat/code/math set)")
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16], help="verify widths B (default 8 16); cut to the drafter's own")
+    ap.add_argument("--block-sizes", type=block_arg, nargs="+", default=["auto", 8, 16],
+                    help="settings: auto (the drafting policy) and/or fixed verify widths B (default auto 8 16); B is cut to the drafter's own")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32], help="concurrent jobs (default 1 4 16 32)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; also reports losslessness)")
@@ -269,10 +289,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, help="use only the first N prompts (mixed across categories)")
     ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png (default bench-out)")
     ap.add_argument("--device", help="torch device for the torch backend (default cpu)")
-    ap.add_argument("--cache-tokens", type=int, help=f"exllamav3 cache size (default: max concurrency x ({PROMPT_BUDGET} + new tokens + B), in pages of 256)")
+    ap.add_argument("--cache-tokens", type=int, help=f"exllamav3 cache size (default: max concurrency x ({PROMPT_BUDGET} + new tokens + 17), in pages of 256)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up wave before each cell")
     ap.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
     ap.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)")
+    ap.add_argument("--levers", nargs="+", default=[], metavar="NAME[=VALUE]",
+                    help="exllamav3 levers as extra cells against stock settings: " + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()))
+    ap.add_argument("--project-tau", nargs="+", default=[], metavar="published|TAU@B",
+                    help="project the speedup at these tau from the measured costs: published (Qwen3.6-35B-A3B DF-16 7.63, DF-8 5.74) or e.g. 7.63@16")
+    ap.add_argument("--timing-only", action="store_true", default=None,
+                    help="record costs only, no tau or losslessness (implied for synthetic checkpoints)")
     bench(**vars(ap.parse_args(argv)))
 
 

@@ -4,21 +4,41 @@ Decoding runs exllamav3's own Generator (paged cache, batched jobs, DFlash verif
 each round come from the capture in exl3_hook. The AR baseline is a Generator over the same target and the
 same cache with no drafter. exllamav3 is imported only when a backend is built, so this module imports on
 any machine.
+
+The drafting policy (block_size "auto", the default; runtime/policy.py, exl3_policy.py) maps onto exllamav3's
+knobs as follows:
+- the verify width per round is ours: before each iterate() the recording Generator's `num_draft_tokens` is set
+  to the width the policy picks for the current number of jobs (one width for all jobs: exllamav3 verifies a
+  rectangle); 0 makes that iterate a plain decode step without a drafter call. The drafter's block is always
+  computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. No Generator is rebuilt between
+  widths, fixed or auto: one speculative Generator (built for B-1) serves every width, and one without drafter
+  is the AR baseline.
+- t_round(w, c) is measured on the loaded model at first use of each concurrency c (exl3_policy.calibrate),
+  cached per model pair, GPU and options; between calibrated concurrencies the nearest one is used.
+- `draft_max_rows` (exllamav3's static row ceiling) is what our per-c cost table subsumes; it stays a lever.
+- `dynamic_draft_tokens` (+ `draft_confidence`) is exllamav3's own confidence-based truncation: an alternative
+  to our policy to compare against; with it on, "auto" offers B-1 each round and exllamav3 cuts it.
+- `sparse_draft_head`, `hybrid_draft_tokens` and our `chunked_verify` change what a round costs or drafts, not
+  the width; see exl3_options.Exl3Options for each.
+Every lever is off by default until the benchmark shows it pays (python -m toolkit.bench --levers ...).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo, read_optional
 from .backend import Backend, GenSettings
 from .events import Round
 from .exl3_hook import JobTrack, build_round, check_version, exllamav3_version, recording_generator_class
+from .exl3_options import Exl3Options, set_chunked_verify
+from .exl3_policy import PAGE, BatchPolicy, calibrate
+from .policy import CostTable, cached_costs, cost_key, device_name
 
-PAGE = 256            # exllamav3's cache page size
 GIB = 1024**3
 MIN_CAPABILITY = (8, 0)
 
@@ -93,20 +113,29 @@ class Exl3Backend(Backend):
     """Backend over exllamav3 models; `generate_many` runs several jobs in one generator."""
 
     name = "exllamav3"
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, exl, model, cache, tokenizer, hf_tokenizer, draft=None, draft_cache=None,
-                 native_block: int = 1, max_context: int = 0, eos_ids: tuple[int, ...] = (), max_concurrency: int = 32):
+                 native_block: int = 1, max_context: int = 0, eos_ids: tuple[int, ...] = (), max_concurrency: int = 32,
+                 *, options: Exl3Options | None = None, folders: Sequence[str | Path] = (), vocab_size: int = 32000,
+                 device: str = "cuda", moe_class: type | None = None, cost_cache: str | Path | None = None):
         self.exl, self.model, self.cache, self.tokenizer_exl = exl, model, cache, tokenizer
         self.tokenizer, self.draft, self.draft_cache = hf_tokenizer, draft, draft_cache
         self.block_size, self.max_context, self.eos_ids = native_block, max_context, eos_ids
         self.max_concurrency = max_concurrency
         self.cache_tokens = cache.max_num_tokens
+        self.folders, self.vocab_size, self.device = tuple(folders), vocab_size, device
+        self.cost_cache, self._moe_class = cost_cache, moe_class
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
+        self.options = Exl3Options()
+        self.costs: dict[str, dict[int, dict[int, float]]] = {}   # options tag -> {c: {w: ms}}
+        self.policies: dict[tuple[bool, str], BatchPolicy] = {}    # (greedy, options tag) -> its policy
+        self.set_options(options or Exl3Options())
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
-                  cache_tokens: int = 32768, max_concurrency: int = 32) -> "Exl3Backend":
+                  cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None) -> "Exl3Backend":
         """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU."""
         from ..dflash import DFlashConfig
 
@@ -149,8 +178,10 @@ class Exl3Backend(Backend):
             raise
         from .torch_backend import load_hf_tokenizer
 
+        folders = (target, draft) if draft is not None else (target,)
         return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,
-                   info.eos_ids, max_concurrency)
+                   info.eos_ids, max_concurrency, options=options, folders=folders,
+                   vocab_size=int(info.text.get("vocab_size") or 32000))
 
     def close(self) -> None:
         """Retire the generator and unload both models (the GPU memory comes back)."""
@@ -161,21 +192,88 @@ class Exl3Backend(Backend):
             if m is not None:
                 m.unload()
 
+    def set_options(self, options: Exl3Options) -> None:
+        """Use these generator options from the next generate on (the Generator is rebuilt; chunked_verify is
+        installed on or removed from the target's MoE layers)."""
+        if options.chunked_verify or self.options.chunked_verify:
+            set_chunked_verify(self.model, self.moe_class(), options.chunked_verify)
+        if options != self.options and self._gen is not None:
+            self._gen.close()
+            self._gen = None
+        self.options = options
+
+    def moe_class(self) -> type:
+        if self._moe_class is None:
+            from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+            self._moe_class = BlockSparseMLP
+        return self._moe_class
+
+    def sync(self) -> None:
+        """Wait for the GPU (round timing)."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
     def generator(self, width: int, hooked: bool = True):
-        """The one Generator that owns the cache, rebuilt when the draft width or the hook changes."""
-        key = (width, hooked)
+        """The one Generator that owns the cache, verifying `width` drafts per iterate (0 = plain AR, no drafter).
+
+        The hooked (recording) speculative Generator is built once for B-1 and takes any width per round
+        (`set_width`); exllamav3's own Generator (hooked=False) is built for exactly `width`. A Generator is
+        rebuilt only when AR/speculative, the hook, or the options change."""
+        spec = width > 0 and self.draft is not None
+        key = (spec, hooked, self.options, width if spec and not hooked else None)
         g = self._gen
-        if g is not None and self._gen_key == key and getattr(self.cache, "owner_serial", None) == g.cache_owner_serial:
-            return g
-        if g is not None:
-            g.close()
-        cls = self._recording if hooked else self.exl.Generator
-        kw = {}
-        if width:
-            kw = dict(draft_model=self.draft, draft_cache=self.draft_cache, num_draft_tokens=width, record_draft_stats=hooked)
-        self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
-        self._gen_key = key
-        return self._gen
+        if g is None or self._gen_key != key or getattr(self.cache, "owner_serial", None) != g.cache_owner_serial:
+            if g is not None:
+                g.close()
+            cls = self._recording if hooked else self.exl.Generator
+            kw = {}
+            if spec:
+                kw = dict(draft_model=self.draft, draft_cache=self.draft_cache, record_draft_stats=hooked,
+                          num_draft_tokens=self.block_size - 1 if hooked else width, **self.options.generator_kwargs())
+            g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
+            self._gen_key = key
+        if spec and hooked:
+            g.set_width(width)
+        return g
+
+    # -- the policy --------------------------------------------------------------------------------------
+
+    def cost_file_key(self, concurrency: int) -> str:
+        """Cost cache key: model folders, GPU, block, options and concurrency."""
+        tag = hashlib.sha256(self.options.tag.encode()).hexdigest()[:8]
+        return f"{cost_key(self.folders, self.device, 'exl3', self.block_size)}-c{concurrency}-{tag}"
+
+    def cost_table(self, concurrency: int) -> CostTable:
+        """t_round(w, c) for every concurrency measured so far with these options, timing `concurrency` first
+        if it is new (a short calibration on dummy jobs, cached on disk)."""
+        tag = self.options.tag
+        table = self.costs.setdefault(tag, {})
+        if concurrency not in table:
+            measure = lambda: CostTable({concurrency: calibrate(self, concurrency)}, device_name(self.device))  # noqa: E731
+            got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache)
+            table[concurrency] = got.ms.get(concurrency) or next(iter(got.ms.values()))
+        return CostTable(table, device_name(self.device))
+
+    def policy(self, settings: GenSettings, concurrency: int) -> BatchPolicy:
+        """The policy of this pair, options and sampling mode (greedy or not), its costs covering `concurrency`."""
+        table = self.cost_table(concurrency)
+        key = (settings.temperature <= 0, self.options.tag)
+        pol = self.policies.get(key)
+        if pol is None:
+            pol = self.policies[key] = BatchPolicy(self.block_size, table, concurrency=concurrency)
+        pol.costs, pol.concurrency = table, None          # set_concurrency again on the next round
+        return pol
+
+    def plan(self, settings: GenSettings, speculative: bool) -> int | None:
+        """The fixed verify width of a run (0 = AR), or None when the policy picks it per round."""
+        if not speculative or self.block_size < 2 or self.draft is None:
+            return 0
+        if settings.auto and not self.options.dynamic_draft_tokens:
+            return None
+        return settings.fixed_block(self.block_size) - 1
 
     def _jobs(self, prompts: list[list[int]], settings: GenSettings) -> list:
         import torch
@@ -198,31 +296,53 @@ class Exl3Backend(Backend):
 
     def generate_many(self, prompts: list[list[int]], settings: GenSettings, speculative: bool = True) -> Iterator[tuple[int, Round]]:
         """Decode several prompts as concurrent jobs of one generator; yields (prompt index, Round) as rounds finish."""
-        gen = self.generator(self.draft_width(settings, speculative))
-        jobs = self._jobs(prompts, settings)
+        width = self.plan(settings, speculative)
+        jobs = self._jobs(prompts, settings)                     # every prompt is checked before any calibration
+        policy = self.policy(settings, len(prompts)) if width is None else None
+        return self.decode_many(prompts, jobs, width or 0, policy)
+
+    def decode_many(self, prompts: list[list[int]], jobs: list, width: int, policy: BatchPolicy | None = None
+                    ) -> Iterator[tuple[int, Round]]:
+        """Run exllamav3 jobs to the end: `width` drafts every round, or the policy's width for each round."""
+        B = self.block_size
+        gen = self.generator(B - 1 if policy is not None else width)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
+        if policy is not None:
+            for i, p in enumerate(prompts):
+                policy.begin_job(i, p[-1])
         gen.enqueue(jobs)
         try:
             while gen.num_remaining_jobs():
-                t0 = time.perf_counter()
+                if policy is not None:
+                    policy.use_concurrency(gen.num_remaining_jobs())
+                    gen.set_width(policy.width(), B - 1)
+                t0 = self.clock()
                 results = gen.iterate()
-                t_round = (time.perf_counter() - t0) * 1000.0
+                t_round = (self.clock() - t0) * 1000.0
                 for r in results:
                     if r.get("stage") == "error":
                         raise RuntimeError(f"exllamav3 job failed: {r.get('error')!r}")
-                done = []
+                done, seen = [], []
                 for job, tr in zip(jobs, tracks):
                     ids = job.sequences[0].sequence_ids
                     if len(ids) == tr.seen:
                         continue
                     new = ids.torch_slice(tr.seen, len(ids)).reshape(-1).tolist()
-                    rnd = build_round(tr, new, job.draft_stats, gen.drafted.get(id(job)), gen.t_draft_ms, t_round)
+                    proposal = gen.proposals.get(id(job), ())
+                    rnd = build_round(tr, new, job.draft_stats, gen.drafted.get(id(job)), gen.t_draft_ms, t_round,
+                                      len(proposal))
                     if rnd is not None:
                         done.append((tr.index, rnd))
+                        seen.append((tr.index, proposal if rnd.drafted else (), rnd))
+                if policy is not None:
+                    policy.observe_round(seen)
                 yield from done
         finally:
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages
                 gen.clear_queue()
+            if policy is not None:
+                for i in range(len(prompts)):
+                    policy.end_job(i)
 
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         for _, r in self.generate_many([list(prompt_ids)], settings, speculative):

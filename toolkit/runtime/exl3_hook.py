@@ -6,6 +6,14 @@ that the next round overwrites. The smallest capture point is the return value o
 `Generator.iterate_draftmodel_dflash_gen`: a host tensor [rows, window] whose rows are the prefilled active
 jobs in `active_jobs` order (the same order `iterate_gen` verifies them in). A subclass copies it and the
 drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`.
+
+The same subclass sets the verify width per round, which is how the drafting policy runs on exllamav3 without
+rebuilding the Generator: each `iterate()` drafts `row_limited(num_draft_tokens)` ids (0 = a plain decode step
+with no drafter call; the drafter's K/V still follows the target's taps), so `set_width(w)` before a round
+chooses it. The DFlash drafter always runs its whole block whatever the window, so with `full` set the hook asks
+exllamav3 for the full B-1 columns, keeps all of them as the round's proposal (hindsight acceptance needs every
+position) and hands back only the first w for verification. A hybrid (suffix-match) round replaces the drafted
+window; `iterate_hybrid_gen`'s result is then what was verified.
 """
 
 from __future__ import annotations
@@ -45,30 +53,53 @@ def check_version(version: str | None) -> None:
 
 
 def recording_generator_class(generator_cls: type) -> type:
-    """A Generator subclass that keeps each round's drafted ids per job (keyed by id(job)) and the drafting time."""
+    """A Generator subclass with a per-round verify width (`set_width`) that keeps each round's verified ids and
+    full proposal per job (keyed by id(job)) and the drafting time."""
     if not callable(getattr(generator_cls, HOOKED, None)):
         raise ToolkitError(f"exllamav3 Generator has no {HOOKED}(): this exllamav3 is not {PINNED_VERSION}")
 
     class RecordingGenerator(generator_cls):
-        drafted: dict = {}
+        drafted: dict = {}                # id(job) -> the ids verified this round
+        proposals: dict = {}              # id(job) -> every id the drafter proposed this round
+        full_window: int | None = None    # with a policy: columns to take from the drafter (B-1)
         t_draft_ms: float = 0.0
         capture_s: float = 0.0            # time spent in the capture itself this round (outside exllamav3's code)
 
+        def set_width(self, width: int, full: int | None = None) -> None:
+            """Verify `width` drafts per job from the next iterate() on (0 = AR); keep `full` proposed ids."""
+            self.num_draft_tokens, self.full_window = width, full
+
         def iterate(self):
-            self.drafted, self.t_draft_ms, self.capture_s = {}, 0.0, 0.0
+            self.drafted, self.proposals, self.t_draft_ms, self.capture_s = {}, {}, 0.0, 0.0
             return super().iterate()
 
         def iterate_draftmodel_dflash_gen(self, results, window):
+            # exllamav3's dynamic truncation reads the window it is given: leave it alone then
+            full = window if getattr(self, "dynamic_draft", False) else max(self.full_window or 0, window)
             t0 = time.perf_counter()
-            ids = super().iterate_draftmodel_dflash_gen(results, window)   # host tensor, filled synchronously
+            ids = super().iterate_draftmodel_dflash_gen(results, full)   # host tensor, filled synchronously
             t1 = time.perf_counter()
             self.t_draft_ms = (t1 - t0) * 1000.0
             if ids is not None:
                 rows = [job for job in self.active_jobs if job.is_prefill_done()]
-                block = ids[: len(rows)].tolist()
-                self.drafted = {id(job): tuple(r) for job, r in zip(rows, block)}
+                conf = getattr(self, "_draft_conf_round", None)          # dynamic: exllamav3 keeps the whole block
+                block = (conf["ids"] if conf else ids)[: len(rows)].tolist()
+                width = min(window, ids.shape[-1])
+                self.proposals = {id(job): tuple(r) for job, r in zip(rows, block)}
+                self.drafted = {id(job): tuple(r[:width]) for job, r in zip(rows, block)}
+                ids = ids[:, :width]
             self.capture_s = time.perf_counter() - t1
             return ids
+
+    if callable(getattr(generator_cls, "iterate_hybrid_gen", None)):
+        def iterate_hybrid_gen(self, draft_tokens, H):
+            out = super(RecordingGenerator, self).iterate_hybrid_gen(draft_tokens, H)
+            if out is not None and out is not draft_tokens:            # a long suffix-match draft is verified
+                rows = [job for job in self.active_jobs if job.is_prefill_done()]
+                self.drafted = {id(job): tuple(r) for job, r in zip(rows, out[: len(rows)].tolist())}
+            return out
+
+        RecordingGenerator.iterate_hybrid_gen = iterate_hybrid_gen
 
     RecordingGenerator.__name__ = RecordingGenerator.__qualname__ = "RecordingGenerator"
     return RecordingGenerator
@@ -95,8 +126,13 @@ def build_round(
     drafted: tuple[int, ...] | None,
     t_draft_ms: float,
     t_round_ms: float,
+    proposed: int | None = None,
 ) -> Round | None:
     """The Round a job made in one iterate(), from the ids it appended and its draft_stats; None if it emitted nothing.
+
+    `drafted` is what the job verified this round (its window w may change from round to round; a round without
+    a verification record is an AR round, also inside a speculative run); `proposed` how many ids the drafter
+    proposed (B-1 under a policy; default: the verified window).
 
     The first round of a job is marked prefill: exllamav3 ingests the prompt in that iterate() and, with a
     drafter, already verifies a drafted block there (so unlike the torch loop it may carry drafted ids).
@@ -118,7 +154,8 @@ def build_round(
                 f"job {track.index}: round capture out of step (accepted {accepted}, emitted {len(new)} tokens, "
                 f"drafted {list(block[:accepted + 1])} vs emitted {new})"
             )
-        r = Round(block, accepted, new[-1], t_draft_ms, max(t_round_ms - t_draft_ms, 0.0), prefill)
+        r = Round(block, accepted, new[-1], t_draft_ms, max(t_round_ms - t_draft_ms, 0.0), prefill,
+                  max(proposed or 0, len(block)))
     else:
         if len(new) != 1:
             raise RuntimeError(f"job {track.index}: {len(new)} tokens emitted in a round without a verified draft")

@@ -15,11 +15,12 @@ BACKENDS = ("torch", "exllamav3")
 
 
 def load_backend(name: str, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu", dtype=None,
-                 cache_tokens: int = 32768, max_concurrency: int = 32) -> Backend:
+                 cache_tokens: int = 32768, max_concurrency: int = 32, options=None) -> Backend:
     """The named backend over a target folder and an optional DFlash drafter folder.
 
     torch takes `device` and `dtype` (a torch.dtype; None = float32); exllamav3 runs on the GPU and takes
-    `cache_tokens` (its paged cache, a multiple of 256) and `max_concurrency` (jobs decoded together).
+    `cache_tokens` (its paged cache, a multiple of 256), `max_concurrency` (jobs decoded together) and `options`
+    (runtime.exl3_options.Exl3Options: its generator levers; None = all off).
     """
     if name not in BACKENDS:
         raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -29,9 +30,12 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
     if name == "torch":
         import torch
 
+        if options is not None and options.tag != "stock":
+            raise ToolkitError(f"exllamav3 generator options ({options.tag}) need --backend exllamav3")
+
         from .torch_backend import TorchBackend
 
         return TorchBackend.from_dirs(target, draft, device=device, dtype=dtype or torch.float32)
     from .exl3_backend import Exl3Backend
 
-    return Exl3Backend.from_dirs(target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency)
+    return Exl3Backend.from_dirs(target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency, options=options)

@@ -1,0 +1,185 @@
+"""The benchmark's grid: cells (AR, a fixed block, "auto", each with optional exllamav3 levers) x concurrency,
+repeated rep by rep so that drift spreads over every cell, and the statistics and projections of the result.
+
+A cell is one setting at one concurrency c: all its jobs run in waves of c (one after another on a backend that
+does not batch). Each repetition runs every cell once, in the same order; a cell reports the median and spread
+of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, and
+tau / acceptance / losslessness pooled over them. `python -m toolkit.bench` prints and plots it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..core.target import read_optional
+from .backend import Backend, GenSettings
+from .events import Round, summarize, tokens_of
+from .exl3_options import Exl3Options
+from .policy import CostTable
+from .projection import project, spread
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One setting at one concurrency: block None = plain AR, "auto" = the policy, N = fixed block."""
+
+    block: int | str | None
+    concurrency: int
+    lever: str | None = None
+    options: Exl3Options | None = None
+
+    @property
+    def ar(self) -> bool:
+        return self.block is None
+
+
+def run_jobs(backend: Backend, prompts: list[list[int]], settings: GenSettings, speculative: bool) -> tuple[list[list[Round]], float]:
+    """Decode `prompts` as concurrent jobs (one after another on a backend that does not batch); (rounds per job, seconds)."""
+    rounds: list[list[Round]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    for i, r in backend.generate_many(prompts, settings, speculative=speculative):
+        rounds[i].append(r)
+    return rounds, time.perf_counter() - t0
+
+
+def run_cell(backend: Backend, ids: list[list[int]], conc: int, settings: GenSettings, speculative: bool,
+             warmup: bool) -> tuple[list[list[Round]], float]:
+    """All jobs of one cell in waves of `conc`; the wall time excludes the optional warm-up wave."""
+    if warmup:
+        run_jobs(backend, ids[:conc], GenSettings(**{**vars(settings), "max_new_tokens": min(8, settings.max_new_tokens)}), speculative)
+    rounds: list[list[Round]] = []
+    secs = 0.0
+    for k in range(0, len(ids), conc):
+        r, s = run_jobs(backend, ids[k:k + conc], settings, speculative)
+        rounds += r
+        secs += s
+    return rounds, secs
+
+
+def cell_stats(rounds: list[list[Round]], secs: float) -> dict:
+    flat = [r for job in rounds for r in job]
+    s = summarize(flat, secs)
+    decode = [r for r in flat if not r.prefill]
+    return {
+        "tokens": s.tokens, "seconds": secs, "tok_s": s.tok_s, "tau": s.tau, "rounds": len(decode),
+        "accept_per_position": s.accept_per_position, "tau_histogram": s.tau_histogram,
+        "round_ms": sum(r.t_draft_ms + r.t_verify_ms for r in decode) / len(decode) if decode else 0.0,
+        "draft_ms": sum(r.t_draft_ms for r in decode) / len(decode) if decode else 0.0,
+    }
+
+
+def job_list(ids: list[list[int]], conc: int) -> list[list[int]]:
+    """At least `conc` jobs and at least one per prompt, a whole number of waves, prompts cycled."""
+    n = max(conc, len(ids))
+    n = -(-n // conc) * conc
+    return [ids[j % len(ids)] for j in range(n)]
+
+
+def is_synthetic(*folders) -> bool:
+    """Whether a checkpoint was written by toolkit.synth (random weights: acceptance means nothing)."""
+    for f in folders:
+        if f is not None and ((read_optional(Path(f) / "config.json").get("quantization_config") or {}).get("synthetic")):
+            return True
+    return False
+
+
+def use_options(be: Backend, options: Exl3Options | None) -> None:
+    """Switch an exllamav3 backend's generator options (stock when None); other backends take none."""
+    from .exl3_backend import Exl3Backend
+
+    if isinstance(be, Exl3Backend):
+        be.set_options(options or Exl3Options())
+
+
+def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: list[Cell], reps: int = 1,
+             warmup: bool = True, timing_only: bool = False, quiet: bool = True) -> tuple[list[dict], list[dict]]:
+    """Every cell once per repetition, repetition after repetition: (AR cells, other cells checked against AR)."""
+    runs: dict[Cell, list[tuple[list[list[Round]], float]]] = {c: [] for c in cells}
+    bar = tqdm(total=reps * len(cells), desc="bench", disable=quiet, file=sys.stderr)
+    for _ in range(reps):
+        for cell in cells:
+            use_options(be, cell.options)
+            st = GenSettings(**{**vars(settings), "block_size": cell.block})
+            runs[cell].append(run_cell(be, job_list(ids, cell.concurrency), cell.concurrency, st,
+                                       speculative=not cell.ar, warmup=warmup))
+            bar.update()
+    bar.close()
+    use_options(be, None)
+    ar = {c.concurrency: c for c in cells if c.ar}
+    ar_cells = {c: summarize_cell(c, runs[c], None, timing_only, settings.temperature) for c in ar.values()}
+    out = [summarize_cell(c, runs[c], (ar_cells[ar[c.concurrency]], runs[ar[c.concurrency]]), timing_only,
+                          settings.temperature) for c in cells if not c.ar]
+    return list(ar_cells.values()), out
+
+
+def summarize_cell(cell: Cell, runs: list, ar: tuple[dict, list] | None, timing_only: bool, temperature: float) -> dict:
+    """Median of the repetitions (tok/s, t_round), their spread, and tau / acceptance / losslessness pooled."""
+    per_rep = [cell_stats(rounds, secs) for rounds, secs in runs]
+    pooled = cell_stats([job for rounds, _ in runs for job in rounds], sum(s for _, s in runs))
+    mid = sorted(per_rep, key=lambda s: s["tok_s"])[len(per_rep) // 2]
+    stats = {"concurrency": cell.concurrency, "jobs": len(runs[0][0]), **mid, "reps": len(runs),
+             "tok_s": spread([s["tok_s"] for s in per_rep])["median"],
+             "round_ms": spread([s["round_ms"] for s in per_rep])["median"],
+             "tau": pooled["tau"], "accept_per_position": pooled["accept_per_position"], "tau_histogram": pooled["tau_histogram"],
+             "spread": {"tok_s": spread([s["tok_s"] for s in per_rep]), "round_ms": spread([s["round_ms"] for s in per_rep])}}
+    widths = Counter(len(r.drafted) for rounds, _ in runs for job in rounds for r in job if not r.prefill)
+    stats["width_histogram"] = {w: widths[w] for w in sorted(widths)}
+    if timing_only:
+        stats.update(tau=None, accept_per_position=[], tau_histogram={})
+    if ar is None:
+        return stats
+    a, ar_runs = ar
+    same = [tokens_of(t) == tokens_of(u) for (rs, _), (ars, _) in zip(runs, ar_runs) for t, u in zip(rs, ars)]
+    stats.update(block_size=cell.block, ar_tok_s=a["tok_s"], speedup=stats["tok_s"] / a["tok_s"] if a["tok_s"] else 0.0,
+                 lossless=(sum(same) / len(same)) if temperature == 0 and not timing_only else None,
+                 t_ar_ms=a["round_ms"])
+    stats["spread"]["t_ar_ms"] = a["spread"]["round_ms"]
+    if cell.lever:
+        stats.update(lever=cell.lever, options=cell.options.tag)
+    return stats
+
+
+def best_per_concurrency(ar_cells: list[dict], cells: list[dict]) -> list[dict]:
+    """For each concurrency, the measured setting with the most tok/s: a block size, or plain AR when speculation loses."""
+    out = []
+    for a in ar_cells:
+        c = a["concurrency"]
+        spec = max((x for x in cells if x["concurrency"] == c), key=lambda x: x["tok_s"], default=None)
+        if spec is not None and spec["tok_s"] > a["tok_s"]:
+            pick = {"concurrency": c, "block_size": spec["block_size"], "speedup": spec["speedup"]}
+            out.append({**pick, "lever": spec["lever"]} if spec.get("lever") else pick)
+        else:
+            out.append({"concurrency": c, "block_size": None, "speedup": 1.0})   # AR is at least as fast
+    return out
+
+
+def cost_tables(ar_cells: list[dict], cells: list[dict]) -> dict[str, CostTable]:
+    """Per setting group (stock or a lever): t_round(w, c) from the fixed-block cells, w = 0 at the measured t_AR."""
+    groups: dict[str, dict[int, dict[int, float]]] = {}
+    t_ar = {a["concurrency"]: a["round_ms"] for a in ar_cells}
+    for c in cells:
+        if not isinstance(c["block_size"], int) or not c["round_ms"]:
+            continue
+        pts = groups.setdefault(c.get("lever") or "stock", {}).setdefault(c["concurrency"], {0: t_ar[c["concurrency"]]})
+        pts[c["block_size"] - 1] = c["round_ms"]
+    return {g: CostTable({c: p for c, p in ms.items() if len(p) > 1}) for g, ms in groups.items()
+            if any(len(p) > 1 for p in ms.values())}
+
+
+def project_cells(ar_cells: list[dict], cells: list[dict], taus: list[tuple[str, float, int]]) -> list[dict]:
+    """The projected speedups (runtime/projection.project) per setting group, concurrency and tau; a tau whose
+    default width B-1 was not measured at that concurrency is left out."""
+    rows = []
+    for group, table in cost_tables(ar_cells, cells).items():
+        for c in sorted(table.ms):
+            for name, tau, B in taus:
+                if B - 1 not in table.ms[c]:
+                    continue
+                rows.append({"setting": group, "name": name, **project(table, c, tau, B)})
+    return rows
