@@ -145,6 +145,18 @@ class FakeGenerator:
         return []
 
 
+class FakeModel(list):
+    """A model: its modules (iterated by the chunked_verify install), and unload()."""
+
+    unloaded = False
+
+    def __bool__(self):
+        return True
+
+    def unload(self):
+        self.unloaded = True
+
+
 class FakeTokenizer:
     chat_template = None
 
@@ -173,6 +185,6 @@ def make_backend(monkeypatch, tmp_path, model=None, moe_class=None, cache_tokens
     monkeypatch.setattr(FakeGenerator, "built", [])
     exl = types.SimpleNamespace(Generator=FakeGenerator, Job=FakeJob)
     cache = types.SimpleNamespace(max_num_tokens=cache_tokens)
-    return Exl3Backend(exl, model if model is not None else [], cache, None, FakeTokenizer(), draft="draft",
+    return Exl3Backend(exl, FakeModel(model or []), cache, None, FakeTokenizer(), draft=FakeModel(),
                        draft_cache="dc", native_block=8, max_context=4096, eos_ids=(5,), max_concurrency=8,
                        device="cpu", cost_cache=tmp_path / "costs", moe_class=moe_class or type(None), **kw)
