@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 import toolkit.train.trainer as td
+from toolkit.core import cli
 from toolkit.assets.prompts import Prompt
 from toolkit.dflash import DFlashConfig, load_drafter
 from toolkit.core.errors import ToolkitError
@@ -19,7 +20,7 @@ from toolkit.train.data import is_heldout, read_json_array, sharegpt_prompts, sp
 from toolkit.train.objective import anchor_batch, anchor_forward
 
 SMALL = dict(layers=2, chat=6, code=4, heldout_chat=2, heldout_code=2, max_new_tokens=24, gen_batch=8, steps=12, batch_seqs=4,
-             anchors=4, lr=3e-3, warmup=3, log_every=1, checkpoint_every=4, quiet=True)
+             anchors=4, lr=3e-3, warmup=3, log_every=1, checkpoint_every=4, eval_tokens=16, quiet=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,8 @@ def test_same_seed_same_drafter_and_resume_matches(setup, monkeypatch):
 
     real = td.save_checkpoint
 
-    def interrupt(ckdir, model, st, gen, dcfg):
-        real(ckdir, model, st, gen, dcfg)
+    def interrupt(ckdir, model, st, run):
+        real(ckdir, model, st, run)
         if st.step == 8:
             raise KeyboardInterrupt
     monkeypatch.setattr(td, "save_checkpoint", interrupt)
@@ -88,12 +89,24 @@ def test_bad_inputs_are_one_line_errors(setup, tmp_path):
              (dict(resume=True), "no checkpoint")]
     for kw, msg in cases:
         args = {"target": target, "out": str(tmp_path / "x"), "prompts": pool, **SMALL, **kw}
-        with pytest.raises(ToolkitError, match=msg) as e:
-            td.train_drafter(**args)
+        with pytest.raises(ToolkitError, match=msg) as e:        # through the command's parser: errors name the flags
+            cli.run(td.train_drafter, td.TrainConfig, argv(args), "prog")
         assert "\n" not in str(e.value)
     r = subprocess.run([sys.executable, "-m", "toolkit.train_drafter", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "y")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: --target:")
+
+
+def argv(kw: dict) -> list[str]:
+    """Command-line arguments for keyword options."""
+    out = []
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False and v is not None:
+            out += [flag, *map(str, v)] if isinstance(v, list) else [flag, str(v)]
+    return out
 
 
 def test_sharegpt_reader_stops_at_a_truncated_tail(tmp_path):

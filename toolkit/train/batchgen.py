@@ -1,0 +1,157 @@
+"""Batched greedy generation with plain transformers: the target's own answers, hundreds at a time.
+
+One batch is a set of prompts of similar length (the pending prompts are sorted by token count), left-padded, with
+per-row positions, decoded step by step into a static KV cache sized prompt + max_new_tokens, so no step grows or
+copies the cache. Rows stop at their first stop token; every `CHECK` steps the finished rows are counted (one host
+sync) and, once a quarter of the rows is done, dropped from the batch and the cache. Greedy picks are the argmax of
+each row's own logits, so the tokens equal unbatched generation (tests/test_train_scale.py checks it on CPU fp32).
+`generate_into` answers prompts into an AnswerStore batch by batch, skipping those already stored, until a
+deadline, and reports answers per second.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from tqdm import tqdm
+
+from ..assets.prompts import Prompt
+from ..core.target import TargetInfo
+from ..runtime.backend import encode_chat
+from .store import AnswerStore, Row, prompt_key
+
+CHECK = 16                          # decode steps between looks at which rows are done
+COMPACT = 0.25                      # drop finished rows once this share of the batch is done
+
+
+@dataclass
+class GenStats:
+    """What one generate_into call did."""
+
+    answers: int = 0
+    tokens: int = 0                 # answer tokens
+    skipped: int = 0                # prompts over the prompt-token limit (stored empty, never retried)
+    already: int = 0                # prompts found in the store
+    pending: int = 0                # prompts left when the deadline came
+    seconds: float = 0.0
+
+    def rate(self) -> dict:
+        """Answers and answer tokens per second."""
+        s = max(self.seconds, 1e-9)
+        return {"answers_per_s": round(self.answers / s, 2), "tokens_per_s": round(self.tokens / s, 1)}
+
+
+def stop_ids(model, tok) -> set[int]:
+    return set(TargetInfo.of_model(model, tok).eos_ids)
+
+
+def forward_kwargs(model, cache) -> dict:
+    """The cache keyword of this transformers version (`cache` in 5.2x, `past_key_values` before) and logits_to_keep."""
+    params = inspect.signature(model.forward).parameters
+    kw = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kw["logits_to_keep"] = 1
+    return kw
+
+
+def select_rows(cache, keep: torch.Tensor) -> bool:
+    """Keep only rows `keep` of a static cache, in place; False when this cache type cannot be cut."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "keys") and layer.keys is not None for layer in layers):
+        return False
+    for layer in layers:
+        layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
+        if hasattr(layer, "batch_size"):
+            layer.batch_size = len(keep)
+    return True
+
+
+@torch.inference_mode()
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: set[int], pad_id: int) -> list[list[int]]:
+    """Greedy answers to a batch of prompt ids, each cut after its first stop token (kept) or at max_new_tokens."""
+    from transformers import StaticCache
+
+    dev, B, P = model.device, len(prompts), max(len(p) for p in prompts)
+    x = torch.full((B, P), pad_id, dtype=torch.long)
+    mask = torch.ones((B, P + max_new_tokens), dtype=torch.long)
+    for r, ids in enumerate(prompts):
+        x[r, P - len(ids):] = torch.tensor(ids)
+        mask[r, : P - len(ids)] = 0
+    x, mask = x.to(dev), mask.to(dev)
+    pos = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)
+    cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
+    kw = forward_kwargs(model, cache)
+    tok = model(input_ids=x, attention_mask=mask[:, :P], position_ids=pos, **kw).logits[:, -1].argmax(-1)
+    stop_t = torch.tensor(sorted(stops) or [-1], device=dev)
+    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+    out[:, 0] = tok
+    rows, nxt, done = torch.arange(B, device=dev), pos[:, -1] + 1, torch.isin(tok, stop_t)
+    for t in range(1, max_new_tokens):
+        if t % CHECK == 0:
+            n_done = int(done.sum())
+            if n_done == len(rows):
+                break
+            if n_done >= COMPACT * len(rows) and select_rows(cache, (~done).nonzero().squeeze(1)):
+                keep = ~done
+                rows, tok, nxt, mask, done = rows[keep], tok[keep], nxt[keep], mask[keep], done[keep]
+        logits = model(input_ids=tok[:, None], attention_mask=mask[:, : P + t], position_ids=nxt[:, None], **kw).logits
+        tok = torch.where(done, pad_id, logits[:, -1].argmax(-1))
+        out[rows, t] = tok
+        done |= torch.isin(tok, stop_t)
+        nxt = nxt + 1
+    return [cut(row, stops) for row in out.tolist()]
+
+
+def cut(row: list[int], stops: set[int]) -> list[int]:
+    """A row up to and including its first stop token."""
+    return next((row[: i + 1] for i, t in enumerate(row) if t in stops), row)
+
+
+def encode(tok, prompts: list[Prompt]) -> list[list[int]]:
+    """Chat-template ids of every prompt."""
+    return [encode_chat(tok, p.text) for p in prompts]
+
+
+def batches(pending: list[tuple[Prompt, list[int]]], size: int) -> Iterable[list[tuple[Prompt, list[int]]]]:
+    """Batches of prompts of similar token count, longest first (the memory peak comes at once, not at the end)."""
+    ordered = sorted(pending, key=lambda e: -len(e[1]))
+    for k in range(0, len(ordered), size):
+        yield ordered[k : k + size]
+
+
+def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new_tokens: int, batch_size: int,
+                  max_prompt_tokens: int, deadline: float | None = None, quiet: bool = False,
+                  on_batch: Callable[[GenStats], None] | None = None) -> GenStats:
+    """Answer every prompt not yet in `store`, batch by batch, until `deadline` (time.time()); returns the counts."""
+    t0 = time.time()
+    have = store.keys()
+    todo = list({prompt_key(p.text): p for p in reversed(prompts) if prompt_key(p.text) not in have}.values())[::-1]
+    st = GenStats(already=len(prompts) - len(todo))
+    stops = stop_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (min(stops) if stops else 0)
+    enc = list(zip(todo, encode(tok, todo)))
+    long = [p for p, ids in enc if len(ids) > max_prompt_tokens]
+    store.append([Row(prompt_key(p.text), [], 0, p.category) for p in long])
+    st.skipped = len(long)
+    pending = [(p, ids) for p, ids in enc if len(ids) <= max_prompt_tokens]
+    bar = tqdm(total=len(pending), desc="generate", unit="answer", disable=quiet)
+    done = 0
+    for chunk in batches(pending, batch_size):
+        if deadline is not None and time.time() > deadline:
+            break
+        answers = greedy_batch(model, [ids for _, ids in chunk], max_new_tokens, stops, pad)
+        store.append([Row(prompt_key(p.text), ids + a, len(ids), p.category) for (p, ids), a in zip(chunk, answers)])
+        done += len(chunk)
+        st.answers += len(chunk)
+        st.tokens += sum(map(len, answers))
+        st.seconds = time.time() - t0
+        bar.update(len(chunk))
+        if on_batch is not None:
+            on_batch(st)
+    bar.close()
+    st.pending, st.seconds = len(pending) - done, time.time() - t0
+    return st
