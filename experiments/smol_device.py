@@ -8,6 +8,8 @@ Device, call 1:     carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .
                     survives while the machine stays warm: issue call 2 within its 30 s idle window)
 Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
                     command `cp /tmp/parts/part1 .smol/ && python3 -m experiments.smol_device run`   (7.5 minutes on an H200)
+Or, call 2 `... && python3 -m experiments.smol_device stage`: only join and prepare the target into
+                    /tmp/smol-run/smollm2-135m-instruct for later calls on the same warm machine (no training).
 Here, afterwards:   python -m experiments.smol_device install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
 
 `run`: (a) joins the parts and checks the sha256, (b) `toolkit.assets.smollm2 prepare --gguf`, (c) trains the drafter
@@ -124,7 +126,7 @@ def copy_drafter(draft: Path, out: Path) -> dict:
     return {"files": names, "mib": [round((out / n).stat().st_size / 2**20, 2) for n in names]}
 
 
-def run(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool) -> int:
+def run(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, train: bool = True) -> int:
     os.environ.setdefault("TQDM_MININTERVAL", "20")        # a progress line every 20 s, not every 0.1 s
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     WORK.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,7 @@ def run(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool) ->
 
     target = WORK / "smollm2-135m-instruct"
     prep = rn.step("prepare", lambda: vars(prepare(out=str(target), gguf=joined["gguf"], check_prompts=3))) if joined else None
-    if prep is None:
+    if prep is None or not train:                           # `stage`: the target in /tmp for the next calls
         return rn.finish()
     from toolkit.train.trainer import train_drafter
 
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="held-out prompts per category (default: SMOL_EVAL_LIMIT, else 8)")
     r.add_argument("--quick", action="store_true", default=os.environ.get("SMOL_QUICK") == "1",
                    help="the same flow tiny, on CPU (default: SMOL_QUICK=1)")
+    st = sub.add_parser("stage", help="on the device: join the GGUF and prepare the target in /tmp/smol-run (no training)")
+    st.add_argument("--budget-s", type=float, default=300, help="seconds for the call (default 300)")
     i = sub.add_parser("install", help="here, afterwards: the device's files into toolkit/data/smollm2_dflash")
     i.add_argument("files_at", help="the folder the device call's files were fetched to")
     i.add_argument("--to", default=str(ROOT / "toolkit" / "data" / "smollm2_dflash"), help="drafter folder to write")
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "install":
         install(a.files_at, a.to)
         return 0
+    if a.cmd == "stage":
+        return run(a.budget_s, 0, 0, False, train=False)
     return run(a.budget_s, a.eval_reserve_s, a.eval_limit, a.quick)
 
 
