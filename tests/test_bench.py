@@ -129,3 +129,132 @@ def test_factory_errors(tmp_path):
         load_backend("vllm", tmp_path)
     with pytest.raises(ToolkitError, match="draft: .*missing is not a folder"):
         load_backend("torch", tmp_path, tmp_path / "missing")
+
+
+# -- repetitions, levers, auto and the projection (issue 16) ------------------------------------------------
+
+
+def test_projection_from_a_scripted_cost_table():
+    from toolkit.runtime.policy import CostTable
+    from toolkit.runtime.projection import alpha_for, expected_tokens, project
+
+    table = CostTable({1: {0: 10.0, 1: 12.0, 2: 14.0, 3: 30.0}})
+    tau = 1 + 0.9 + 0.81 + 0.729                                  # alpha 0.9 at B = 4
+    r = project(table, 1, tau, 4)
+    assert r["alpha"] == pytest.approx(0.9, abs=1e-6) and r["default_width"] == 3 and r["policy_width"] == 2
+    assert r["default_speedup"] == pytest.approx(3.439 / 30 * 10)             # defaults: all B-1 drafts every round
+    assert r["policy_speedup"] == pytest.approx(2.71 / 14 * 10)               # (1 + .9 + .81) tokens per 14 ms
+    assert r["policy_over_default"] == pytest.approx((2.71 / 14) / (3.439 / 30))
+    assert project(table, 1, tau, 4, t_ar=8.0)["policy_speedup"] == pytest.approx(2.71 / 14 * 8)
+    slow = project(CostTable({1: {0: 10.0, 1: 40.0, 3: 60.0}}), 1, 1.5, 4)
+    assert slow["policy_width"] == 0 and slow["policy_speedup"] == 1.0        # no width wins: AR
+    for tau, B in ((7.63, 16), (5.74, 8)):
+        assert expected_tokens(alpha_for(tau, B), B)[-1] == pytest.approx(tau)
+    assert alpha_for(1.0, 16) == 0.0 and alpha_for(16, 16) == 1.0
+
+
+def test_parse_taus_and_spread():
+    from toolkit.runtime.projection import parse_taus, spread
+
+    assert parse_taus(["published", "3@8"]) == [("DF-16", 7.63, 16), ("DF-8", 5.74, 8), ("tau 3@8", 3.0, 8)]
+    for bad in ("7.63", "9@8", "x@16"):
+        with pytest.raises(ToolkitError, match="--project-tau"):
+            parse_taus([bad])
+    s = spread([3.0, 1.0, 2.0, 4.0])
+    assert (s["n"], s["median"], s["min"], s["max"], s["q1"], s["q3"]) == (4, 2.5, 1.0, 4.0, 1.75, 3.25)
+    assert spread([5.0])["q1"] == spread([5.0])["q3"] == 5.0
+
+
+def test_project_cells_per_setting_group():
+    from toolkit.runtime.benchgrid import project_cells
+
+    ar = [{"concurrency": 1, "round_ms": 10.0}]
+    cells = [{"concurrency": 1, "block_size": 2, "round_ms": 12.0}, {"concurrency": 1, "block_size": 4, "round_ms": 30.0},
+             {"concurrency": 1, "block_size": "auto", "round_ms": 11.0},
+             {"concurrency": 1, "block_size": 4, "round_ms": 20.0, "lever": "chunked_verify"}]
+    rows = project_cells(ar, cells, [("x", 3.439, 4), ("wide", 9.0, 16)])       # B=16 was not measured: left out
+    assert [(r["setting"], r["name"]) for r in rows] == [("stock", "x"), ("chunked_verify", "x")]
+    stock, lever = rows
+    assert stock["policy_width"] == 1 and stock["policy_speedup"] == pytest.approx(1.9 / 12 * 10)   # w=2 at 21 ms (interpolated) loses
+    assert stock["default_speedup"] == pytest.approx(3.439 / 30 * 10)
+    assert lever["policy_width"] == 3 and lever["policy_over_default"] == pytest.approx(1.0)
+
+
+def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
+    from toolkit.runtime import benchgrid
+    from toolkit.runtime.benchgrid import Cell, run_grid
+
+    calls, secs = [], iter([1.0, 2.0, 1.0, 4.0, 1.0, 8.0])
+
+    def fake_cell(be, ids, conc, settings, speculative, warmup):
+        calls.append((settings.block_size if speculative else None, conc))
+        drafted = (ids[0][0] + 1,) if speculative else ()
+        return [[Round((), 0, ids[0][0], prefill=True), Round(drafted, len(drafted), ids[0][0] + 1 + len(drafted))]], next(secs)
+
+    monkeypatch.setattr(benchgrid, "run_cell", fake_cell)
+    cells = [Cell(None, 1), Cell(4, 1)]
+    ar, spec = run_grid(Sequential(), [[1]], GenSettings(max_new_tokens=4), cells, reps=3, warmup=False)
+    assert calls == [(None, 1), (4, 1)] * 3                                      # rep by rep, every cell each time
+    (a,), (s,) = ar, spec
+    assert a["reps"] == s["reps"] == 3 and a["spread"]["tok_s"]["n"] == 3
+    assert a["tok_s"] == 2.0 and s["tok_s"] == 3.0 / 4.0                        # medians of 2/1, 2/1, 2/1 and 3/2, 3/4, 3/8
+    assert s["spread"]["tok_s"]["min"] == 3 / 8 and s["spread"]["tok_s"]["max"] == 3 / 2
+    assert s["lossless"] == 0.0 and s["width_histogram"] == {1: 3} and "t_ar_ms" in s["spread"]
+
+
+def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_path, capsys):
+    import toolkit.bench as bench_mod
+    from exl3_fakes import make_backend
+
+    monkeypatch.setattr(bench_mod, "load_backend", lambda *a, **k: make_backend(monkeypatch, tmp_path))
+    main(["--backend", "exllamav3", "--block-sizes", "auto", "4", "8", "--concurrency", "1", "2", "--reps", "2",
+          "--levers", "draft_max_rows=4", "chunked_verify", "--project-tau", "published", "3@8", "--max-new-tokens", "12",
+          "--limit", "2", "--no-warmup", "--out", str(tmp_path / "o")])
+    r = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert r["block_sizes"] == ["auto", 4, 8] and r["reps"] == 2 and r["levers"] == ["draft_max_rows=4", "chunked_verify"]
+    settings = [(c["block_size"], c["concurrency"], c.get("lever")) for c in r["cells"]]
+    assert settings == [(B, c, lv) for lv in (None, "draft_max_rows=4", "chunked_verify") for B in ("auto", 4, 8) for c in (1, 2)]
+    for c in r["cells"]:
+        assert c["lossless"] == 1.0 and c["reps"] == 2 and c["spread"]["tok_s"]["n"] == 2 and c["spread"]["t_ar_ms"]["n"] == 2
+        if c["block_size"] == 4 and c.get("lever") == "draft_max_rows=4" and c["concurrency"] == 2:
+            assert "1" in c["width_histogram"] and set(c["width_histogram"]) <= {"1", "3"}   # 2 x (1 + 1) rows, then 1 job
+        elif c["block_size"] == 4:
+            assert set(c["width_histogram"]) == {"3"}
+        if c["block_size"] == "auto":
+            assert set(map(int, c["width_histogram"])) <= set(range(8))
+    assert r["cells"][-1]["options"] == "chunked_verify"
+    rows = r["projection"]["rows"]
+    assert {x["setting"] for x in rows} == {"stock", "draft_max_rows=4", "chunked_verify"}
+    assert {x["name"] for x in rows} == {"DF-8", "tau 3@8"}                      # DF-16 needs w = 15: not measured
+    assert all(x["policy_speedup"] >= x["default_speedup"] * (1 - 1e-9) for x in rows)
+    assert "geometric" in r["projection"]["assumption"]
+    out = capsys.readouterr().out
+    assert "policy/defaults" in out and "[draft_max_rows=4]" in out and "auto" in out
+    assert (tmp_path / "o" / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timing_only_keeps_costs_and_drops_auto_tau_and_losslessness(tmp_path):
+    from toolkit.runtime.benchgrid import is_synthetic
+
+    r = bench(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=6, limit=1, reps=2,
+              out=str(tmp_path / "o"), warmup=False, quiet=True, timing_only=True)
+    assert r["timing_only"] is True and r["block_sizes"] == [4]
+    (c,) = r["cells"]
+    assert c["tau"] is None and c["lossless"] is None and c["accept_per_position"] == [] and c["round_ms"] > 0
+    assert c["t_ar_ms"] > 0 and c["spread"]["round_ms"]["n"] == 2
+    synth = tmp_path / "synth"
+    synth.mkdir()
+    (synth / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "exl3", "synthetic": {"tool": "toolkit.synth"}}}))
+    assert is_synthetic(None, synth) and not is_synthetic(tmp_path)
+
+
+def test_bad_block_sizes_and_levers_are_one_line(tmp_path):
+    with pytest.raises(ToolkitError, match=r"--block-sizes must be auto or integers >= 2, got \[1\]"):
+        bench(block_sizes=[1], out=str(tmp_path / "x"))
+    with pytest.raises(ToolkitError, match="--levers are exllamav3 generator options"):
+        bench(levers=["chunked_verify"], out=str(tmp_path / "x"))
+    with pytest.raises(ToolkitError, match="--reps must be >= 1"):
+        bench(reps=0, out=str(tmp_path / "x"))
+    with pytest.raises(SystemExit):
+        main(["--block-sizes", "auto", "x"])
+    assert not (tmp_path / "x").exists()

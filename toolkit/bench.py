@@ -94,33 +94,43 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     timing = result.get("timing_only")
+    proj = [r for r in (result.get("projection") or {}).get("rows", []) if r["setting"] == "stock"]
+    panels = 1 + (not timing) + bool(proj)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    axes = list(axes) if panels > 1 else [axes]
+    a = axes[0]
     key = "round_ms" if timing else "tok_s"
     groups: dict[str, list[dict]] = {"AR": result["ar"]}
     for c in result["cells"]:
         groups.setdefault(setting_name(c), []).append(c)
     for name, cells in groups.items():
-        xs = [c["concurrency"] for c in cells]
-        sp = [c.get("spread", {}).get(key) or {} for c in cells]
         ys = [c[key] for c in cells]
-        lo = [y - (s.get("min") if s.get("min") is not None else y) for y, s in zip(ys, sp)]
-        hi = [(s.get("max") if s.get("max") is not None else y) - y for y, s in zip(ys, sp)]
-        a.errorbar(xs, ys, yerr=[lo, hi], fmt="k--o" if name == "AR" else "-o", capsize=3, label=name)
-    for c in result["cells"]:
-        if not timing and c["accept_per_position"] and not c.get("lever") and c is next(
-                x for x in result["cells"] if x["block_size"] == c["block_size"] and not x.get("lever")):
-            b.plot(range(1, len(c["accept_per_position"]) + 1), c["accept_per_position"], "-o",
-                   label=f"{setting_name(c)} (conc {c['concurrency']}, tau {c['tau']:.2f})")
-    for r in (result.get("projection") or {}).get("rows", []):
-        if r["setting"] == "stock":
-            b.bar(f"c={r['concurrency']}\n{r['name']}", r["policy_speedup"], alpha=0.5, color="tab:green")
-            b.plot([f"c={r['concurrency']}\n{r['name']}"], [r["default_speedup"]], "kx")
+        sp = [c.get("spread", {}).get(key) or {} for c in cells]
+        lo = [y - s["min"] if s.get("min") is not None else 0.0 for y, s in zip(ys, sp)]
+        hi = [s["max"] - y if s.get("max") is not None else 0.0 for y, s in zip(ys, sp)]
+        a.errorbar([c["concurrency"] for c in cells], ys, yerr=[lo, hi], fmt="k--o" if name == "AR" else "-o", capsize=3, label=name)
     a.set_xscale("log", base=2)
-    a.set(xlabel="concurrent jobs", ylabel="ms per round" if timing else "tokens / s (all jobs)",
+    a.set(xlabel="concurrent jobs", ylabel="ms per decode round" if timing else "tokens / s (all jobs)",
           title=("round cost" if timing else "throughput") + f" (median, min-max of {result.get('reps', 1)})")
-    b.set(title="per-position acceptance" if not timing else "projected speedup: policy (bar), defaults (x)")
-    for ax in (a, b):
+    if not timing:
+        b = axes[1]
+        for c in result["cells"]:
+            first = next(x for x in result["cells"] if x["block_size"] == c["block_size"] and x.get("lever") == c.get("lever"))
+            if c is first and c["accept_per_position"] and not c.get("lever"):
+                b.plot(range(1, len(c["accept_per_position"]) + 1), c["accept_per_position"], "-o",
+                       label=f"{setting_name(c)} (conc {c['concurrency']}, tau {c['tau']:.2f})")
+        b.set(xlabel="draft position", ylabel="P(accepted | verified)", ylim=(0, 1.05), title="per-position acceptance")
+    if proj:
+        p = axes[-1]
+        labels = [f"c={r['concurrency']}\n{r['name']}" for r in proj]
+        xs = range(len(proj))
+        p.bar([x - 0.2 for x in xs], [r["default_speedup"] for r in proj], 0.4, label="exllamav3 defaults (w = B-1)")
+        p.bar([x + 0.2 for x in xs], [r["policy_speedup"] for r in proj], 0.4, label="policy (best w)")
+        p.axhline(1.0, color="k", lw=0.8)
+        p.set_xticks(list(xs), labels, fontsize=7)
+        p.set(ylabel="projected speedup over AR", title="projection at tau (geometric acceptance)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
