@@ -265,3 +265,136 @@ def test_quantize_push_download_round_trip(hub, tmp_path, pair, monkeypatch):
     for row, r in zip(rows, report["results"]):
         assert abs(float(row["Top-1 agreement"].rstrip("%")) - 100 * r["top1"]) <= 0.05
         assert abs(float(row["τ (tokens/round)"]) - r["tau"]) <= 0.005
+
+
+# --- what push refuses before it uploads anything, and how it names a failure ------------------------------------
+
+def test_report_paths_must_stay_inside_from(hub, out, tmp_path):
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "id_rsa").write_text("private")
+    report = json.loads((out / "report.json").read_text())
+    report["results"][0]["folder"] = "../secret"
+    (out / "report.json").write_text(json.dumps(report))
+    for dry in (True, False):
+        with pytest.raises(ToolkitError, match=r"results\[0\]\.folder '\.\./secret' is not a folder inside"):
+            do_push(hub, out, dry_run=dry)
+    report["results"][0]["folder"] = str(tmp_path / "secret")
+    (out / "report.json").write_text(json.dumps(report))
+    with pytest.raises(ToolkitError, match="is not a folder inside"):
+        do_push(hub, out, dry_run=True)
+    assert hub.log == []
+
+
+def test_a_link_out_of_the_run_is_not_uploaded(hub, out, tmp_path):
+    (tmp_path / "secret.txt").write_text("private")
+    (out / "4.0bpw" / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(ToolkitError, match=r"notes\.txt resolves to .*secret\.txt, outside"):
+        do_push(hub, out, dry_run=True)
+
+
+@pytest.mark.parametrize("kw,msg", [({"retries": -1}, "retries must be a whole number >= 0"),
+                                    ({"retry_delay": -1.0}, "retry_delay must be a number of seconds >= 0"),
+                                    ({"retry_delay": float("nan")}, "retry_delay must be"),
+                                    ({"repo": "../.."}, "repo must be USER/NAME, got '../..'"),
+                                    ({"repo": "alice/../x"}, "repo must be USER/NAME"),
+                                    ({"endpoint": "not a url"}, "endpoint: 'not a url' is not an http(s) URL"),
+                                    ({"endpoint": "htp://x"}, "is not an http(s) URL")])
+def test_bad_options_are_refused_before_any_request(hub, out, kw, msg):
+    from toolkit.core.errors import OptionError
+
+    kw = {"repo": REPO, "endpoint": hub.url, **kw}
+    with pytest.raises(OptionError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        push(out_dir=out, **kw)
+    assert hub.log == []
+
+
+@pytest.mark.parametrize("missing", ["tau_top1.png", "report.md", "3.0bpw/README.md"])
+def test_an_interrupted_report_step_is_refused(hub, out, missing):
+    (out / missing).unlink()
+    with pytest.raises(ToolkitError, match=f"incomplete quantize run \\(no {missing}\\)"):
+        do_push(hub, out, dry_run=True)
+
+
+def test_connection_refused_is_not_a_token_problem(out, monkeypatch):
+    import socket
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    with pytest.raises(ToolkitError) as e:
+        push(repo=REPO, out_dir=out, endpoint=url, token=TOKEN, retries=1, retry_delay=0.01)
+    msg = str(e.value)
+    assert msg.startswith(f"no connection to {url} (connection refused") and "rejected the token" not in msg
+    assert "after 2 attempt(s)" in msg
+
+
+def test_http_500_is_a_server_error_not_a_token_problem(out, monkeypatch):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Broken(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(500)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ToolkitError) as e:
+            push(repo=REPO, out_dir=out, endpoint=url, token=TOKEN, retries=0)
+    finally:
+        server.shutdown()
+    msg = str(e.value)
+    assert msg.startswith(f"a server error at {url}: stopped while checking the token after 1 attempt(s) (HTTP 500)")
+    assert "rejected the token" not in msg
+
+
+def test_pushed_cards_carry_the_upstream_license_and_card(hub, out, tmp_path):
+    up = out / "upstream"
+    up.mkdir()
+    (up / "README.md").write_text("---\nlicense: mit\n---\n# The original drafter\n\nTrained by someone.\n")
+    (up / "LICENSE").write_text("MIT License\n")
+    do_push(hub, out)
+    for branch in ("main", "4.0bpw"):
+        card = hub.files(REPO, branch)["README.md"].decode()
+        assert "license: mit" in card and "Trained by someone." in card
+    assert "upstream/README.md" not in hub.files(REPO, "main")
+
+
+def test_offline_mode_is_named_and_not_retried(out, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ToolkitError) as e:
+        push(repo=REPO, out_dir=out, endpoint="http://127.0.0.1:9", token=TOKEN, retries=3, retry_delay=10)
+    assert str(e.value).startswith("the Hub cannot be reached in offline mode") and "after 1 attempt(s)" in str(e.value)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda r: [r], "report.json: expected a JSON object, got a JSON list"),
+    (lambda r: {**r, "results": {"a": 1}}, "field 'results' must be a list"),
+    (lambda r: {**r, "results": [3]}, r"results\[0\] must be an object"),
+    (lambda r: {**r, "results": [{**r["results"][0], "bits": "four"}]}, r"results\[0\]\.bits must be a positive number"),
+    (lambda r: {**r, "results": [{**r["results"][0], "folder": 4}]}, r"results\[0\]\.folder must be a folder name"),
+    (lambda r: {**r, "results": [{**r["results"][0], "calibrated": "yes"}]}, r"results\[0\]\.calibrated must be true or false"),
+    (lambda r: {**r, "results": [{**r["results"][0], "tau": "high"}]}, r"results\[0\]\.tau must be a number or null"),
+    (lambda r: {**r, "results": [{**r["results"][0], "exl3": {"speedup": "2x"}}]}, r"results\[0\]\.exl3\.speedup must be"),
+    (lambda r: {**r, "bf16": [1]}, "field 'bf16' must be an object or null"),
+    (lambda r: {**r, "model": 7}, "field 'model' must be a repo id string"),
+])
+def test_malformed_report_is_one_line_naming_the_field(out, edit, msg):
+    from toolkit.hub.card import run_card
+
+    report = edit(json.loads((out / "report.json").read_text()))
+    (out / "report.json").write_text(json.dumps(report))
+    for call in (lambda: push(repo=REPO, out_dir=out, dry_run=True), lambda: run_card(out)):
+        with pytest.raises(ToolkitError, match=msg) as e:
+            call()
+        assert "\n" not in str(e.value)

@@ -20,7 +20,8 @@ class CardOptions:
 
 
 def main(argv: list[str] | None = None) -> str:
-    text = run(run_card, CardOptions, argv, "python -m toolkit.card", __doc__.split("\n\n")[0].split(": ", 1)[1])
+    text = run(run_card, CardOptions, argv, "python -m toolkit.card", __doc__.split("\n\n")[0].split(": ", 1)[1],
+               epilog="Prints to stdout and writes no files (output policy: docs/outputs.md).")
     print(text, end="")
     return text
 

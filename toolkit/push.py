@@ -24,8 +24,12 @@ class PushOptions:
     retry_delay: float = option(2.0, "first backoff delay in seconds, doubling")
 
 
+EPILOG = ("Checked before any request: --repo, --retries, --retry-delay, --endpoint, report.json (every folder it names "
+          "inside --from) and that the run is complete. Writes no local files (output policy: docs/outputs.md).")
+
+
 def main(argv: list[str] | None = None) -> PushResult:
-    return run(push, PushOptions, argv, "python -m toolkit.push", DESCRIPTION)
+    return run(push, PushOptions, argv, "python -m toolkit.push", DESCRIPTION, epilog=EPILOG)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ The card says what the drafter is not (standalone, BF16), where to go instead, a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -55,17 +56,80 @@ def pick_pushed(results: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("calibrated") or float(r["bits"]) not in cal_bits]
 
 
-def check_report(report: dict) -> None:
-    """Raise ToolkitError when report.json is not the version-1 schema this module renders."""
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+ROW_TYPES = {   # field -> (check, what it must be); None is allowed where the pipeline writes "not measured"
+    "bits": (lambda v: _is_num(v) and v > 0, "a positive number"),
+    "folder": (lambda v: isinstance(v, str) and v.strip() != "", "a folder name"),
+    "size_bytes": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "a byte count or null"),
+    "calibrated": (lambda v: isinstance(v, bool), "true or false"),
+    "kl": (lambda v: v is None or _is_num(v), "a number or null"),
+    "top1": (lambda v: v is None or _is_num(v), "a number or null"),
+    "tau": (lambda v: v is None or _is_num(v), "a number or null"),
+    "passed": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "pushed": (lambda v: isinstance(v, bool), "true or false"),
+    "branch": (lambda v: v is None or isinstance(v, str), "a branch name or null"),
+    "exl3": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+}
+
+
+EXL3_TYPES = {
+    "tau": (lambda v: v is None or _is_num(v), "a number or null"),
+    "speedup": (lambda v: v is None or _is_num(v), "a number or null"),
+    "target": (lambda v: v is None or isinstance(v, str), "a model name or null"),
+    "target_bits": (lambda v: v is None or _is_num(v), "a number or null"),
+}
+BF16_TYPES = {k: ROW_TYPES[k] for k in ("size_bytes", "tau", "exl3")}
+
+
+def check_fields(d: dict, where: str, types: dict) -> None:
+    """Each present field of `d` of its type (and an `exl3` object's fields of theirs): one line naming it."""
+    for key, (ok, want) in types.items():
+        if key in d and not ok(d[key]):
+            raise ToolkitError(f"report.json: {where}.{key} must be {want}, got {d[key]!r}")
+    if isinstance(d.get("exl3"), dict):
+        check_fields(d["exl3"], f"{where}.exl3", EXL3_TYPES)
+
+
+def check_report(report, out_dir: str | Path | None = None) -> None:
+    """Raise ToolkitError when report.json is not the version-1 schema this module renders: one line naming the
+    field. With `out_dir`, every result folder must be a folder name inside it (never `../x` or an absolute path)."""
+    if not isinstance(report, dict):
+        raise ToolkitError(f"report.json: expected a JSON object, got a JSON {type(report).__name__}")
     if report.get("schema") != 1:
         raise ToolkitError(f"report.json: schema must be 1, got {report.get('schema')!r}")
     for key in ("model", "results"):
         if not report.get(key):
             raise ToolkitError(f"report.json: field {key!r} is missing or empty")
+    if not isinstance(report["model"], str):
+        raise ToolkitError(f"report.json: field 'model' must be a repo id string, got {report['model']!r}")
+    if not isinstance(report["results"], list):
+        raise ToolkitError(f"report.json: field 'results' must be a list, got a JSON {type(report['results']).__name__}")
+    if report.get("bf16") is not None:
+        if not isinstance(report["bf16"], dict):
+            raise ToolkitError("report.json: field 'bf16' must be an object or null")
+        check_fields(report["bf16"], "bf16", BF16_TYPES)
     for i, r in enumerate(report["results"]):
+        if not isinstance(r, dict):
+            raise ToolkitError(f"report.json: results[{i}] must be an object, got a JSON {type(r).__name__}")
         missing = [k for k in ("bits", "folder", "size_bytes", "calibrated") if k not in r]
         if missing:
             raise ToolkitError(f"report.json: results[{i}] lacks {', '.join(missing)}")
+        check_fields(r, f"results[{i}]", ROW_TYPES)
+        if out_dir is not None:
+            check_folder_inside(r["folder"], Path(out_dir), f"results[{i}].folder")
+
+
+def check_folder_inside(folder: str, out_dir: Path, field: str) -> Path:
+    """`out_dir / folder` when it names a folder inside `out_dir` (after resolving `..` and links), else one line."""
+    root = out_dir.resolve()
+    path = (out_dir / folder).resolve()
+    if Path(folder).is_absolute() or path == root or root not in path.parents:
+        raise ToolkitError(f"report.json: {field} {folder!r} is not a folder inside {out_dir}; refusing to read "
+                           "files outside the run folder")
+    return out_dir / folder
 
 
 def card_data(report: dict, up: Upstream | None = None) -> ModelCardData:
@@ -237,7 +301,7 @@ def run_card(out_dir: str | Path, repo: str | None = None, bits: float | None = 
     if repo is not None and not (is_repo_id(repo) and "/" in repo):
         raise ToolkitError(f"--repo must be USER/NAME, got {repo!r}")
     report = read_json(out / "report.json", "--from: ", "no report.json (run python -m toolkit.quantize first)")
-    check_report(report)
+    check_report(report, out)
     image = MAIN_IMAGE if bits is None and (out / MAIN_IMAGE).is_file() else None
     return render_card(report, repo, bits, branches=default_branches(report, out), image=image,
                        upstream=out / UPSTREAM)

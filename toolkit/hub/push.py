@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
+import math
 import os
 import re
 import sys
@@ -18,10 +19,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from .card import check_report, human_size, pick_pushed, render_card
-from ..core.errors import ToolkitError
+from .card import check_folder_inside, check_report, human_size, pick_pushed, render_card
+from .upstream import UPSTREAM
+from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
+from ..core.refs import is_repo_id
 
 MAIN = "main"
 MAIN_FILES = ("report.json", "report.md", "tau_top1.png")
@@ -60,8 +64,27 @@ def load_report(from_dir: Path) -> dict:
     if not path.is_file():
         raise ToolkitError(f"--from: {from_dir} has no report.json (run python -m toolkit.quantize first)")
     report = read_json(path, "--from: ")
-    check_report(report)
+    check_report(report, from_dir)       # every folder it names must lie inside from_dir
     return report
+
+
+def check_complete(report: dict, from_dir: Path) -> None:
+    """Refuse a run whose report step was interrupted: report.md, the plot, or a bitrate folder's README missing."""
+    missing = [n for n in MAIN_FILES if not (from_dir / n).is_file()]
+    missing += [f"{r['folder']}/README.md" for r in pick_pushed(report["results"])
+                if (from_dir / r["folder"]).is_dir() and not (from_dir / r["folder"] / "README.md").is_file()]
+    if missing:
+        raise ToolkitError(f"--from: {from_dir} is an incomplete quantize run (no {', '.join(missing)}): its report step "
+                           "did not finish; re-run python -m toolkit.quantize with the same --out")
+
+
+def link_inside(src: Path, dest: Path, root: Path) -> None:
+    """Stage `src` as the link `dest`, refusing a file that resolves outside the run folder `root` (a symlink out)."""
+    real = src.resolve()
+    if root.resolve() not in real.parents:
+        raise ToolkitError(f"--from: {src} resolves to {real}, outside {root}; refusing to upload it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.symlink_to(real)
 
 
 def branch_for(template: str, row: dict) -> str:
@@ -88,24 +111,25 @@ def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: P
         folders = ", ".join(r["folder"] for r in report["results"])
         raise ToolkitError(f"--from: none of the report's folders ({folders}) exists in {from_dir}")
     uploads = []
+    upstream = from_dir / UPSTREAM
     for folder, branch in branches.items():
         row = next(r for r in report["results"] if r["folder"] == folder)
         dest = stage / branch
-        for rel in list_files(from_dir / folder):
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            (dest / rel).symlink_to((from_dir / folder / rel).resolve())
+        dest.mkdir(parents=True)
+        for rel in list_files(check_folder_inside(folder, from_dir, "folder")):
+            link_inside(from_dir / folder / rel, dest / rel, from_dir)
         readme = dest / "README.md"
         readme.unlink(missing_ok=True)
-        readme.write_text(render_card(report, repo, bits=float(row["bits"]), branches=branches))
+        readme.write_text(render_card(report, repo, bits=float(row["bits"]), branches=branches, upstream=upstream))
         uploads.append(Upload(branch, dest, list_files(dest), float(row["bits"])))
     main = stage / MAIN
     main.mkdir()
     image = None
     for name in MAIN_FILES:
         if (from_dir / name).is_file():
-            (main / name).symlink_to((from_dir / name).resolve())
+            link_inside(from_dir / name, main / name, from_dir)
             image = name if name.endswith(".png") else image
-    (main / "README.md").write_text(render_card(report, repo, branches=branches, image=image))
+    (main / "README.md").write_text(render_card(report, repo, branches=branches, image=image, upstream=upstream))
     uploads.append(Upload(MAIN, main, list_files(main), mirror=False))
     return uploads
 
@@ -175,7 +199,10 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def is_transient(exc: BaseException | None) -> bool:
-    """A 5xx/408/429 answer, or a dropped/failed connection anywhere in the exception's cause chain."""
+    """A 5xx/408/429 answer, or a dropped/failed connection anywhere in the exception's cause chain (a malformed
+    URL is a TransportError to httpx, but retrying it cannot help)."""
+    if exc is not None and failure_kind(exc) in ("malformed URL", "offline mode (HF_HUB_OFFLINE is set)"):
+        return False
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -189,10 +216,38 @@ def is_transient(exc: BaseException | None) -> bool:
     return False
 
 
-def describe(exc: BaseException, token: str | None) -> str:
+def chain(exc: BaseException | None) -> list[BaseException]:
+    """The exception and its causes, outermost first."""
+    out: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in out):
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def failure_kind(exc: BaseException) -> str:
+    """What went wrong, in words: an HTTP status, a refused connection, an unknown host, a bad URL, a timeout."""
     status = http_status(exc)
-    text = f"HTTP {status}" if status is not None else f"{type(exc).__name__}: {exc}"
-    text = " ".join(text.split())[:200]
+    if status is not None:
+        return f"HTTP {status}"
+    for e in chain(exc):
+        names = {c.__name__ for c in type(e).__mro__}
+        if "OfflineModeIsEnabled" in names:
+            return "offline mode (HF_HUB_OFFLINE is set)"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if "gaierror" in names:
+            return "host not found"
+        if names & {"UnsupportedProtocol", "InvalidURL", "LocalProtocolError"}:
+            return "malformed URL"
+        if isinstance(e, TimeoutError) or names & {"TimeoutException", "ReadTimeout", "ConnectTimeout"}:
+            return "timed out"
+    e = chain(exc)[-1]
+    return f"{type(e).__name__}: {e}"
+
+
+def describe(exc: BaseException, token: str | None) -> str:
+    text = " ".join(failure_kind(exc).split())[:200]
     return text.replace(token, "***") if token else text
 
 
@@ -215,14 +270,35 @@ class _Failed(Exception):
         self.what, self.attempts, self.status, self.reason = what, attempts, http_status(exc), reason
 
 
+def check_options(repo: str, endpoint: str | None, retries: int, retry_delay: float) -> None:
+    """Everything push can judge before reading the run or reaching the Hub: OptionError naming the field."""
+    if not (is_repo_id(repo) and "/" in repo):
+        raise OptionError("repo", f"must be USER/NAME, got {repo!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise OptionError("retries", f"must be a whole number >= 0, got {retries!r}")
+    if not (isinstance(retry_delay, (int, float)) and math.isfinite(retry_delay) and retry_delay >= 0):
+        raise OptionError("retry_delay", f"must be a number of seconds >= 0, got {retry_delay!r}")
+    if endpoint is not None:
+        try:
+            url = urlsplit(endpoint)
+            url.port            # a bad port (http://host:x) raises here
+        except ValueError:
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.hostname or any(c.isspace() for c in endpoint):
+            raise OptionError("endpoint", f"{endpoint!r} is not an http(s) URL such as https://huggingface.co")
+
+
 def push(repo: str, out_dir: str | Path, private: bool = False, branch_template: str = "{bits:.1f}bpw",
          dry_run: bool = False, endpoint: str | None = None, token: str | None = None, retries: int = 4,
          retry_delay: float = 2.0) -> PushResult:
-    """Create `repo` (exist_ok), one branch per bitrate folder of `out_dir`, and the measured card on main."""
-    if not re.match(r"^[\w.-]+/[\w.-]+$", repo):
-        raise ToolkitError(f"--repo must be USER/NAME, got {repo!r}")
+    """Create `repo` (exist_ok), one branch per bitrate folder of `out_dir`, and the measured card on main.
+
+    Checked before anything is read from the Hub: the options, report.json (every folder inside `out_dir`) and
+    that the run is complete (its report step finished)."""
+    check_options(repo, endpoint, retries, retry_delay)
     from_dir = Path(out_dir)
     report = load_report(from_dir)
+    check_complete(report, from_dir)
     with tempfile.TemporaryDirectory(prefix="push-") as stage:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
         if dry_run:
@@ -256,7 +332,7 @@ def _upload_all_inner(repo, uploads, private, endpoint, token, retries, retry_de
 
     api = HfApi(endpoint=endpoint, token=token)
     result = PushResult(repo, None)
-    step = "checking the token"
+    step, user = "checking the token", None
     try:
         user = with_retries(lambda: api.whoami()["name"], "whoami", retries, retry_delay, token)
         step = f"creating {repo}"
@@ -272,15 +348,30 @@ def _upload_all_inner(repo, uploads, private, endpoint, token, retries, retry_de
         done = [b for b, s in result.status.items()]
         missing = [u.branch for u in uploads if u.branch not in result.status]
         progress = f"uploaded: {', '.join(done) or 'none'}; not uploaded: {', '.join(missing)}"
-        if f.status == 401 or step == "checking the token":
-            raise ToolkitError(f"the Hub rejected the token while {step} ({f.reason}); {progress}")
-        if f.status == 403:
-            raise ToolkitError(f"permission denied while {step}: user {user!r} cannot write to {repo} "
-                               f"(owned by someone else, or a read-only token); {progress}")
-        raise ToolkitError(f"stopped while {step} after {f.attempts} attempt(s) ({f.reason}); {progress}; "
-                           "re-run the same command to finish")
+        raise ToolkitError(failure_line(f, step, repo, user, api.endpoint, progress)) from None
     print(f"done: {result.url}")
     return result
+
+
+def failure_line(f: "_Failed", step: str, repo: str, user: str | None, endpoint: str, progress: str) -> str:
+    """The one error line of a failed push: which kind of failure it was, while doing what, and what got uploaded."""
+    if f.status == 401:
+        return f"the Hub rejected the token while {step} ({f.reason}); {progress}"
+    if f.status == 403:
+        return (f"permission denied while {step}: user {user!r} cannot write to {repo} "
+                f"(owned by someone else, or a read-only token); {progress}")
+    if f.status is not None and f.status >= 500:
+        what = f"a server error at {endpoint}"
+    elif f.reason in ("connection refused", "host not found", "timed out"):
+        what = f"no connection to {endpoint} ({f.reason}; check --endpoint and the network)"
+    elif f.reason.startswith("offline mode"):
+        what = "the Hub cannot be reached in offline mode (unset HF_HUB_OFFLINE to push)"
+    elif f.reason == "malformed URL":
+        what = f"--endpoint {endpoint!r} is a malformed URL"
+    else:
+        what = "the Hub refused a request" if f.status is not None else "push failed"
+    return (f"{what}: stopped while {step} after {f.attempts} attempt(s) ({f.reason}); {progress}; "
+            "re-run the same command to finish")
 
 
 def _ensure_repo(api, repo: str, private: bool) -> str:
