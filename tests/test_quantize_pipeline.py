@@ -47,14 +47,21 @@ def test_end_to_end_calibrated_and_uncalibrated(tmp_path, pair, monkeypatch):
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk == report
     assert set(report) == {"schema", "model", "revision", "target", "created", "toolkit_version", "exllamav3_version",
-                           "block_size", "tap_shift", "device", "bf16", "results"}
+                           "block_size", "tap_shift", "device", "bf16", "results", "model_sha", "target_sha",
+                           "target_kind", "recommended_draft_tokens", "exl3_widths", "steps", "memory"}
+    # a local BF16 target: no shas, the torch runtime's tau, nothing measured on exllamav3
+    assert report["model_sha"] is None and report["target_sha"] is None and report["target_kind"] == "hf"
+    assert report["bf16"]["exl3"] is None and report["recommended_draft_tokens"] is None and report["exl3_widths"] == []
+    assert [s["step"] for s in report["steps"]] == ["validate", "plan", "target", "calibrate", "convert", "check", "speed"]
+    assert all(s["seconds"] >= 0 for s in report["steps"]) and report["memory"]["card_budget_bytes"] == 22 * 1024**3
     assert report["schema"] == 1 and report["model"] == "test/tiny-dflash" and report["revision"] == "abc123"
     assert report["block_size"] == 16 and report["tap_shift"] == 0      # the pair was trained with tap_shift 0
     assert isinstance(report["bf16"]["size_bytes"], int) and report["bf16"]["size_bytes"] > 0
     assert report["bf16"]["tau"] >= 1.0
     for r in report["results"]:
         assert set(r) == {"bits", "branch", "folder", "size_bytes", "calibrated", "kl", "kl_per_position", "top1",
-                          "top1_per_position", "tau", "passed"}
+                          "top1_per_position", "tau", "exl3", "passed"}
+        assert r["exl3"] is None
         assert len(r["kl_per_position"]) == len(r["top1_per_position"]) == 15    # B - 1 drafted positions
         assert r["size_bytes"] == (out / r["folder"] / "model.safetensors").stat().st_size
         assert r["passed"] is True and r["tau"] >= 1.0

@@ -67,12 +67,13 @@ def with_shift(config: DFlashConfig, tap_shift: int) -> DFlashConfig:
 
 def blocks(prompt: Prompt, drafter: DFlashDraft, embed_weight: torch.Tensor, count: int,
            tap_shift: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(anchor, noise_embeds [1,B,h], context taps [1,a,T*h], position_ids [1,a+B]) per anchor."""
-    dt = next(drafter.parameters()).dtype
-    taps = prompt.taps[tap_shift].to(dt)
+    """(anchor, noise_embeds [1,B,h], context taps [1,a,T*h], position_ids [1,a+B]) per anchor, on the drafter's
+    device; the taps and the embedding table may live elsewhere (an EXL3 target's stay on the CPU)."""
+    p = next(drafter.parameters())
+    taps = prompt.taps[tap_shift].to(device=p.device, dtype=p.dtype)
     B = drafter.config.block_size
     for a in anchors(prompt.ids.numel(), count, prompt.start):
-        noise = drafter.embed_block(prompt.ids[a : a + 1], embed_weight)
+        noise = drafter.embed_block(prompt.ids[a : a + 1].to(embed_weight.device), embed_weight).to(p.device)
         pos = torch.arange(a + B, device=taps.device)[None]
         yield a, noise, taps[:, :a], pos
 

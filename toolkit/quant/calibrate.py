@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir
-from .blocks import blocks, run_target
+from .blocks import Prompt, blocks, run_target
 
 
 class HessianAccumulator:
@@ -83,16 +83,26 @@ def write_hessians(hessians: dict[str, torch.Tensor], out_dir: Path, rows: dict[
 
 def calibrate(drafter, target, prompt_ids: list[list[int]], keys: list[str], anchors_per_prompt: int,
               out_dir: Path, progress: bool = True, continue_tokens: int = 0) -> dict[str, int]:
-    """Run the target over the prompts and the reference drafter over blocks; write the Hessians. Returns rows per key."""
+    """Run a transformers target over the prompts and the reference drafter over blocks; write the Hessians.
+    Returns rows per key."""
     if not prompt_ids:
         raise ToolkitError("calibration: the recipe has no [calibration] prompts (or pass --no-calibrate)")
-    emb = target.get_input_embeddings().weight
+    shift = drafter.config.tap_shift
+    prompts = (run_target(target, ids, drafter.config, [shift], continue_tokens) for ids in prompt_ids)
+    return calibrate_prompts(drafter, prompts, target.get_input_embeddings().weight, keys, anchors_per_prompt,
+                             out_dir, progress, total=len(prompt_ids))
+
+
+def calibrate_prompts(drafter, prompts: Iterable[Prompt], embed_weight: torch.Tensor, keys: list[str],
+                      anchors_per_prompt: int, out_dir: Path, progress: bool = True,
+                      total: int | None = None) -> dict[str, int]:
+    """The reference drafter over the draft blocks of prompts already through the target (any kind of target),
+    at its configured tap_shift; write the Hessians. Returns rows per key."""
+    shift = drafter.config.tap_shift
     with HessianAccumulator(drafter, keys) as acc:
-        for ids in tqdm(prompt_ids, desc="calibrate", unit="prompt", disable=not progress, leave=False):
-            shift = drafter.config.tap_shift
-            prompt = run_target(target, ids, drafter.config, [shift], continue_tokens)
+        for prompt in tqdm(prompts, desc="calibrate", unit="prompt", total=total, disable=not progress, leave=False):
             with torch.no_grad():
-                for _, noise, ctx, pos in blocks(prompt, drafter, emb, anchors_per_prompt, shift):
+                for _, noise, ctx, pos in blocks(prompt, drafter, embed_weight, anchors_per_prompt, shift):
                     drafter(noise, ctx, pos)
         missing = [k for k in keys if k not in acc.H]
         if missing:

@@ -1,20 +1,21 @@
-"""quantize(): validate, plan, calibrate, convert, check, report, as steps over one Run.
+"""quantize(): validate, plan, target, calibrate, convert, check, speed, report, as steps over one Run.
 
-Each step reads what the earlier ones left on the Run and adds its own: the target's config is read once (validate),
-the target and the BF16 reference are loaded once (prepare). The pipeline writes OUT only: one folder per bitrate,
-report.json / report.md / tau_top1.png. Model cards and the push are publishing (hub/); the command composes them
-over the finished run (toolkit/quantize.py). The CLI and Python share one signature: start(**vars(args)).
+Each step reads what the earlier ones left on the Run and adds its own; each is timed and its peak GPU memory
+measured (memory.Meter) into report.json's `steps`. The target is either a transformers (BF16) checkpoint that
+stays loaded, or an EXL3 one that runs on exllamav3 (engine.ENGINE): once for every prompt's continuation and
+taps (then unloaded, so calibration, conversion and the KL check run beside the drafters only), and again in
+`speed`, with one drafter at a time, for τ and tok/s on the engine users serve with. The pipeline writes OUT
+only: one folder per bitrate, report.json / report.md / tau_top1.png. Model cards, the upstream card and the
+push are publishing (hub/), composed by toolkit/quantize.py. CLI and Python share start(**vars(args)).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -22,96 +23,34 @@ from tqdm import tqdm
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir, read_config
 from ..core.target import TargetInfo
-from ..dflash import DFlashConfig, DFlashDraft, load_drafter
+from ..dflash import load_drafter
 from ..runtime.backend import encode_chat
+from ..runtime.exl3_taps import free_gpu
 from . import calibrate as cal
 from . import check as chk
 from . import convert as conv
+from . import engine
+from . import memory as mem
 from . import report as rep
-from .blocks import Prompt, load_target, run_target
-from .plan import MANIFEST, PlanItem, check_out_dir, format_plan, make_plan, plan_json
-from .recipe import Recipe, Settings, merge
-from .source import resolve, target_kind
-from .validate import Checked, linear_keys, unquantized_keys
+from . import speed as spd
+from .plan import MANIFEST, check_out_dir, format_plan, make_plan, plan_json
+from .recipe import Recipe, merge
+from .run import STEPS, Run, step
+from .source import fetch_ref, target_kind
+from .target import exl3_parts, exl3_prompts, hf_prompts, target_bits
+from .validate import linear_keys, unquantized_keys
 from .validate import validate as validate_checkpoint
-
-STEPS = ("validate", "plan", "calibrate", "convert", "check", "report")
-
-
-@dataclass
-class Run:
-    """One quantize run: the settings and switches, then what each step has learned so far."""
-
-    s: Settings
-    calibrate: bool = True
-    also_uncalibrated: bool = False
-    check: bool = True
-    dry_run: bool = False
-    force: bool = False
-    device: str | None = None           # as given: the converter's GPU (cpu still converts on GPU 0)
-    progress: bool = True
-    bar: Any = None                     # the steps' progress bar
-    dest: Path | None = None            # where this run writes: OUT, or under --force the folder that replaces it
-    model_dir: Path | None = None
-    target_config: dict | None = None   # read once, in validate
-    checked: Checked | None = None
-    items: list[PlanItem] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    dev: str = "cpu"                    # where the target, the reference and the checks run
-    target_model: Any = None
-    tokenizer: Any = None
-    reference: DFlashDraft | None = None
-    tap_shift: int = 0
-    bf16_tau: float | None = None
-    metrics: dict[str, tuple[chk.Metrics, bool]] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    report: dict | None = None
-
-    @property
-    def out(self) -> Path:
-        return self.s.out
-
-    @property
-    def config(self) -> DFlashConfig:
-        return self.checked.config
-
-    @property
-    def todo(self) -> list[PlanItem]:
-        return [i for i in self.items if i.status != "done"]
-
-    @property
-    def work(self) -> Path:
-        return self.s.work_dir or self.dest / ".work"
-
-    @property
-    def hessians(self) -> Path:
-        return self.work / "hessians"
-
-    @property
-    def manifest(self) -> dict:
-        return {"model": self.s.model_id, "revision": self.s.revision, "target": self.s.target}
-
-
-def step(fn: Callable[[Run], None]) -> Callable[[Run], None]:
-    """A step on the progress bar: shows its name while it runs and ticks when it is done."""
-
-    @functools.wraps(fn)
-    def run_step(run: Run) -> None:
-        run.bar.set_description(fn.__name__)
-        fn(run)
-        run.bar.update()
-
-    return run_step
 
 
 def read_target_config(run: Run) -> dict | None:
-    """The target's config.json (a Hub id fetches it alone); a dry run without it notes that it was not checked."""
+    """The target's config.json (a Hub ref fetches it alone); a dry run without it notes that it was not checked."""
     s = run.s
     if not s.target:
         return None
     try:
-        folder = resolve(s.target, s.target_revision, "target", config_only=True, cache_only=run.dry_run)
-        return read_config(folder, "target")
+        run.target_dir, run.target_sha = fetch_ref(s.target, s.target_revision, "target", config_only=True,
+                                                   cache_only=run.dry_run)
+        return read_config(run.target_dir, "target")
     except ToolkitError:
         if not run.dry_run:
             raise
@@ -123,51 +62,93 @@ def read_target_config(run: Run) -> dict | None:
 def validate(run: Run) -> None:
     """The drafter checkpoint against its target and the recipe, and OUT against a resume."""
     s = run.s
-    run.model_dir = resolve(s.model, s.revision, "model", config_only=run.dry_run, cache_only=run.dry_run)
+    run.model_dir, run.model_sha = fetch_ref(s.model, s.revision, "model", config_only=run.dry_run,
+                                             cache_only=run.dry_run)
     run.target_config = read_target_config(run)
-    run.checked = validate_checkpoint(run.model_dir, run.target_config, require_weights=not run.dry_run)
+    run.kind = target_kind(run.target_config) if run.target_config is not None else "none"
+    run.checked = validate_checkpoint(run.model_dir, run.target_config, require_weights=not run.dry_run,
+                                      target=s.target)
     s.recipe.check_expected(run.config)
     check_out_dir(s.out, run.manifest, run.force)
 
 
 @step
 def plan(run: Run) -> None:
-    """One row per bitrate (and calibration mode); finished folders are marked done and skipped."""
+    """One row per bitrate (and calibration mode), finished folders marked done; the GPU memory per step."""
     s = run.s
     run.items = make_plan(run.config, s.bits, s.out, s.model_id, s.revision, run.calibrate, run.also_uncalibrated,
                           run.force)
+    run.needs = plan_memory(run)
+
+
+def plan_memory(run: Run, max_prompt: int = mem.PROMPT_TOKENS) -> list[mem.Need]:
+    r, folder, cfg = run.s.recipe, run.target_dir, run.target_config or {}
+    weights = None
+    if folder is not None and run.kind == "exl3":
+        weights = mem.exl3_weights(folder, cfg)
+    elif folder is not None and run.kind == "hf":
+        weights = mem.hf_weights(folder, cfg)
+    n = len(r.calibration_prompts) + len(r.check_prompts)
+    sizes = mem.Sizes(run.kind, run.config, cfg, weights, max_prompt, r.max_new_tokens, n)
+    return mem.plan_memory(sizes, run.calibrating, bool(run.todo), run.check)
 
 
 def show_plan(run: Run) -> None:
-    """--dry-run: the drafter, the plan as a table and the notes."""
+    """--dry-run: the drafter, the plan as a table, the GPU memory per step and the notes."""
     s, c = run.s, run.config
-    print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({run.model_dir}), target {s.target or 'none'}")
+    print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({run.model_dir}), target {s.target or 'none'}"
+          + (f" ({'EXL3 on exllamav3' if run.kind == 'exl3' else 'transformers'})" if run.kind != "none" else ""))
     print(f"drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block {c.block_size}, "
           f"taps {c.target_layer_ids}, layer types {sorted(set(c.layer_types))}")
     if not run.checked.has_weights:
         run.notes.append("no weights in the model folder: tensors not checked")
     print(format_plan(run.items, s.out))
+    weights_known = run.kind == "none" or run.target_dir is None or any(
+        "target weights" in n.parts and n.parts["target weights"] for n in run.needs)
+    print(mem.format_memory(run.needs, weights_known))
     for n in run.notes:
         print(f"note: {n}")
 
 
 def prepare(run: Run) -> None:
-    """Refuse what cannot run here before OUT is touched; load the target and the BF16 reference once."""
-    s = run.s
+    """Refuse what cannot run here before OUT is touched: the EXL3 target's engine, the converter, the prompts,
+    the GPU memory of the plan's biggest step; fetch the target and tokenize the prompts."""
+    s, r = run.s, run.s.recipe
+    run.dev = run.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    uses_target = run.calibrate or run.check
+    if uses_target and not s.target:
+        raise ToolkitError("--target is needed to calibrate and check (or pass --no-calibrate --no-check)")
+    if uses_target and run.kind == "exl3" and (why := engine.ENGINE.unavailable(s.target)):
+        raise ToolkitError(why)
     if run.todo and (why := conv.converter_unavailable()):
         raise ToolkitError(why)
-    if (run.calibrate or run.check) and not s.target:
-        raise ToolkitError("--target is needed to calibrate and check (or pass --no-calibrate --no-check)")
     if run.check:
-        check_prompts(s.recipe)
-    run.dev = run.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not (run.calibrate or run.check):
+        check_prompts(r)
+    if run.calibrating and not r.calibration_prompts:
+        raise ToolkitError("calibration: the recipe has no [calibration] prompts (or pass --no-calibrate)")
+    if not (run.calibrating or run.check):
         return
-    if target_kind(run.target_config) == "exl3":
-        raise ToolkitError(f"--target: {s.target} is EXL3; calibration and the check need its BF16 (transformers) "
-                           "weights")
-    run.target_model, run.tokenizer = load_target(resolve(s.target, s.target_revision, "target"), run.dev)
-    run.reference = load_drafter(run.model_dir, dtype=torch.float32, device=run.dev)
+    run.target_dir, run.target_sha = fetch_ref(s.target, s.target_revision, "target")
+    from ..runtime.torch_backend import load_hf_tokenizer
+
+    run.tokenizer = load_hf_tokenizer(run.target_dir, "--target")
+    run.cal_ids = encode(run, r.calibration_prompts) if run.calibrating else []
+    run.held_ids = encode(run, r.check_prompts) if run.check else []
+    run.needs = plan_memory(run, max(map(len, run.cal_ids + run.held_ids), default=mem.PROMPT_TOKENS))
+    check_fits(run)
+
+
+def check_fits(run: Run) -> None:
+    """One line when the plan's biggest step needs more GPU memory than is free (estimated before loading)."""
+    top = mem.peak(run.needs)
+    if top is None or not (run.kind == "exl3" or run.dev.startswith("cuda")):
+        return
+    free = engine.ENGINE.free_bytes()
+    if top.total > free:
+        parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in top.parts.items() if v)
+        raise ToolkitError(f"--target: {run.s.target} does not fit in GPU memory: step {top.step} needs about "
+                           f"{mem.gib(top.total)} ({parts}, reserve {mem.gib(mem.RESERVE)}), the GPU has "
+                           f"{mem.gib(free)} free")
 
 
 def check_prompts(recipe: Recipe) -> None:
@@ -203,19 +184,70 @@ def encode(run: Run, texts: list[str]) -> list[list[int]]:
     return [encode_chat(run.tokenizer, t) for t in texts]
 
 
+def check_shifts(run: Run) -> list[int]:
+    """The recipe's candidate tap_shifts that name target layers (tap L + shift must be a layer of the target)."""
+    layers = TargetInfo(run.target_config or {}).num_layers or 1 << 30
+    return [x for x in run.s.recipe.tap_shift_candidates if all(0 <= t + x < layers for t in run.config.target_layer_ids)]
+
+
+@step
+def target(run: Run) -> None:
+    """Every prompt through the target: its greedy continuation, greedy tokens and taps. An EXL3 target is loaded
+    for this alone, hands over its embedding table and LM head, and is unloaded."""
+    if not (run.cal_ids or run.held_ids):
+        return
+    r, c = run.s.recipe, run.config
+    shifts = sorted(set(check_shifts(run)) | {c.tap_shift})
+    if run.kind == "exl3":
+        n = max(map(len, run.cal_ids + run.held_ids))
+        batch = min(mem.BATCH, max(1, len(run.cal_ids + run.held_ids)))
+        t = engine.ENGINE.open_target(run.target_dir, batch * mem.job_tokens(n, r.max_new_tokens, 1), batch)
+        try:
+            run.cal_prompts = exl3_prompts(t, run.cal_ids, c, [c.tap_shift], r.max_new_tokens)
+            run.held = exl3_prompts(t, run.held_ids, c, shifts, r.max_new_tokens)
+            run.parts = exl3_parts(t)
+        finally:
+            t.close()
+        return
+    from .blocks import load_target
+
+    run.target_model, _ = load_target(run.target_dir, run.dev)
+    run.cal_prompts = hf_prompts(run.target_model, run.cal_ids, c, [c.tap_shift], r.max_new_tokens)
+    run.held = hf_prompts(run.target_model, run.held_ids, c, shifts, r.max_new_tokens)
+
+
+def reference(run: Run):
+    """The BF16 drafter as a float32 torch module on the run's device (loaded once, parked on the CPU between uses)."""
+    if run.reference is None:
+        run.reference = load_drafter(run.model_dir, dtype=torch.float32, device=run.dev)
+    return run.reference.to(run.dev)
+
+
+def park(run: Run) -> None:
+    """Move the torch models off the GPU while exllamav3 (the converter, the target) needs it."""
+    if run.reference is not None:
+        run.reference.to("cpu")
+    if run.parts is not None:
+        run.parts.head_to("cpu")
+    free_gpu()
+
+
 @step
 def calibrate(run: Run) -> None:
-    """Input Hessians of every Linear from the target's hidden states, once for all calibrated bitrates."""
-    r = run.s.recipe
-    if run.calibrate and any(i.calibrated for i in run.todo):
-        cal.calibrate(run.reference, run.target_model, encode(run, r.calibration_prompts), linear_keys(run.config),
-                      r.anchors_per_prompt, run.hessians, run.progress, continue_tokens=r.max_new_tokens)
+    """Input Hessians of every Linear from the target's taps, once for all calibrated bitrates."""
+    if run.calibrating:
+        r = run.s.recipe
+        cal.calibrate_prompts(reference(run), run.cal_prompts, run.lm.get_input_embeddings().weight,
+                              linear_keys(run.config), r.anchors_per_prompt, run.hessians, run.progress,
+                              total=len(run.cal_prompts))
+        run.cal_prompts = []
 
 
 @step
 def convert(run: Run) -> None:
     """Each unfinished bitrate through exllamav3, into a folder that appears only when complete."""
     s, keep = run.s, unquantized_keys(run.config)
+    park(run)
     for item in tqdm(run.todo, desc="convert", unit="bitrate", disable=not run.progress, leave=False):
         conv.convert_bitrate(item, run.model_dir, run.dest, run.work, run.checked.tensors, keep, s.model_id, s.revision,
                              run.config.tap_shift, run.hessians if item.calibrated else None, s.recipe.overrides,
@@ -225,53 +257,83 @@ def convert(run: Run) -> None:
 
 @step
 def check(run: Run) -> None:
-    """Verify tap_shift on held-out prompts, then measure every bitrate against the BF16 reference and judge it."""
+    """Verify tap_shift on held-out prompts, then KL and top-1 of every bitrate against the BF16 reference (and τ
+    through the torch runtime with a BF16 target); pin the tap_shift into each folder."""
     run.tap_shift = run.config.tap_shift
     if not run.check:
         return
-    ids = encode(run, run.s.recipe.check_prompts)
-    prompts = pick_tap_shift(run, ids)
-    run.bf16_tau = chk.measure_tau(run.target_model, run.tokenizer, run.reference, ids, run.s.recipe.max_new_tokens,
-                                   run.tap_shift)
-    for item in tqdm(run.items, desc="check", unit="bitrate", disable=not run.progress, leave=False):
-        judge(run, item, ids, prompts)
-    run.notes.append("τ: greedy decoding through the torch runtime, EXL3 weights dequantized by exllamav3")
-
-
-def pick_tap_shift(run: Run, ids: list[list[int]]) -> list[Prompt]:
-    """The recipe's candidate shifts that name target layers, scored by agreement with the target; the best wins."""
-    r, c = run.s.recipe, run.config
-    layers = TargetInfo(run.target_config or {}).num_layers or 1 << 30   # tap L + shift must name a target layer
-    shifts = [x for x in r.tap_shift_candidates if all(0 <= t + x < layers for t in c.target_layer_ids)]
-    prompts = [run_target(run.target_model, i, c, sorted(set(shifts) | {c.tap_shift}), r.max_new_tokens) for i in ids]
-    run.tap_shift, scores = chk.pick_tap_shift(run.reference, prompts, run.target_model, r.anchors_per_prompt, shifts)
+    r, ref = run.s.recipe, reference(run)
+    if run.parts is not None:
+        run.parts.head_to(run.dev)
+    run.tap_shift, scores = chk.pick_tap_shift(ref, run.held, run.lm, r.anchors_per_prompt, check_shifts(run))
     run.notes.append("tap_shift agreement with the target: " + ", ".join(f"{k}: {v:.3f}" for k, v in scores.items())
                      + f" -> {run.tap_shift}")
-    return prompts
+    if run.kind == "hf":
+        run.bf16_tau = chk.measure_tau(run.target_model, run.tokenizer, ref, run.held_ids, r.max_new_tokens, run.tap_shift)
+    for item in tqdm(run.items, desc="check", unit="bitrate", disable=not run.progress, leave=False):
+        folder = run.dest / item.folder
+        qd = chk.load_quantized(folder, run.config, run.dev)
+        m = chk.compare(ref, qd, run.held, run.lm, r.anchors_per_prompt, run.tap_shift)
+        if run.kind == "hf":
+            m.tau = chk.measure_tau(run.target_model, run.tokenizer, qd, run.held_ids, r.max_new_tokens, run.tap_shift)
+        run.metrics[item.folder] = m
+        conv.pin_tap_shift(folder, run.tap_shift)
+        del qd
+    if run.kind == "hf":
+        run.notes.append("τ: greedy decoding through the torch runtime, EXL3 weights dequantized by exllamav3")
+    park(run)
 
 
-def judge(run: Run, item: PlanItem, ids: list[list[int]], prompts: list[Prompt]) -> None:
-    """KL, top-1 and τ of one bitrate against the reference, judged by the recipe; its config gets the tap_shift."""
-    r, folder = run.s.recipe, run.dest / item.folder
-    qd = chk.load_quantized(folder, run.config, run.dev)
-    m = chk.compare(run.reference, qd, prompts, run.target_model, r.anchors_per_prompt, run.tap_shift)
-    m.tau = chk.measure_tau(run.target_model, run.tokenizer, qd, ids, r.max_new_tokens, run.tap_shift)
-    ok, why = chk.judge(m, r.thresholds_for(item.bits), run.bf16_tau)
-    run.metrics[item.folder] = (m, ok)
-    if not ok:
-        run.failures.append(f"{item.folder}: " + "; ".join(why))
-    conv.pin_tap_shift(folder, run.tap_shift)
+@step
+def speed(run: Run) -> None:
+    """With an EXL3 target: τ, acceptance per position and tok/s against AR of the BF16 drafter at each draft width
+    (the best speedup is the recommended width), then of every bitrate at that width, on exllamav3."""
+    if not (run.check and run.kind == "exl3"):
+        return
+    s, r, c = run.s, run.s.recipe, run.config
+    n = max(map(len, run.held_ids))
+    setup = spd.SpeedSetup(run.target_dir, s.target, target_bits(run.target_config), run.held_ids, r.max_new_tokens,
+                           mem.job_tokens(n, r.max_new_tokens, c.block_size))
+    ref_dir = spd.shadow_reference(run.model_dir, run.work / "bf16-reference", run.tap_shift)
+    sweep = spd.measure(engine.ENGINE, setup, ref_dir, spd.widths_for(c.block_size, r.draft_tokens))
+    run.exl3_widths = [sweep[w] for w in sorted(sweep)]
+    run.recommended = spd.best_width(sweep) or max(sweep)
+    run.bf16_exl3 = sweep.get(run.recommended)
+    for item in tqdm(run.items, desc="speed", unit="bitrate", disable=not run.progress, leave=False):
+        run.exl3[item.folder] = spd.measure(engine.ENGINE, setup, run.dest / item.folder, [run.recommended])[run.recommended]
+    if all((x.get("speedup") or 0) < 1 for x in run.exl3_widths):
+        run.notes.append("speculative decoding was slower than AR at every measured draft width")
+
+
+def verdicts(run: Run) -> dict[str, bool]:
+    """Each measured bitrate judged by the recipe; τ is exllamav3's with an EXL3 target, the torch runtime's else."""
+    out, r = {}, run.s.recipe
+    bf16 = run.bf16_exl3["tau"] if run.bf16_exl3 else run.bf16_tau
+    for item in run.items:
+        m = run.metrics.get(item.folder)
+        if m is None:
+            continue
+        x = run.exl3.get(item.folder)
+        ok, why = chk.judge(dataclasses.replace(m, tau=x["tau"]) if x else m, r.thresholds_for(item.bits), bf16)
+        out[item.folder] = ok
+        if not ok:
+            run.failures.append(f"{item.folder}: " + "; ".join(why))
+    return out
 
 
 @step
 def report(run: Run) -> None:
-    """report.json (the measurements), report.md (with the notes) and tau_top1.png."""
+    """report.json (the measurements, the step table), report.md (with the notes) and tau_top1.png."""
     s, c = run.s, run.config
-    results = [rep.result_row(i, conv.folder_size(run.dest / i.folder), *(run.metrics.get(i.folder) or (None, None)))
-               for i in run.items]
+    passed = verdicts(run)
+    results = [rep.result_row(i, conv.folder_size(run.dest / i.folder), run.metrics.get(i.folder),
+                              passed.get(i.folder), run.exl3.get(i.folder)) for i in run.items]
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    run.report = rep.build_report(s.model_id, s.revision, s.target, c.block_size, run.tap_shift, device, run.bf16_tau,
-                                  run.checked.size_bytes, results)
+    run.report = rep.build_report(
+        s.model_id, s.revision, s.target, c.block_size, run.tap_shift, device, run.bf16_tau, run.checked.size_bytes,
+        results, model_sha=run.model_sha, target_sha=run.target_sha, target_kind=run.kind, bf16_exl3=run.bf16_exl3,
+        exl3_widths=run.exl3_widths, recommended_draft_tokens=run.recommended, steps=list(run.timings),
+        memory=mem.summary(run.timings, run.needs))
     rep.write_report(run.dest, run.report, run.notes)
 
 
@@ -295,9 +357,11 @@ def execute(run: Run) -> Run:
             return run
         prepare(run)
         with output(run):
+            target(run)
             calibrate(run)
             convert(run)
             check(run)
+            speed(run)
             report(run)
     return run
 

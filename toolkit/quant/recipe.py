@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import ToolkitError
+from .source import split_ref
 
 # exllamav3 1.6.5 takes a budget of 1-8 bpw; the half-integer rates (1.5/2.5/3.5) exist with its mul1 codebook.
 MIN_BITS, MAX_BITS = 1.0, 8.0
@@ -36,6 +37,7 @@ class Recipe:
     anchors_per_prompt: int = 8
     max_new_tokens: int = 64
     tap_shift_candidates: list[int] = field(default_factory=lambda: [0, 1])
+    draft_tokens: list[int] = field(default_factory=list)   # widths the exllamav3 check sweeps ([]: 3, 7, B-1)
     thresholds: dict[str, Thresholds] = field(default_factory=dict)   # "4.0" or "default" -> floor
     expect: dict = field(default_factory=dict)   # [model.expect]: drafter config values the fetched revision must have
     path: Path | None = None
@@ -111,6 +113,12 @@ def _thresholds(raw: dict, where: Path) -> dict[str, Thresholds]:
     return out
 
 
+def _draft_tokens(raw, where: Path) -> list[int]:
+    if not isinstance(raw, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in raw):
+        raise ToolkitError(f"{where}: check.draft_tokens must be a list of integers >= 1, got {raw!r}")
+    return sorted(set(raw))
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read a recipe TOML; every problem is one line naming the file and the field."""
     p = Path(path)
@@ -139,6 +147,7 @@ def load_recipe(path: str | Path) -> Recipe:
         anchors_per_prompt=int(cal.get("anchors_per_prompt", 8)),
         max_new_tokens=int(chk.get("max_new_tokens", 64)),
         tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1])],
+        draft_tokens=_draft_tokens(chk.get("draft_tokens", []), p),
         thresholds=_thresholds(raw.get("thresholds") or {}, p),
         expect=dict(model.get("expect") or {}),
         path=p,
@@ -168,8 +177,9 @@ def merge(recipe: str | None, model: str | None, revision: str | None, target: s
         raise ToolkitError("--model is required without --recipe")
     model = model or r.model
     from_recipe = r is not None and model == r.model
-    model_id = r.model if r else model
-    rev = revision or (r.revision if r and (from_recipe or Path(model).is_dir()) else None)
+    repo, named = split_ref(model, "model")            # USER/NAME@REVISION names its revision itself
+    model_id = r.model if r else repo
+    rev = revision or named or (r.revision if r and (from_recipe or Path(model).is_dir()) else None)
     tgt = target or (r.target if r else None)
     trev = r.target_revision if r and tgt == r.target else None
     b = parse_bits(bits) if bits else (r.bits if r else [4.0])

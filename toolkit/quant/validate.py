@@ -11,6 +11,7 @@ from ..dflash import DFlashConfig, DFlashDraft
 from ..dflash.config import ARCHITECTURE
 from ..core.errors import ToolkitError
 from ..core.folders import read_config
+from ..core.target import TargetInfo
 from ..core.tensorfiles import read_header, tensor_shapes  # noqa: F401  (read_header: re-exported)
 
 OPTIONAL = ("mask_embedding",)
@@ -54,14 +55,31 @@ def check_architecture(cfg: dict, folder: Path) -> None:
     raise ToolkitError(f"{folder}: architectures is {archs}, expected [{ARCHITECTURE!r}] (a DFlash drafter)")
 
 
-def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool = True) -> Checked:
+def check_fit(config: DFlashConfig, target_cfg: dict, target: str | None = None) -> None:
+    """The drafter against the target's config: hidden size, vocabulary, taps inside its layers, and its layer
+    count against the drafter's num_target_layers. `target` names it in the message."""
+    try:
+        config.validate_against(target_cfg)
+        layers = TargetInfo(target_cfg).num_layers
+        if config.num_target_layers and layers and int(config.num_target_layers) != layers:
+            raise ToolkitError(f"num_target_layers: drafter was made for {config.num_target_layers} target layers, "
+                               f"target has {layers}")
+    except ToolkitError as e:
+        if target is None:
+            raise
+        kind = "EXL3 target" if TargetInfo(target_cfg).exl3 else "target"
+        raise ToolkitError(f"--target: {kind} {target} does not fit the drafter: {e}") from None
+
+
+def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool = True,
+             target: str | None = None) -> Checked:
     """Config, tensors and target fit. Without weights (a config-only folder) only a dry run may go on."""
     folder = Path(folder)
     raw = read_config(folder, "model")
     check_architecture(raw, folder)
     config = DFlashConfig.from_dict(raw)
     if target_cfg is not None:
-        config.validate_against(target_cfg)
+        check_fit(config, target_cfg, target)
     headers, size = read_headers(folder)
     if not headers:
         if require_weights:

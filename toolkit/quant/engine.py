@@ -1,0 +1,53 @@
+"""The one seam between the quantize pipeline and exllamav3 at run time (the converter subprocess aside).
+
+With an EXL3 target the pipeline asks four things of exllamav3: can it run here, how much GPU memory is free,
+the target alone (greedy continuations and taps, runtime/exl3_taps.py), and the target with one drafter
+(the exllamav3 backend, for τ and speed). `ENGINE` answers them; the CPU tests replace it with a stand-in over
+a transformers model, as they replace the converter at convert.run_converter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.errors import ToolkitError
+
+
+class Exl3Engine:
+    """exllamav3 1.6.5 on the local CUDA GPU."""
+
+    def unavailable(self, target: str) -> str | None:
+        """Why an EXL3 target cannot run here (no CUDA GPU, exllamav3 missing or not 1.6.5), or None."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return (f"--target: {target} is an EXL3 model, and running it needs a CUDA GPU (none found here); "
+                    "pass a BF16 target, or --no-calibrate --no-check")
+        from ..runtime.exl3_taps import check_pinned
+
+        try:
+            check_pinned()
+        except ToolkitError as e:
+            return f"--target: {target} is an EXL3 model: {e}"
+        return None
+
+    def free_bytes(self) -> int:
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+
+    def open_target(self, folder: Path, cache_tokens: int, max_concurrency: int):
+        """The target alone: runtime.exl3_taps.Exl3Target (continue_greedy, forward, embedding_table,
+        head_weight, close)."""
+        from ..runtime.exl3_taps import open_target
+
+        return open_target(folder, cache_tokens, max_concurrency)
+
+    def open_backend(self, target: Path, draft: Path, cache_tokens: int, max_concurrency: int):
+        """The target with one DFlash drafter on the exllamav3 backend (runtime.backend.Backend)."""
+        from ..runtime.factory import load_backend
+
+        return load_backend("exllamav3", target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency)
+
+
+ENGINE = Exl3Engine()

@@ -1,0 +1,108 @@
+"""τ and speed of each drafter on exllamav3 with the EXL3 target: the numbers the users of the quants get.
+
+For one drafter folder the target and that drafter are loaded through the exllamav3 backend (engine.ENGINE),
+the held-out prompts are decoded one after another (one user's stream) greedily, first plain AR and then
+speculatively at each asked draft width (GenSettings with a fixed block of width + 1), all in one process, and
+the backend is closed before the next drafter loads. Per width: τ (mean accepted + 1 per verification round),
+acceptance per draft position, tok/s of both, the speedup, and the share of prompts whose output equals AR's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..runtime.backend import Backend, GenSettings
+from ..runtime.events import Round, summarize, tokens_of
+
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class SpeedSetup:
+    """What every measurement of one run shares."""
+
+    target: Path                 # the EXL3 target folder
+    name: str                    # the target as the user named it (a Hub ref or a folder), for the report and card
+    bits: float | None           # the target's bitrate (its quantization_config)
+    prompts: list[list[int]]     # the held-out check prompts, tokenized
+    max_new_tokens: int
+    cache_tokens: int
+
+
+def decode(backend: Backend, prompts: list[list[int]], settings: GenSettings,
+           speculative: bool) -> tuple[list[list[Round]], float]:
+    """Each prompt on its own, after a short warm-up of the same setting; (rounds per prompt, seconds)."""
+    warm = GenSettings(**{**vars(settings), "max_new_tokens": min(WARMUP_TOKENS, settings.max_new_tokens)})
+    list(backend.generate_many([prompts[0]], warm, speculative=speculative))
+    rounds: list[list[Round]] = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        rounds.append([r for _, r in backend.generate_many([p], settings, speculative=speculative)])
+    return rounds, time.perf_counter() - t0
+
+
+def cell(rounds: list[list[Round]], secs: float, ar: dict, ar_tokens: list[list[int]], width: int,
+         setup: SpeedSetup) -> dict:
+    """The report's `exl3` object for one drafter at one width."""
+    s = summarize([r for job in rounds for r in job], secs)
+    same = [tokens_of(job) == a for job, a in zip(rounds, ar_tokens)]
+    return {"tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "ar_tok_s": ar["tok_s"],
+            "speedup": s.tok_s / ar["tok_s"] if ar["tok_s"] else None, "lossless": sum(same) / len(same),
+            "draft_tokens": width, "target": setup.name, "target_bits": setup.bits, "tokens": s.tokens,
+            "seconds": round(secs, 3)}
+
+
+def measure(engine, setup: SpeedSetup, draft: Path, widths: list[int]) -> dict[int, dict]:
+    """AR and each draft width for one drafter folder, in one load of target + drafter: {width: exl3 object}."""
+    be = engine.open_backend(setup.target, draft, setup.cache_tokens, 1)
+    try:
+        base = GenSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, block_size=None)
+        ar_rounds, ar_secs = decode(be, setup.prompts, base, speculative=False)
+        ar = {"tok_s": summarize([r for job in ar_rounds for r in job], ar_secs).tok_s}
+        ar_tokens = [tokens_of(job) for job in ar_rounds]
+        out = {}
+        for w in widths:
+            st = GenSettings(**{**vars(base), "block_size": w + 1})
+            rounds, secs = decode(be, setup.prompts, st, speculative=True)
+            out[w] = cell(rounds, secs, ar, ar_tokens, w, setup)
+        return out
+    finally:
+        be.close()
+        from ..runtime.exl3_taps import free_gpu
+
+        free_gpu()
+
+
+def widths_for(block_size: int, asked: list[int] | None) -> list[int]:
+    """Draft widths to sweep with the reference: the recipe's, else 3, 7 and the full B-1 (each cut to B-1)."""
+    full = block_size - 1
+    ws = asked or [3, 7, full]
+    return sorted({max(1, min(int(w), full)) for w in ws})
+
+
+def best_width(sweep: dict[int, dict]) -> int | None:
+    """The width with the best measured speedup (ties: the narrower)."""
+    scored = [(c["speedup"], -w) for w, c in sweep.items() if c.get("speedup") is not None]
+    return -max(scored)[1] if scored else None
+
+
+def shadow_reference(model_dir: Path, dest: Path, tap_shift: int) -> Path:
+    """The BF16 drafter as exllamav3 should read it: links to its files and a config.json with the checked tap_shift
+    (exllamav3 reads the shift from the config; the user's folder is never changed)."""
+    import json
+    import shutil
+
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        link = dest / f.name
+        if f.is_file() and f.name != "config.json":
+            os.symlink(f.resolve(), link)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg.setdefault("dflash_config", {})["tap_shift"] = tap_shift
+    cfg.pop("tap_shift", None)
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dest

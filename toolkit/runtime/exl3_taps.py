@@ -1,0 +1,109 @@
+"""An EXL3 target as the quantize pipeline needs it, on exllamav3 1.6.5: greedy continuations, the hidden
+states at the drafter's taps, the embedding table and the LM head.
+
+The taps come out the way exllamav3's own DFlash path gets them. A DFlash drafter sets
+`draft_verifier_params = {"export_state_layers": {L + tap_shift, ...}}`; the generator passes those params to
+the target's forward, and every TransformerBlock whose `layer_idx` is in the set appends its output (fp16,
+[bsz, seq, hidden], in layer order) to `params["export_states"]` (modules/transformer.py). We pass the same
+key to one plain no-cache forward (`attn_mode="flash_attn_nc"`) over a whole prompt, so a tap is the very
+tensor exllamav3's drafter reads: the output of target layer L + s, HF `hidden_states[L + s + 1]`, the
+toolkit's tap convention. Greedy continuations run exllamav3's Generator through the exllamav3 backend
+(exl3_backend.py) with no drafter. Those two params keys and `Model.logit_layer_idx` are what this module
+relies on, so it is pinned to 1.6.5 like the round capture: any other version is refused in one line.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from ..core.errors import ToolkitError
+from .backend import GenSettings
+from .exl3_hook import PINNED_VERSION, check_version, exllamav3_version
+
+EXPORT_LAYERS = "export_state_layers"    # params key: the layer indices whose outputs a forward exports
+EXPORTED = "export_states"               # params key: the exported outputs, in layer order
+EMBED_CHUNK = 16384                      # vocabulary rows per embedding lookup when the table is read out
+
+
+def check_pinned() -> None:
+    """exllamav3 installed at the version the tap capture is written against (one line otherwise)."""
+    check_version(exllamav3_version())
+
+
+def free_gpu() -> None:
+    """Give cached GPU memory back after a model is unloaded."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Exl3Target:
+    """A loaded EXL3 target (an Exl3Backend without drafter) with the calls the quantize pipeline makes."""
+
+    def __init__(self, backend, batch: int = 8):
+        self.backend = backend
+        self.model = backend.model
+        self.batch = max(1, batch)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.hidden_size = int(self.model.config.hidden_size)
+
+    def continue_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Each prompt followed by the target's greedy continuation (up to max_new_tokens, stopping at EOS)."""
+        settings = GenSettings(max_new_tokens=max_new_tokens, temperature=0.0, block_size=None)
+        out = [list(p) for p in prompts]
+        for k in range(0, len(prompts), self.batch):
+            for i, r in self.backend.generate_many([list(p) for p in prompts[k:k + self.batch]], settings,
+                                                   speculative=False):
+                out[k + i] += r.tokens
+        return out
+
+    def forward(self, ids: list[int], layers: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One no-cache forward: the greedy next token per position [n] and the output of each of `layers`
+        [1, n, hidden] (fp16), both on the CPU."""
+        want = sorted(set(layers))
+        params = {"attn_mode": "flash_attn_nc", EXPORT_LAYERS: set(want)}
+        logits = self.model.forward(torch.tensor([list(ids)], dtype=torch.long), params)
+        states = params.get(EXPORTED) or []
+        if len(states) != len(want):
+            raise ToolkitError(f"exllamav3 exported {len(states)} hidden states for the {len(want)} tap layers {want}; "
+                               f"the tap capture is written for exllamav3 {PINNED_VERSION}")
+        greedy = logits[0, :, : self.vocab_size].argmax(-1).cpu()
+        return greedy, {L: s.cpu() for L, s in zip(want, states)}
+
+    def embedding_table(self) -> torch.Tensor:
+        """The token embedding table [vocab, hidden] (float32, CPU), read through exllamav3's own lookup, so a
+        streamed or quantized table reads the same as a resident one."""
+        from exllamav3.modules import Embedding
+
+        emb = next((m for m in self.model.modules if isinstance(m, Embedding)), None)
+        if emb is None:
+            raise ToolkitError("exllamav3 model has no Embedding module: not a text target")
+        rows = []
+        with torch.inference_mode():
+            for k in range(0, self.vocab_size, EMBED_CHUNK):
+                ids = torch.arange(k, min(self.vocab_size, k + EMBED_CHUNK), dtype=torch.long)[None]
+                rows.append(emb.forward(ids, {}).float()[0, :, : self.hidden_size].cpu())
+        return torch.cat(rows)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head [vocab, hidden] as exllamav3 computes with it (EXL3 dequantized), fp16 on the CPU."""
+        lm = self.model.modules[self.model.logit_layer_idx]
+        with torch.inference_mode():
+            w = lm.inner.get_weight_tensor().cpu()          # [in, out], padded to exllamav3's tiles
+        return w.T[: self.vocab_size, : self.hidden_size].contiguous()
+
+    def close(self) -> None:
+        self.backend.close()
+        free_gpu()
+
+
+def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int) -> Exl3Target:
+    """Load an EXL3 target folder alone (no drafter) through the exllamav3 backend."""
+    from .factory import load_backend
+
+    check_pinned()
+    backend = load_backend("exllamav3", folder, None, cache_tokens=cache_tokens, max_concurrency=max_concurrency)
+    return Exl3Target(backend, batch=max_concurrency)
