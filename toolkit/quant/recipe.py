@@ -109,6 +109,9 @@ def _thresholds(raw: dict, where: Path) -> dict[str, Thresholds]:
         if unknown:
             raise ToolkitError(f"{where}: thresholds.{key} has unknown keys {sorted(unknown)}")
         name = key if key == "default" else format_bits(check_bits(key, f"thresholds.{key}"))
+        bad = [k for k, v in val.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if bad:
+            raise ToolkitError(f"{where}: thresholds.{key}.{bad[0]} must be a number, got {val[bad[0]]!r}")
         out[name] = Thresholds(**{k: float(v) for k, v in val.items()})
     return out
 
@@ -117,6 +120,37 @@ def _draft_tokens(raw, where: Path) -> list[int]:
     if not isinstance(raw, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in raw):
         raise ToolkitError(f"{where}: check.draft_tokens must be a list of integers >= 1, got {raw!r}")
     return sorted(set(raw))
+
+
+TYPE_WORDS = {str: "a string", int: "an integer", dict: "a table", list[str]: "a list of strings",
+              list[int]: "a list of integers", (str, float, list): "a number, a string or a list of numbers"}
+
+
+def _table(raw: dict, key: str, where: Path) -> dict:
+    """A top-level table of the recipe ({} when absent); any other type is one line naming it."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ToolkitError(f"recipe: {where}: [{key}] must be a table, got {value!r}")
+    return value
+
+
+def _check_type(value, kind, name: str, where: Path) -> None:
+    """A recipe field of the expected TOML type (None: absent, the default applies); else one line naming it."""
+    if value is None:
+        return
+    if kind in (list[str], list[int]):
+        elem = str if kind == list[str] else int
+        ok = isinstance(value, list) and all(isinstance(v, elem) and not isinstance(v, bool) for v in value)
+    elif kind == (str, float, list):
+        ok = isinstance(value, (str, int, float, list)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok and kind is int and value < 1 and name != "check.tap_shift_candidates":
+        ok = False
+    if not ok:
+        raise ToolkitError(f"recipe: {where}: {name} must be {TYPE_WORDS[kind]}{' >= 1' if kind is int else ''}, got {value!r}")
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -128,19 +162,23 @@ def load_recipe(path: str | Path) -> Recipe:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ToolkitError(f"recipe: {p} is not valid TOML ({e})") from None
-    model = raw.get("model") or {}
+    model, target, cal, chk, bits = (_table(raw, k, p) for k in ("model", "target", "calibration", "check", "bits"))
     if not model.get("id"):
         raise ToolkitError(f"recipe: {p} has no [model] id")
-    target = raw.get("target") or {}
-    cal = raw.get("calibration") or {}
-    chk = raw.get("check") or {}
-    overrides = {k: check_override_bits(k, v) for k, v in (raw.get("overrides") or {}).items()}
+    for where, table, key, kind in (("model", model, "id", str), ("model", model, "revision", str),
+                                    ("target", target, "id", str), ("target", target, "revision", str),
+                                    ("model", model, "expect", dict), ("calibration", cal, "prompts", list[str]),
+                                    ("check", chk, "prompts", list[str]), ("calibration", cal, "anchors_per_prompt", int),
+                                    ("check", chk, "max_new_tokens", int), ("check", chk, "tap_shift_candidates", list[int]),
+                                    ("bits", bits, "default", (str, float, list))):
+        _check_type(table.get(key), kind, f"{where}.{key}", p)
+    overrides = {k: check_override_bits(k, v) for k, v in _table(raw, "overrides", p).items()}
     return Recipe(
         model=model["id"],
         revision=model.get("revision"),
         target=target.get("id"),
         target_revision=target.get("revision"),
-        bits=parse_bits(raw.get("bits", {}).get("default", [4.0])),
+        bits=parse_bits(bits.get("default", [4.0])),
         overrides=overrides,
         calibration_prompts=list(cal.get("prompts", [])),
         check_prompts=list(chk.get("prompts", [])),
@@ -148,7 +186,7 @@ def load_recipe(path: str | Path) -> Recipe:
         max_new_tokens=int(chk.get("max_new_tokens", 64)),
         tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1])],
         draft_tokens=_draft_tokens(chk.get("draft_tokens", []), p),
-        thresholds=_thresholds(raw.get("thresholds") or {}, p),
+        thresholds=_thresholds(_table(raw, "thresholds", p), p),
         expect=dict(model.get("expect") or {}),
         path=p,
     )
