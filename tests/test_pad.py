@@ -67,3 +67,47 @@ def test_padded_pair_decodes_the_same(tmp_path):
     a = list(TorchBackend.from_dirs(tmp_path / "src", tmp_path / "draft").generate([5, 6, 7, 8], st))
     b = list(TorchBackend.from_dirs(pt, pd).generate([5, 6, 7, 8], st))
     assert [(r.drafted, r.accepted, r.bonus) for r in a] == [(r.drafted, r.accepted, r.bonus) for r in b]
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    smol_like(tmp_path, layers=1)
+
+    def full_disk(*a, **k):     # what safetensors raises on ENOSPC (seen on a 64 KiB tmpfs)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    with pytest.raises(ToolkitError, match=r"^no space left on the device writing .*/dst: about [0-9.]+ MiB needed, "):
+        pad(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_rerun_replaces_its_own_output_and_refuses_other_folders(tmp_path):
+    from toolkit.core.errors import OptionError
+
+    smol_like(tmp_path, layers=1)
+    first = pad(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert pad(str(tmp_path / "src"), str(tmp_path / "dst")) == first           # its own earlier output: no --force
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(OptionError, match="is not an earlier output of pad"):
+        pad(str(tmp_path / "src"), str(tmp_path / "mine"))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    with pytest.raises(OptionError, match="SRC itself or inside it"):
+        pad(str(tmp_path / "src"), str(tmp_path / "src" / "sub"))
+
+
+def test_exl3_and_truncated_sources_are_refused(tmp_path):
+    from toolkit.core.errors import OptionError
+
+    smol_like(tmp_path, layers=1)
+    f = tmp_path / "src" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.raises(OptionError, match="src: .*model.safetensors: not a readable safetensors file \\(truncated"):
+        pad(str(tmp_path / "src"), str(tmp_path / "dst"))
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "exl3"}}))
+    with pytest.raises(OptionError, match="is an EXL3 checkpoint"):
+        pad(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 
 from ..core.errors import OptionError, ToolkitError
-from ..core.folders import atomic_dir, claim, read_config
+from ..core.folders import MARKER, atomic_dir, claim, read_config
+from ..core.kinds import kind_of
+from ..core.target import TargetInfo
+from ..core.tensorfiles import check_folder, save_tensors
 
 ALIGN = 128
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -48,13 +51,24 @@ def up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
+def width(cfg: dict, key: str, default: int | None = None) -> int:
+    """A positive integer width of the config (`default` when absent or null); anything else is one line."""
+    v = cfg.get(key)
+    if v is None and default is not None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ToolkitError(f"config.json: {key} must be a positive integer, got {v!r}")
+    return v
+
+
 def padded_widths(cfg: dict, align: int = ALIGN) -> tuple[Widths, Widths]:
     """(original, padded) widths of a config; the padded ones are all multiples of `align`."""
     if cfg.get("model_type") not in FAMILIES and "DFlashDraftModel" not in (cfg.get("architectures") or []):
         raise ToolkitError(f"padding supports dense {', '.join(FAMILIES)} models, not model_type {cfg.get('model_type')!r}")
-    h, q = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    k = int(cfg.get("num_key_value_heads") or q)
-    d = int(cfg.get("head_dim") or h // q)
+    h, q = width(cfg, "hidden_size"), width(cfg, "num_attention_heads")
+    k = width(cfg, "num_key_value_heads", q)
+    d = width(cfg, "head_dim", h // q)
+    width(cfg, "intermediate_size")
     if q % k:
         raise ToolkitError(f"{q} attention heads are not a multiple of {k} K/V heads")
     g = q // k
@@ -112,24 +126,37 @@ def padded_config(cfg: dict, a: Widths, b: Widths) -> dict:
 
 def pad(src: str, dst: str, align: int = ALIGN, force: bool = False) -> Path:
     """Write a padded copy of the model folder `src` to `dst` (atomically); other files are copied as they are.
-    A non-empty `dst` that is not an earlier padded folder is refused unless `force` (docs/outputs.md)."""
-    from safetensors.torch import load_file, save_file
+    A non-empty `dst` that is not an earlier padded folder is refused unless `force` (docs/outputs.md); SRC must be
+    an unquantized model (an EXL3 checkpoint is refused by kind) with readable safetensors files."""
+    from safetensors.torch import load_file
 
-    if align < 1:
-        raise OptionError("align", f"must be >= 1, got {align}")
+    if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096:
+        raise OptionError("align", f"must be a whole number from 1 to 4096, got {align!r}")
     s, d = Path(src), claim(dst, "pad", force, field="dst")
-    if d.resolve() == s.resolve():
-        raise OptionError("dst", f"{d} is SRC itself: name a new folder")
-    cfg = read_config(s, "model")
+    if not s.is_dir():
+        raise OptionError("src", f"{s} is not a folder")
+    if d.resolve() == s.resolve() or s.resolve() in d.resolve().parents:
+        raise OptionError("dst", f"{d} is SRC itself or inside it: name a new folder")
+    if not (s / "config.json").is_file():
+        raise OptionError("src", f"{s} has no config.json (not a model folder)")
+    cfg = read_config(s)
+    if not isinstance(cfg, dict):
+        raise OptionError("src", f"{s / 'config.json'} is not a JSON object")
+    info = TargetInfo(cfg)
+    if info.exl3:
+        raise OptionError("src", f"{s} is {kind_of(info)}: only unquantized safetensors weights can be padded")
     a, b = padded_widths(cfg, align)
-    files = sorted(s.glob("*.safetensors"))
+    try:
+        files = check_folder(s)
+    except ToolkitError as e:
+        raise OptionError("src", str(e)) from None
     if not files:
         raise ToolkitError(f"{s}: no .safetensors weights to pad")
     with atomic_dir(d, command="pad", need=sum(f.stat().st_size for f in files) * 2) as work:
         for f in s.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and f.name != MARKER:
                 shutil.copy2(f, work / f.name)
         for f in files:
-            save_file(pad_state(load_file(str(f)), a, b), str(work / f.name), metadata={"format": "pt"})
+            save_tensors(pad_state(load_file(str(f)), a, b), work / f.name, metadata={"format": "pt"})
         (work / "config.json").write_text(json.dumps(padded_config(cfg, a, b), indent=2))
     return d
