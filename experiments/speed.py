@@ -1,0 +1,347 @@
+"""Issue 16's speed story on the H200: round costs of the real shape with and without each lever, the host time
+our code adds per round, the projected speedup at the published tau, and the real pair's measured tok/s.
+
+Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after every step):
+
+    source .device/on-device.sh && timeout 570 python -m experiments.speed shape                (carry [".device"])
+
+1. synthesise (toolkit.synthetic, on the GPU) the Qwen3.6-35B-A3B target at 4.0 bpw and its DFlash drafter at
+   6.0 bpw into /tmp/speed (skipped when present: a warm machine keeps /tmp), and load them (Exl3Backend);
+2. t_AR (exllamav3's Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR
+   round of the speculative Generator, drafter K/V kept) at c in {1, 4, 8, 16}, stock and with each lever
+   (sparse_draft_head=32768, draft_max_rows=8, chunked_verify), >= 10 repetitions interleaved: every
+   repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
+   round per width then one timed pass over the widths (toolkit.runtime.exl3_policy.time_rounds, the same timer
+   as the backend's calibration); medians and spread per cell;
+3. torch.profiler at c=1, w=7: GPU-idle time per round of exllamav3's Generator, of our recording subclass (the
+   capture), and of our whole policy path (full-block capture, Round assembly, hindsight): what our code adds;
+4. the projection at the published tau (DF-16 7.63, DF-8 5.74; geometric per-position acceptance, see
+   toolkit.runtime.projection) for exllamav3's defaults and for the policy, per setting and c.
+Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
+
+Mode `pair`, the SmolLM2-135M pair with its shipped drafter (toolkit/data/smollm2_dflash), after the target was
+staged on the same warm machine (experiments/smol_device.py: call 1 carries .smol1/part1, call 2 runs
+`python3 -m experiments.smol_device stage`), then within the 30 s idle window:
+
+    source .device/on-device.sh && timeout 570 python -m experiments.speed pair                 (carry [".device"])
+
+pads both to hidden 768 (toolkit.assets.padding, as experiments/smol_exl3.py does) and runs toolkit.bench on
+exllamav3: AR, fixed B=16, fixed B=8 and auto at c in {1, 4, 8} on the held-out prompts, >= 10 repetitions
+interleaved, greedy output checked against AR (the lossless column), dynamic_draft_tokens as a lever; bench.json
+and bench.png go to $OUT/pair, the summary and the issue's targets to $OUT/speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from experiments.harness import Run, device_name, env_float
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "quantize" / "shapes"
+WORK = Path("/tmp/speed")
+SMOL = Path("/tmp/smol-run")
+WIDTHS = (0, 1, 3, 5, 7, 11, 15)
+SHAPE_LEVERS = ("sparse_draft_head", "draft_max_rows", "chunked_verify")
+
+
+# -- pure helpers (tested on the CPU) --------------------------------------------------------------------------
+
+
+def busy(intervals) -> float:
+    """Length of the union of (start, end) intervals: the time the GPU ran anything."""
+    total, cur = 0.0, None
+    for s, e in sorted(intervals):
+        if cur is None or s > cur[1]:
+            total += (cur[1] - cur[0]) if cur else 0.0
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    return total + ((cur[1] - cur[0]) if cur else 0.0)
+
+
+def cell_summary(samples: dict) -> dict:
+    """{key: [ms per repetition]} -> {key: spread}."""
+    from toolkit.runtime.projection import spread
+
+    return {str(k): spread(v) for k, v in samples.items()}
+
+
+def projection_rows(ar: dict[int, list[float]], sets: dict[str, dict[int, dict[int, list[float]]]], taus) -> list[dict]:
+    """Projected speedups per setting, c and tau from the repetitions' medians (t_AR from the drafter-less Generator)."""
+    from toolkit.runtime.policy import CostTable
+    from toolkit.runtime.projection import project, spread
+
+    rows = []
+    for tag, per_c in sets.items():
+        for c, per_w in sorted(per_c.items()):
+            pts = {w: spread(ts)["median"] for w, ts in per_w.items() if ts}
+            if c not in ar or not ar[c] or 0 not in pts or len(pts) < 2:
+                continue
+            table = CostTable({c: pts})
+            for name, tau, B in taus:
+                if B - 1 in pts:
+                    rows.append({"setting": tag, "name": name, **project(table, c, tau, B, t_ar=spread(ar[c])["median"])})
+    return rows
+
+
+def shape_targets(rows: list[dict]) -> dict:
+    """Issue 16's real-shape targets at c=1, DF-16: policy >= 1.3x exllamav3's defaults and >= 2.2x AR."""
+    r = next((x for x in rows if x["setting"] == "stock" and x["concurrency"] == 1 and x["name"] == "DF-16"), None)
+    if r is None:
+        return {}
+    return {"policy_over_defaults": r["policy_over_default"], "needed_over_defaults": 1.3,
+            "policy_over_ar": r["policy_speedup"], "needed_over_ar": 2.2, "policy_width": r["policy_width"],
+            "pass": r["policy_over_default"] >= 1.3 and r["policy_speedup"] >= 2.2}
+
+
+def pair_targets(result: dict) -> dict:
+    """Issue 16's real-pair targets: auto >= 2.0x AR at c=1, within 3 % of the best fixed width at every c, never
+    more than 5 % slower than AR, and lossless."""
+    out = {}
+    for c in result["concurrency"]:
+        cells = [x for x in result["cells"] if x["concurrency"] == c and not x.get("lever")]
+        auto = next((x for x in cells if x["block_size"] == "auto"), None)
+        fixed = [x for x in cells if isinstance(x["block_size"], int)]
+        if auto is None:
+            continue
+        best = max((x["tok_s"] for x in fixed), default=0.0)
+        row = {"auto_speedup": auto["speedup"], "auto_over_best_fixed": auto["tok_s"] / best if best else None,
+               "lossless": auto["lossless"], "not_slower_than_ar": auto["speedup"] >= 0.95,
+               "within_3pct_of_best_fixed": best == 0 or auto["tok_s"] >= 0.97 * best}
+        if c == 1:
+            row["at_least_2x_ar"] = auto["speedup"] >= 2.0
+        out[str(c)] = row
+    return out
+
+
+# -- shape mode ------------------------------------------------------------------------------------------------
+
+
+def synth_pair(work: Path, resynth: bool) -> dict:
+    import torch
+
+    from toolkit.synthetic import synth
+
+    out = {}
+    for key, cfg, bits in (("target", "qwen3.6-35b-a3b.json", 4), ("draft", "qwen3.6-35b-a3b-dflash.json", 6)):
+        folder = work / f"{key}-{bits}.0"
+        if (folder / "config.json").is_file() and not resynth:          # complete: synth renames it in at the end
+            out[key] = {"reused": str(folder)}
+            continue
+        out[key] = synth(str(SHAPES / cfg), bits, str(folder), device="cuda", overwrite=True, quiet=True)
+    torch.cuda.empty_cache()
+    return out
+
+
+def load_shape(a):
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    per_job = math.ceil((a.context + 2 * sum(w + 1 for w in a.widths) + 64) / 256) * 256
+    return Exl3Backend.from_dirs(a.work / "target-4.0", a.work / "draft-6.0", cache_tokens=max(a.concurrency) * per_job,
+                                 max_concurrency=max(a.concurrency))
+
+
+def time_shape(run: Run, be, a) -> dict:
+    """The interleaved repetitions: every (c, setting) timed once per repetition; partial results kept."""
+    from toolkit.runtime.exl3_options import Exl3Options, parse_lever
+    from toolkit.runtime.exl3_policy import medians, time_rounds
+
+    sets = [("stock", Exl3Options())] + [parse_lever(x) for x in a.levers]
+    ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
+    per: dict[str, dict[int, dict[int, list[float]]]] = {t: {c: {w: [] for w in a.widths} for c in a.concurrency} for t, _ in sets}
+    out = run.results.setdefault("timing", {})
+    rep_s = 0.0
+    for rep in range(a.reps):
+        if rep and run.left() < rep_s * 1.1 + a.reserve_s:
+            run.log(f"stopping after {rep} repetitions: {run.left():.0f} s left, a repetition takes {rep_s:.0f} s")
+            break
+        t0 = time.time()
+        for c in a.concurrency:
+            be.set_options(Exl3Options())
+            ar[c].append(medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0])
+            for tag, opts in sets:
+                be.set_options(opts)
+                for w, ms in medians(time_rounds(be, c, a.widths, reps=a.passes, context=a.context)).items():
+                    per[tag][c][w].append(ms)
+        be.set_options(Exl3Options())
+        rep_s = max(rep_s, time.time() - t0)
+        out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), context=a.context, widths=list(a.widths),
+                   concurrency=list(a.concurrency), settings=[t for t, _ in sets],
+                   ar_ms={str(c): cell_summary({"ms": v})["ms"] for c, v in ar.items()},
+                   round_ms={t: {str(c): cell_summary(pw) for c, pw in pc.items()} for t, pc in per.items()})
+        run.log(f"repetition {rep + 1}: {rep_s:.0f} s; c=1 stock: AR {ar[min(a.concurrency)][-1]:.2f} ms, "
+                + ", ".join(f"w={w} {per['stock'][min(a.concurrency)][w][-1]:.2f}" for w in a.widths))
+        run.save()
+    return {"ar": ar, "sets": per}
+
+
+def profile_rounds(step, rounds: int) -> dict:
+    """Wall, GPU-busy and GPU-idle ms per round over `rounds` calls of step(), under torch.profiler (CUDA)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        step()
+    torch.cuda.synchronize()
+    plain = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    gpu = busy(spans) / 1e6
+    ms = lambda s: round(s / rounds * 1000.0, 3)  # noqa: E731
+    return {"rounds": rounds, "wall_ms": ms(plain), "profiled_wall_ms": ms(wall), "gpu_busy_ms": ms(gpu),
+            "gpu_idle_ms": ms(wall - gpu), "gpu_events": len(spans)}
+
+
+def profile_host(be, a) -> dict:
+    """GPU idle per round at c=1, w=7: exllamav3's Generator, our recording subclass, our whole policy path."""
+    from toolkit.runtime.backend import GenSettings
+    from toolkit.runtime.exl3_policy import BatchPolicy, dummy_prompts
+    from toolkit.runtime.policy import CostTable
+
+    n, w = a.profile_rounds, 7
+    prompts = dummy_prompts(1, a.context, be.vocab_size)
+    st = GenSettings(max_new_tokens=(n * 2 + 8) * (w + 1), block_size=None, stop_ids=())
+    out = {}
+    for name, hooked in (("exllamav3", False), ("recording", True)):
+        gen = be.generator(w, hooked=hooked)
+        gen.enqueue(be._jobs(prompts, st))
+        for _ in range(4):
+            gen.iterate()
+        out[name] = profile_rounds(gen.iterate, n)
+        gen.clear_queue()
+
+    class Forced(BatchPolicy):
+        def width(self):
+            return w
+
+    policy = Forced(be.block_size, CostTable({1: {0: 1.0, 1: 1.0}}))
+    it = be.decode_many(prompts, be._jobs(prompts, st), 0, policy)
+    for _ in range(4):
+        next(it)
+    out["policy"] = profile_rounds(lambda: next(it), n)
+    it.close()
+    out["added_by_capture_ms"] = round(out["recording"]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
+    out["added_by_policy_path_ms"] = round(out["policy"]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
+    return out
+
+
+def run_shape(run: Run, a) -> None:
+    from toolkit.runtime.projection import ASSUMPTION, PUBLISHED
+
+    from experiments.harness import free_cuda
+
+    run.step("synth", synth_pair, a.work, a.resynth, need_s=60)
+    be = run.step("load", load_shape, a, keep=False, need_s=30)
+    if be is None:
+        return
+    try:
+        data = run.step("timing", time_shape, run, be, a, keep=False)
+        run.step("profile", profile_host, be, a, need_s=20)
+        if data:
+            taus = [(k, t, B) for k, (t, B) in PUBLISHED.items()]
+            rows = projection_rows(data["ar"], data["sets"], taus)
+            run.results["projection"] = {"assumption": ASSUMPTION, "rows": rows, "targets": shape_targets(rows)}
+            run.save()
+    finally:
+        free_cuda(be)
+
+
+# -- pair mode -------------------------------------------------------------------------------------------------
+
+
+def heldout_jsonl(src: Path, dst: Path) -> Path:
+    held = json.loads(src.read_text())
+    dst.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for c, ps in held.items() for p in ps))
+    return dst
+
+
+def run_pair(run: Run, a) -> None:
+    from toolkit.assets.padding import pad
+    from toolkit.bench import bench
+
+    missing = [p for p in (a.target, a.draft) if not (p / "config.json").is_file()]
+    if missing:
+        run.errors["inputs"] = f"{missing[0]} is missing: stage the target first (python3 -m experiments.smol_device stage)"
+        return
+    pt, pd = a.work / "pad" / "target", a.work / "pad" / "draft"
+
+    def padded() -> list[str]:
+        return [str(p if (p / "config.json").is_file() else pad(str(src), str(p))) for src, p in ((a.target, pt), (a.draft, pd))]
+
+    run.step("pad", padded)
+    prompts = heldout_jsonl(a.draft / "heldout.json", a.work / "heldout.jsonl")
+
+    def measure() -> dict:
+        r = bench(str(pt), str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=a.block_sizes,
+                  concurrency=a.concurrency, max_new_tokens=a.max_new_tokens, limit=a.limit, reps=a.reps,
+                  levers=a.levers, out=str(run.path.parent / "pair"), quiet=True)
+        keep = ("block_size", "concurrency", "lever", "tok_s", "speedup", "lossless", "tau", "round_ms", "t_ar_ms",
+                "width_histogram", "spread")
+        return {"ar": [{k: c[k] for k in ("concurrency", "tok_s", "round_ms", "spread")} for c in r["ar"]],
+                "cells": [{k: c[k] for k in keep if k in c} for c in r["cells"]], "targets": pair_targets(r)}
+
+    run.step("bench", measure, need_s=60)
+
+
+# -- entry -----------------------------------------------------------------------------------------------------
+
+
+def block_arg(text: str):
+    return text if text == "auto" else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.speed", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    s = sub.add_parser("shape", help="real-shape round costs, levers, host time, projection (synthetic weights)")
+    s.add_argument("--work", type=Path, default=WORK, help="where the synthetic checkpoints live (default /tmp/speed)")
+    s.add_argument("--resynth", action="store_true", help="synthesise again even when present")
+    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    s.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="verify widths (0 = AR round with the drafter loaded)")
+    s.add_argument("--levers", nargs="*", default=list(SHAPE_LEVERS), help="levers timed against stock (NAME[=VALUE])")
+    s.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10; fewer if the budget runs out)")
+    s.add_argument("--passes", type=int, default=1, help="timed passes over the widths per repetition (default 1)")
+    s.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")
+    s.add_argument("--profile-rounds", type=int, default=24, help="rounds under torch.profiler per variant (default 24)")
+    s.add_argument("--reserve-s", type=float, default=60.0, help="budget kept for the profile and projection (default 60)")
+    p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")
+    p.add_argument("--work", type=Path, default=SMOL / "speed", help="padded copies go here (default /tmp/smol-run/speed)")
+    p.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")))
+    p.add_argument("--draft", type=Path, default=Path(os.environ.get("SMOL_DRAFT", ROOT / "toolkit" / "data" / "smollm2_dflash")))
+    p.add_argument("--block-sizes", type=block_arg, nargs="+", default=["auto", 16, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--limit", type=int, default=8, help="held-out prompts per cell (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--levers", nargs="*", default=["dynamic_draft_tokens"], help="exllamav3 levers as extra cells")
+    for q in (s, p):
+        q.add_argument("--budget-s", type=float, default=env_float("SPEED_BUDGET_S", 540),
+                       help="start no step that does not fit in what is left of it (default: SPEED_BUDGET_S, else 540)")
+    a = ap.parse_args(argv)
+    run = Run("speed.json", budget_s=a.budget_s)
+    run.results.update(mode=a.mode, device=device_name(), args={k: str(v) for k, v in vars(a).items()})
+    if a.mode == "shape":
+        run_shape(run, a)
+    else:
+        a.work.mkdir(parents=True, exist_ok=True)
+        run_pair(run, a)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

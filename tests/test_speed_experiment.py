@@ -1,0 +1,87 @@
+"""experiments/speed.py on the CPU: the GPU-busy interval union, the interleaved timing loop on the exllamav3
+stand-in (tests/exl3_fakes.py), the projection and the issue's targets from its results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from exl3_fakes import Clock, FakeGenerator, make_backend
+from experiments.harness import Run
+from experiments.speed import busy, pair_targets, projection_rows, shape_targets, time_shape
+
+
+def test_busy_is_the_union_of_intervals():
+    assert busy([]) == 0.0
+    assert busy([(0, 2), (1, 3), (5, 6)]) == 4.0            # overlapping kernels count once
+    assert busy([(5, 6), (0, 10), (2, 3)]) == 10.0
+    assert busy([(0, 1), (1, 2)]) == 2.0
+
+
+@pytest.fixture
+def shape_run(monkeypatch, tmp_path):
+    clock = Clock()
+    monkeypatch.setattr(FakeGenerator, "clock", clock)
+    # AR (no drafter) costs 8 ms; a speculative round 10 + 2 w c ms, or 10 + w c ms with the lever below
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(lambda w, rows: 10.0 + 2.0 * w * rows))
+    be = make_backend(monkeypatch, tmp_path)
+    be.clock = clock
+    real_generator = be.generator
+
+    def generator(width, hooked=True):
+        g = real_generator(width, hooked)
+        if g.draft_model is None:
+            g.cost = lambda w, rows: 8.0
+        elif be.options.sparse_draft_head:
+            g.cost = lambda w, rows: 10.0 + 1.0 * w * rows
+        return g
+
+    be.generator = generator
+    a = argparse.Namespace(concurrency=[1, 4], widths=[0, 1, 3, 7], levers=["sparse_draft_head=64"], reps=3, passes=1,
+                           context=32, reserve_s=0.0)
+    run = Run("speed.json", out=tmp_path / "out")
+    return run, time_shape(run, be, a), be
+
+
+def test_timing_interleaves_settings_and_keeps_partial_results(shape_run):
+    run, data, be = shape_run
+    assert data["ar"] == {1: [pytest.approx(8.0)] * 3, 4: [pytest.approx(8.0)] * 3}
+    assert set(data["sets"]) == {"stock", "sparse_draft_head=64"}
+    for c in (1, 4):
+        assert data["sets"]["stock"][c][7] == [pytest.approx(10.0 + 14.0 * c)] * 3
+        assert data["sets"]["sparse_draft_head=64"][c][3] == [pytest.approx(10.0 + 3.0 * c)] * 3
+    saved = json.loads(run.path.read_text())["timing"]                      # written after every repetition
+    assert saved["reps_done"] == 3 and saved["settings"] == ["stock", "sparse_draft_head=64"]
+    assert saved["round_ms"]["stock"]["4"]["7"]["median"] == pytest.approx(66.0) and saved["ar_ms"]["1"]["n"] == 3
+    assert be.options.tag == "stock"
+
+
+def test_projection_and_targets_from_the_timing(shape_run):
+    _, data, _ = shape_run
+    rows = projection_rows(data["ar"], data["sets"], [("x", 3.439, 4), ("DF-8", 5.74, 8)])
+    assert {(r["setting"], r["concurrency"], r["name"]) for r in rows} == {
+        (s, c, n) for s in ("stock", "sparse_draft_head=64") for c in (1, 4) for n in ("x", "DF-8")}
+    assert not projection_rows(data["ar"], data["sets"], [("DF-16", 7.63, 16)])         # w = 15 was not measured
+    r = next(r for r in rows if r["setting"] == "stock" and r["concurrency"] == 1)
+    # w = 0..3 cost 10, 12, 14, 16 ms (w = 2 interpolated); alpha 0.9: (1 + .9 + .81 + .729) / 16 ms is the best
+    assert r["policy_width"] == 3 and r["policy_speedup"] == pytest.approx(3.439 / 16 * 8)
+    assert shape_targets(rows) == {}                                                    # DF-16 not in these rows
+    df16 = [{"setting": "stock", "concurrency": 1, "name": "DF-16", "policy_over_default": 1.5, "policy_speedup": 2.4,
+             "policy_width": 7}]
+    assert shape_targets(df16)["pass"] is True and shape_targets([{**df16[0], "policy_speedup": 2.0}])["pass"] is False
+
+
+def test_pair_targets():
+    cells = [{"concurrency": 1, "block_size": "auto", "tok_s": 200.0, "speedup": 2.2, "lossless": 1.0},
+             {"concurrency": 1, "block_size": 16, "tok_s": 180.0, "speedup": 1.8, "lossless": 1.0},
+             {"concurrency": 1, "block_size": 8, "tok_s": 205.0, "speedup": 2.05, "lossless": 1.0},
+             {"concurrency": 8, "block_size": "auto", "tok_s": 900.0, "speedup": 0.9, "lossless": 1.0},
+             {"concurrency": 8, "block_size": 8, "tok_s": 1000.0, "speedup": 1.0, "lossless": 1.0},
+             {"concurrency": 8, "block_size": 8, "tok_s": 2000.0, "speedup": 2.0, "lossless": 1.0, "lever": "x"}]
+    t = pair_targets({"concurrency": [1, 8], "cells": cells})
+    assert t["1"] == {"auto_speedup": 2.2, "auto_over_best_fixed": 200 / 205, "lossless": 1.0, "not_slower_than_ar": True,
+                      "within_3pct_of_best_fixed": True, "at_least_2x_ar": True}
+    assert t["8"]["not_slower_than_ar"] is False and t["8"]["within_3pct_of_best_fixed"] is False   # lever cells do not count
+    assert "at_least_2x_ar" not in t["8"]
