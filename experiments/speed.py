@@ -202,7 +202,7 @@ def profile_rounds(step, rounds: int) -> dict:
         wall = time.perf_counter() - t0
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     gpu = busy(spans) / 1e6
-    ms = lambda s: round(s / rounds * 1000.0, 3)  # noqa: E731
+    ms = lambda s: round(s / rounds * 1000.0, 3)
     return {"rounds": rounds, "wall_ms": ms(plain), "profiled_wall_ms": ms(wall), "gpu_busy_ms": ms(gpu),
             "gpu_idle_ms": ms(wall - gpu), "gpu_events": len(spans)}
 
@@ -241,9 +241,8 @@ def profile_host(be, a) -> dict:
 
 
 def run_shape(run: Run, a) -> None:
-    from toolkit.runtime.projection import ASSUMPTION, PUBLISHED
-
     from experiments.harness import free_cuda
+    from toolkit.runtime.projection import ASSUMPTION, PUBLISHED
 
     run.step("synth", synth_pair, a.work, a.resynth, need_s=60)
     be = run.step("load", load_shape, a, keep=False, need_s=30)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.bench import bench, job_list, main, run_jobs
 from toolkit.assets.prompts import BUILTIN, load_prompts
+from toolkit.bench import bench, job_list, main, run_jobs
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import Backend, GenSettings
 from toolkit.runtime.events import Round, tokens_of
@@ -203,8 +203,9 @@ def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
 
 
 def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_path, capsys):
-    import toolkit.bench as bench_mod
     from exl3_fakes import make_backend
+
+    import toolkit.bench as bench_mod
 
     monkeypatch.setattr(bench_mod, "load_backend", lambda *a, **k: make_backend(monkeypatch, tmp_path))
     main(["--backend", "exllamav3", "--block-sizes", "auto", "4", "8", "--concurrency", "1", "2", "--reps", "2",

@@ -12,14 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend, target_next  # noqa: F401  (re-exported)
 
-from exl3_fakes import V, Clock, FakeGenerator, ar_reference, make_backend, target_next  # noqa: F401  (re-exported)
 from experiments.stream_shape import assert_stream_shape
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.runtime.exl3_hook import JobTrack, build_round, check_version, recording_generator_class
-from toolkit.runtime.exl3_options import ChunkedForward, Exl3Options, parse_lever, row_chunks, set_chunked_verify
+from toolkit.runtime.exl3_hook import (
+    JobTrack,
+    build_round,
+    check_version,
+    recording_generator_class,
+)
+from toolkit.runtime.exl3_options import (
+    ChunkedForward,
+    Exl3Options,
+    parse_lever,
+    row_chunks,
+    set_chunked_verify,
+)
 
 
 def test_module_imports_without_exllamav3_or_cuda():

@@ -7,10 +7,16 @@ import argparse
 import json
 
 import pytest
-
 from exl3_fakes import Clock, FakeGenerator, make_backend
+
 from experiments.harness import Run
-from experiments.speed import busy, pair_targets, projection_rows, shape_targets, time_shape
+from experiments.speed import (
+    busy,
+    pair_targets,
+    projection_rows,
+    shape_targets,
+    time_shape,
+)
 
 
 def test_busy_is_the_union_of_intervals():

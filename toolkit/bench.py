@@ -26,8 +26,16 @@ from pathlib import Path
 from .assets.prompts import load_prompts
 from .core.errors import ToolkitError, run_cli
 from .runtime.backend import GenSettings
-from .runtime.benchgrid import (Cell, best_per_concurrency, is_synthetic, job_list, project_cells, run_cell,  # noqa: F401
-                                run_grid, run_jobs)
+from .runtime.benchgrid import (  # noqa: F401
+    Cell,
+    best_per_concurrency,
+    is_synthetic,
+    job_list,
+    project_cells,
+    run_cell,
+    run_grid,
+    run_jobs,
+)
 from .runtime.exl3_options import LEVERS, parse_lever
 from .runtime.factory import load_backend
 from .runtime.projection import ASSUMPTION, parse_taus

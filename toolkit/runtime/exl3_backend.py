@@ -27,14 +27,20 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo, read_optional
 from .backend import Backend, GenSettings
 from .events import Round
-from .exl3_hook import JobTrack, build_round, check_version, exllamav3_version, recording_generator_class
+from .exl3_hook import (
+    JobTrack,
+    build_round,
+    check_version,
+    exllamav3_version,
+    recording_generator_class,
+)
 from .exl3_options import Exl3Options, set_chunked_verify
 from .exl3_policy import PAGE, BatchPolicy, calibrate
 from .policy import CostTable, cached_costs, cost_key, device_name
@@ -135,7 +141,7 @@ class Exl3Backend(Backend):
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
-                  cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None) -> "Exl3Backend":
+                  cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None) -> Exl3Backend:
         """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU."""
         from ..dflash import DFlashConfig
 
@@ -252,7 +258,7 @@ class Exl3Backend(Backend):
         tag = self.options.tag
         table = self.costs.setdefault(tag, {})
         if concurrency not in table:
-            measure = lambda: CostTable({concurrency: calibrate(self, concurrency)}, device_name(self.device))  # noqa: E731
+            measure = lambda: CostTable({concurrency: calibrate(self, concurrency)}, device_name(self.device))
             got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache)
             table[concurrency] = got.ms.get(concurrency) or next(iter(got.ms.values()))
         return CostTable(table, device_name(self.device))

@@ -23,7 +23,7 @@ Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; one is o
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 from ..core.errors import ToolkitError
 
@@ -97,10 +97,6 @@ def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Op
         raise ToolkitError(f"lever {name}: bad value {raw!r}") from None
     opts = replace(base or Exl3Options(), **change)
     return f"{name}={raw}" if value.strip() else name, opts
-
-
-def option_names() -> list[str]:
-    return [f.name for f in fields(Exl3Options)]
 
 
 # -- chunked_verify ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ more repetitions.
 from __future__ import annotations
 
 import statistics
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from ..core.errors import ToolkitError
 from .backend import GenSettings
@@ -104,8 +104,12 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
     try:
         if speculative:
             gen.set_width(0, B - 1 if full else None)
-        while gen.num_remaining_jobs() and any(len(j.sequences[0].sequence_ids) <= context for j in jobs):
-            gen.iterate()                          # prefill, then every job has emitted its first token
+        for _ in range(64 + concurrency * context // 256):     # prefill, until every job has emitted a token
+            if not any(len(j.sequences[0].sequence_ids) <= context for j in jobs):
+                break
+            gen.iterate()
+        else:
+            raise ToolkitError(f"timing {concurrency} jobs: the dummy prompts did not finish prefilling")
         for p in range(warm + reps):
             for w in widths:
                 if gen.num_remaining_jobs() < concurrency:

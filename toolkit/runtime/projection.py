@@ -11,7 +11,7 @@ tokens on average; exllamav3's default verifies w = B-1 every round, the policy 
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..core.errors import ToolkitError
 from .policy import CostTable
