@@ -1,8 +1,11 @@
-"""A stand-in for exllamav3's convert_model, patched in at toolkit.quant.convert.run_converter only.
+"""Stand-ins for exllamav3 at its two seams: convert_model (patched in at toolkit.quant.convert.run_converter)
+and, for an EXL3 target, toolkit.quant.engine.ENGINE (FakeEngine, below).
 
-It parses the same arguments, writes what compile_model writes (config.json + quantization_config, safetensors
-with every norm kept) and rounds each Linear to `bits` (per-row uniform grid) so the check has real error to
-measure. Its Linears are stored as 16-bit `.weight`, which the check loads without exllamav3.
+The converter fake parses the same arguments, writes what compile_model writes (config.json +
+quantization_config, safetensors with every norm kept) and rounds each Linear to `bits` (per-row uniform grid)
+so the check has real error to measure. Its Linears are stored as 16-bit `.weight`, which the check loads
+without exllamav3. The engine fake runs the EXL3 target as the transformers model it was copied from, so the
+EXL3 path must give the BF16 path's numbers.
 """
 
 from __future__ import annotations
@@ -82,3 +85,108 @@ def install(monkeypatch, modes: dict[float, str] | None = None) -> list[dict]:
     monkeypatch.setattr(conv, "run_converter", fake)
     monkeypatch.setattr(conv, "converter_unavailable", lambda: None)
     return CALLS
+
+
+# -- exllamav3 at run time: the one seam toolkit.quant.engine.ENGINE ------------------------------------------
+
+
+class FakeExl3Target:
+    """runtime.exl3_taps.Exl3Target over a transformers model: the output of layer L is hidden_states[L + 1]."""
+
+    def __init__(self, hf_dir, events: list):
+        from toolkit.quant.blocks import load_target
+
+        self.model, _ = load_target(hf_dir)
+        self.vocab_size, self.hidden_size = self.model.config.vocab_size, self.model.config.hidden_size
+        self.events = events
+
+    def continue_greedy(self, prompts, max_new_tokens):
+        out = []
+        for p in prompts:
+            x = torch.tensor([p])
+            with torch.no_grad():
+                y = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                        do_sample=False, pad_token_id=0)
+            out.append(y[0].tolist())
+        return out
+
+    def forward(self, ids, layers):
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        return out.logits[0].argmax(-1), {L: out.hidden_states[L + 1] for L in layers}
+
+    def embedding_table(self):
+        return self.model.get_input_embeddings().weight.detach().clone()
+
+    def head_weight(self):
+        return self.model.get_output_embeddings().weight.detach().clone()
+
+    def close(self):
+        self.events.append("close_target")
+
+
+class FakeEngine:
+    """engine.Exl3Engine on CPU: the target alone is FakeExl3Target, the target with a drafter the torch backend;
+    `events` records loads, closes and (through the converter fake) conversions, in order."""
+
+    def __init__(self, hf_dir, free: int = 80 * 1024**3, why: str | None = None):
+        self.hf_dir, self.free, self.why = hf_dir, free, why
+        self.events: list[str] = []
+        self.calls: list[dict] = []
+
+    def unavailable(self, target):
+        return self.why
+
+    def free_bytes(self):
+        return self.free
+
+    def open_target(self, folder, cache_tokens, max_concurrency):
+        assert cache_tokens % 256 == 0 and max_concurrency >= 1
+        self.calls.append({"target": Path(folder), "cache_tokens": cache_tokens, "max_concurrency": max_concurrency})
+        self.events.append("open_target")
+        return FakeExl3Target(self.hf_dir, self.events)
+
+    def open_backend(self, target, draft, cache_tokens, max_concurrency):
+        from toolkit.dflash import DFlashConfig
+        from toolkit.quant.blocks import load_target
+        from toolkit.quant.check import load_quantized
+        from toolkit.runtime.torch_backend import TorchBackend
+
+        name = Path(draft).name
+        self.calls.append({"target": Path(target), "draft": Path(draft), "cache_tokens": cache_tokens,
+                           "max_concurrency": max_concurrency})
+        self.events.append(f"open_backend:{name}")
+        model, tok = load_target(self.hf_dir)          # an EXL3 drafter folder dequantized as the check loads it
+        be = TorchBackend(model, tok, load_quantized(Path(draft), DFlashConfig.from_dir(draft)))
+        be.close = lambda: self.events.append(f"close_backend:{name}")
+        return be
+
+
+def install_engine(monkeypatch, hf_dir, **kw) -> FakeEngine:
+    """Replace toolkit.quant.engine.ENGINE; conversions are logged into the same event list."""
+    from toolkit.quant import convert as conv
+    from toolkit.quant import engine
+
+    fake = FakeEngine(hf_dir, **kw)
+    monkeypatch.setattr(engine, "ENGINE", fake)
+    inner = conv.run_converter
+
+    def logged(args, log_path):
+        fake.events.append("convert:" + Path(args[args.index("-o") + 1]).name)
+        return inner(args, log_path)
+
+    monkeypatch.setattr(conv, "run_converter", logged)
+    return fake
+
+
+def exl3_target(hf_dir, dest, bits: float = 4.0, **config) -> Path:
+    """An EXL3-shaped copy of a transformers target: its config with exllamav3's quantization_config, its tokenizer
+    and weights (which only the stand-in engine reads)."""
+    import shutil
+
+    shutil.copytree(hf_dir, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(config)
+    cfg["quantization_config"] = {"quant_method": "exl3", "version": "1.6.5", "bits": bits, "head_bits": 6}
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dest

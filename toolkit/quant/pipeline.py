@@ -146,7 +146,8 @@ def check_fits(run: Run) -> None:
     free = engine.ENGINE.free_bytes()
     if top.total > free:
         parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in top.parts.items() if v)
-        raise ToolkitError(f"--target: {run.s.target} does not fit in GPU memory: step {top.step} needs about "
+        head = f"--target: {run.s.target} does not fit" if top.parts.get("target weights") else "this run does not fit"
+        raise ToolkitError(f"{head} in GPU memory: step {top.step} needs about "
                            f"{mem.gib(top.total)} ({parts}, reserve {mem.gib(mem.RESERVE)}), the GPU has "
                            f"{mem.gib(free)} free")
 

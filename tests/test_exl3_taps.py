@@ -1,0 +1,168 @@
+"""runtime/exl3_taps.py on CPU against stand-ins for the exllamav3 objects it touches (Model.forward with the
+export params, the Embedding module, the LM head's inner weight, the backend's generate_many), the version pin,
+and the tap convention: an EXL3 target's prompts equal a transformers target's for the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.core.errors import ToolkitError
+from toolkit.runtime import exl3_taps
+from toolkit.runtime.events import Round
+from toolkit.runtime.exl3_taps import EXPORT_LAYERS, EXPORTED, Exl3Target
+
+V, H, LAYERS = 40, 8, 5
+
+
+class FakeEmbedding:
+    """exllamav3.modules.Embedding's forward: ids [1, n] (CPU) -> float [1, n, H]."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def forward(self, ids, params):
+        return self.table[ids]
+
+
+class FakeHead:
+    """A Linear whose inner weight is [in, out], padded to the tiles as exllamav3 stores it."""
+
+    def __init__(self, weight):                  # weight [V, H]
+        padded = torch.zeros(16, 48, dtype=torch.half)
+        padded[:H, :V] = weight.T.half()
+        self.inner = types.SimpleNamespace(get_weight_tensor=lambda: padded)
+
+
+class FakeModel:
+    """Model.forward as exllamav3 1.6.5 runs it: every block whose layer_idx is in params['export_state_layers']
+    appends its output to params['export_states'], in layer order; the logits are padded past the vocabulary."""
+
+    def __init__(self, skip: int | None = None):
+        torch.manual_seed(0)
+        self.table = torch.randn(V, H)
+        self.head = torch.randn(V, H)
+        self.config = types.SimpleNamespace(vocab_size=V, hidden_size=H)
+        self.modules = [FakeEmbedding(self.table), FakeHead(self.head)]
+        self.logit_layer_idx = 1
+        self.skip, self.seen = skip, []
+
+    def output(self, ids, layer):
+        return (self.table[ids] * (layer + 1)).half()
+
+    def forward(self, input_ids, params):
+        self.seen.append(dict(params))
+        for layer in range(LAYERS):
+            if layer in params.get(EXPORT_LAYERS, ()) and layer != self.skip:
+                params.setdefault(EXPORTED, []).append(self.output(input_ids, layer))
+        logits = torch.full((1, input_ids.shape[1], 48), -1e4)
+        logits[0, :, :V] = torch.nn.functional.one_hot((input_ids[0] + 1) % V, V).float()
+        return logits
+
+
+class FakeBackend:
+    def __init__(self, model):
+        self.model, self.calls, self.closed = model, [], False
+
+    def generate_many(self, prompts, settings, speculative=True):
+        assert not speculative and settings.temperature == 0.0
+        self.calls.append(len(prompts))
+        for i, p in enumerate(prompts):
+            yield i, Round((), 0, p[-1] + 1, prefill=True)
+            yield i, Round((), 0, p[-1] + 2)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def exllamav3_modules(monkeypatch):
+    mod = types.ModuleType("exllamav3.modules")
+    mod.Embedding = FakeEmbedding
+    monkeypatch.setitem(sys.modules, "exllamav3", types.ModuleType("exllamav3"))
+    monkeypatch.setitem(sys.modules, "exllamav3.modules", mod)
+
+
+def test_forward_exports_the_tap_layers_in_layer_order():
+    m = FakeModel()
+    t = Exl3Target(FakeBackend(m))
+    greedy, states = t.forward([3, 1, 4], [4, 1, 2, 1])
+    assert m.seen[0]["attn_mode"] == "flash_attn_nc" and m.seen[0][EXPORT_LAYERS] == {1, 2, 4}   # no cache
+    assert greedy.tolist() == [4, 2, 5] and greedy.device.type == "cpu"        # argmax within the vocabulary
+    assert sorted(states) == [1, 2, 4]
+    for L, s in states.items():
+        assert s.shape == (1, 3, H) and s.dtype == torch.half and torch.equal(s, m.output(torch.tensor([[3, 1, 4]]), L))
+
+
+def test_a_missing_export_is_one_line():
+    t = Exl3Target(FakeBackend(FakeModel(skip=2)))
+    with pytest.raises(ToolkitError, match=r"exported 2 hidden states for the 3 tap layers \[1, 2, 4\].*1\.6\.5") as e:
+        t.forward([1, 2], [1, 2, 4])
+    assert "\n" not in str(e.value)
+
+
+def test_continuations_in_batches():
+    be = FakeBackend(FakeModel())
+    t = Exl3Target(be, batch=2)
+    assert t.continue_greedy([[1], [2, 3], [5]], 2) == [[1, 2, 3], [2, 3, 4, 5], [5, 6, 7]]
+    assert be.calls == [2, 1]
+
+
+def test_embedding_table_and_head(exllamav3_modules, monkeypatch):
+    monkeypatch.setattr(exl3_taps, "EMBED_CHUNK", 16)          # three lookups of the vocabulary
+    m = FakeModel()
+    t = Exl3Target(FakeBackend(m))
+    table = t.embedding_table()
+    assert table.shape == (V, H) and table.dtype == torch.float32 and torch.equal(table, m.table)
+    head = t.head_weight()
+    assert head.shape == (V, H) and head.dtype == torch.half and torch.equal(head, m.head.half())
+    assert head.is_contiguous() and not head.is_inference()
+
+
+def test_close_unloads():
+    be = FakeBackend(FakeModel())
+    Exl3Target(be).close()
+    assert be.closed
+
+
+def test_pinned_to_1_6_5(monkeypatch):
+    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.7.0")
+    with pytest.raises(ToolkitError, match=r"exllamav3 1\.7\.0 is installed.*pinned to 1\.6\.5"):
+        exl3_taps.open_target("/nowhere", 1024, 1)
+    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: None)
+    with pytest.raises(ToolkitError, match=r"exllamav3 is not installed"):
+        exl3_taps.check_pinned()
+
+
+def test_imports_without_exllamav3_or_cuda():
+    code = "import sys, toolkit.runtime.exl3_taps, toolkit.quant.engine; print('exllamav3' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1], env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
+    assert out.stdout.strip() == "False"
+
+
+def test_exl3_prompts_match_the_transformers_target(pair):
+    """The tap convention: exllamav3 exports the output of block L + s, transformers' hidden_states[L + s + 1]."""
+    from test_quantize_fakes import FakeExl3Target
+    from toolkit.dflash import DFlashConfig
+    from toolkit.quant.blocks import load_target
+    from toolkit.quant.target import exl3_prompts, hf_prompts, tap_layers
+    from toolkit.runtime.backend import encode_chat
+
+    target, draft = pair
+    config = DFlashConfig.from_dir(draft)
+    model, tok = load_target(target)
+    ids = [encode_chat(tok, p) for p in ("json.dumps", "csv.reader")]
+    assert tap_layers(config, [0, 1]) == [0, 1, 2]
+    a = exl3_prompts(FakeExl3Target(target, []), ids, config, [0, 1], 5)
+    b = hf_prompts(model, ids, config, [0, 1], 5)
+    for x, y in zip(a, b):
+        assert torch.equal(x.ids, y.ids) and torch.equal(x.greedy, y.greedy) and x.start == y.start == len(x.ids) - 6
+        for s in (0, 1):
+            assert x.taps[s].shape == y.taps[s].shape == (1, len(x.ids), 2 * 128)
+            assert torch.allclose(x.taps[s], y.taps[s], atol=1e-6)

@@ -1,0 +1,248 @@
+"""quantize with an EXL3 target on CPU: exllamav3 faked at its one seam (engine.ENGINE, test_quantize_fakes.FakeEngine,
+the converter at run_converter), the memory plan of the real shape, the refusals, the report and the card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_quantize_fakes as fakes
+from test_quantize_pipeline import write_recipe
+from toolkit.core.errors import ToolkitError, run_cli
+from toolkit.dflash import DFlashConfig
+from toolkit.quant import memory as mem
+from toolkit.quant import quantize
+from toolkit.quantize import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "quantize" / "shapes"
+GIB = 1024**3
+EXL3_KEYS = {"tau", "accept_per_position", "tok_s", "ar_tok_s", "speedup", "lossless", "target", "target_bits",
+             "draft_tokens", "tokens", "seconds"}
+
+
+def one_line(e) -> str:
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def run(tmp_path, pair, target, out="out", **kw):
+    args = dict(recipe=str(write_recipe(tmp_path / "r.toml", pair[0])), model=str(pair[1]), target=str(target),
+                out=str(tmp_path / out), device="cpu", progress=False, bits="2,8")
+    args.update(kw)
+    return quantize(**args)
+
+
+@pytest.fixture
+def exl3(tmp_path, pair):
+    return fakes.exl3_target(pair[0], tmp_path / "tiny-exl3", bits=4.0)
+
+
+def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
+    fakes.install(monkeypatch)
+    engine = fakes.install_engine(monkeypatch, pair[0])
+    report = run(tmp_path, pair, exl3, also_uncalibrated=True)
+    assert report["target_kind"] == "exl3" and report["target"] == str(exl3) and report["target_sha"] is None
+    # the target ran once for the prompts and was unloaded before conversion; then one drafter at a time with it
+    folders = [r["folder"] for r in report["results"]]
+    assert engine.events[:2] == ["open_target", "close_target"]
+    assert [e for e in engine.events if e.startswith("convert:")] == [f"convert:.{f}.partial" for f in folders]
+    backends = engine.events[2 + len(folders):]
+    assert backends == [x for f in ["bf16-reference", *folders] for x in (f"open_backend:{f}", f"close_backend:{f}")]
+    assert engine.calls[0]["target"] == exl3 and all(c["max_concurrency"] == 1 for c in engine.calls[1:])
+    # tau and speed per bitrate on the engine, the BF16 drafter as reference, the width sweep and its pick
+    sweep = report["exl3_widths"]
+    assert [c["draft_tokens"] for c in sweep] == [3, 7, 15]
+    best = max(sweep, key=lambda c: (c["speedup"], -c["draft_tokens"]))
+    assert report["recommended_draft_tokens"] == best["draft_tokens"] and report["bf16"]["exl3"] == best
+    for row in [report["bf16"], *report["results"]]:
+        x = row["exl3"]
+        assert set(x) == EXL3_KEYS and x["target"] == str(exl3) and x["target_bits"] == 4.0
+        assert x["draft_tokens"] == report["recommended_draft_tokens"] and x["tau"] >= 1.0
+        assert len(x["accept_per_position"]) == x["draft_tokens"] and x["lossless"] == 1.0
+        assert x["tok_s"] > 0 and x["ar_tok_s"] > 0 and x["speedup"] == pytest.approx(x["tok_s"] / x["ar_tok_s"])
+        assert row["tau"] is None                   # the torch-runtime tau is the BF16 target's
+    # the checked tap_shift reaches exllamav3: pinned in each folder and in the BF16 drafter's shadow config
+    out = tmp_path / "out"
+    ref_cfg = json.loads((out / ".work" / "bf16-reference" / "config.json").read_text())
+    assert ref_cfg["dflash_config"]["tap_shift"] == report["tap_shift"] == 0
+    assert json.loads((pair[1] / "config.json").read_text())["dflash_config"]["tap_shift"] == 0   # untouched
+    assert [s["step"] for s in report["steps"]] == ["validate", "plan", "target", "calibrate", "convert", "check", "speed"]
+    assert {s["step"]: s["estimated_bytes"] is not None for s in report["steps"]}["speed"]
+    md = (out / "report.md").read_text()
+    assert "τ exllamav3" in md and f"`{exl3}` (4.00 bpw)" in md and "recommended:" in md and "| speed |" in md
+    # the same numbers as the BF16 path on the same weights: taps, continuation, embedding and head agree
+    fakes.install(monkeypatch)
+    hf = run(tmp_path, pair, pair[0], out="out-hf", also_uncalibrated=True)
+    for a, b in zip(report["results"], hf["results"]):
+        assert a["folder"] == b["folder"] and a["kl"] == pytest.approx(b["kl"], abs=1e-6)
+        assert a["top1_per_position"] == pytest.approx(b["top1_per_position"], abs=1e-6)
+    assert hf["target_kind"] == "hf" and hf["bf16"]["tau"] >= 1.0 and hf["recommended_draft_tokens"] is None
+
+
+def test_exl3_row_reaches_the_card(tmp_path, pair, exl3, monkeypatch):
+    from toolkit.hub.card import render_card
+
+    fakes.install(monkeypatch)
+    fakes.install_engine(monkeypatch, pair[0])
+    report = run(tmp_path, pair, exl3, bits="8", calibrate=False)
+    card = render_card(report, bits=8.0)
+    x = report["results"][0]["exl3"]
+    assert f"| {x['tau']:.2f} | {x['speedup']:.2f}× | tiny-exl3 (4.00 bpw) |" in card
+    assert report["recommended_draft_tokens"] is not None
+
+
+def test_exl3_target_without_cuda_is_one_line(tmp_path, pair, exl3, monkeypatch, capsys):
+    fakes.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: main(["--recipe", str(write_recipe(tmp_path / "r.toml", pair[0])), "--model", str(pair[1]),
+                              "--target", str(exl3), "--out", str(tmp_path / "out"), "--bits", "4"]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]      # after the progress bar's lines
+    assert err == (f"error: --target: {exl3} is an EXL3 model, and running it needs a CUDA GPU (none found here); "
+                   "pass a BF16 target, or --no-calibrate --no-check")
+    assert not (tmp_path / "out").exists()
+
+
+def test_exl3_engine_refuses_another_exllamav3(monkeypatch):
+    from toolkit.quant.engine import Exl3Engine
+    from toolkit.runtime import exl3_taps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.7.0")
+    why = Exl3Engine().unavailable("t")
+    assert why.startswith("--target: t is an EXL3 model: exllamav3 1.7.0 is installed") and "1.6.5" in why
+
+
+@pytest.mark.parametrize("config,msg", [
+    ({"vocab_size": 256}, "vocab_size: drafter has 512, target has 256"),
+    ({"num_hidden_layers": 2}, "num_target_layers: drafter was made for 3 target layers, target has 2"),
+    ({"num_hidden_layers": 1}, "target_layer_ids: tap 1 (tap_shift 0) is outside the target's 1 layers")])
+def test_exl3_target_that_does_not_fit_the_drafter(tmp_path, pair, config, msg, monkeypatch):
+    fakes.install(monkeypatch)
+    engine = fakes.install_engine(monkeypatch, pair[0])
+    bad = fakes.exl3_target(pair[0], tmp_path / "bad-exl3", **config)
+    with pytest.raises(ToolkitError) as e:
+        run(tmp_path, pair, bad)
+    assert one_line(e) == f"--target: EXL3 target {bad} does not fit the drafter: {msg}"
+    assert engine.events == [] and not (tmp_path / "out").exists()
+
+
+def test_exl3_target_too_big_for_the_gpu(tmp_path, pair, exl3, monkeypatch):
+    """Estimated from the folder's size before anything loads (a sparse 40 GiB file stands in for the weights)."""
+    fakes.install(monkeypatch)
+    engine = fakes.install_engine(monkeypatch, pair[0], free=24 * GIB)
+    with open(exl3 / "model-00002-of-00002.safetensors", "wb") as f:
+        f.truncate(40 * GIB)
+    with pytest.raises(ToolkitError) as e:
+        run(tmp_path, pair, exl3)
+    msg = one_line(e)
+    assert msg.startswith(f"--target: {exl3} does not fit in GPU memory: step target needs about 4")
+    assert "target weights 40.0 GiB" in msg and msg.endswith("the GPU has 24.0 GiB free")
+    assert engine.events == [] and not (tmp_path / "out").exists()
+    engine.free = GIB // 2                       # a run whose biggest step is the converter's
+    (exl3 / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ToolkitError, match=r"^this run does not fit in GPU memory: step convert needs .* the GPU has 0.5 GiB free"):
+        run(tmp_path, pair, exl3)
+
+
+def real_shape_sizes(weights: int) -> mem.Sizes:
+    draft = json.loads((SHAPES / "qwen3.6-35b-a3b-dflash.json").read_text())
+    target = json.loads((SHAPES / "qwen3.6-35b-a3b.json").read_text())
+    return mem.Sizes("exl3", DFlashConfig.from_dict(draft), target, weights, mem.PROMPT_TOKENS, 128, 18)
+
+
+def test_memory_plan_of_the_real_shape_fits_a_24gb_card():
+    """Qwen3.6-35B-A3B at 4.0 bpw (about 18.5 GB of files, the embedding table on the CPU) with its drafter."""
+    target = json.loads((SHAPES / "qwen3.6-35b-a3b.json").read_text())
+    folder_bytes = 18_500_000_000
+    weights = folder_bytes - 2 * 248320 * 2048
+    needs = mem.plan_memory(real_shape_sizes(weights), calibrate=True, convert=True, check=True)
+    assert [n.step for n in needs] == ["target", "calibrate", "convert", "check", "speed"]
+    top = mem.peak(needs)
+    assert top.total <= 22 * GIB and top.step in ("target", "speed")
+    # the target is on the GPU only while it makes the prompts and while it verifies drafts
+    assert [n.step for n in needs if "target weights" in n.parts] == ["target", "speed"]
+    by = {n.step: n for n in needs}
+    assert by["calibrate"].total < 8 * GIB and by["check"].total < 8 * GIB
+    assert by["speed"].parts["drafter (bf16)"] == 2 * mem.numel(real_shape_sizes(weights).config)
+    assert mem.cache(target, 1024, 1) > 0
+    text = mem.format_memory(needs)
+    assert f"peak: {top.total / GIB:.1f} GiB in step {top.step}: fits a 24 GB card" in text
+    # a 8.0 bpw target (about 36 GB) would not
+    big = mem.plan_memory(real_shape_sizes(2 * weights), calibrate=True, convert=True, check=True)
+    assert "does not fit a 24 GB card" in mem.format_memory(big)
+
+
+def test_dry_run_prints_the_memory_plan(tmp_path, pair, exl3, capsys):
+    assert main(["--recipe", str(write_recipe(tmp_path / "r.toml", pair[0])), "--model", str(pair[1]),
+                 "--target", str(exl3), "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "EXL3 on exllamav3" in out and "memory plan (GPU, estimated" in out
+    for s in ("target", "calibrate", "convert", "check", "speed"):
+        assert f"  {s} " in out
+    assert "fits a 24 GB card" in out and not (tmp_path / "o").exists()
+
+
+def test_exl3_weights_from_files_or_index(tmp_path):
+    cfg = {"vocab_size": 10, "hidden_size": 4}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1000}}))
+    assert mem.exl3_weights(tmp_path, cfg) == 1000 - 80
+    (tmp_path / "a.safetensors").write_bytes(b"\0" * 500)
+    assert mem.exl3_weights(tmp_path, cfg) == 500 - 80
+    (tmp_path / "none").mkdir()
+    assert mem.exl3_weights(tmp_path / "none", cfg) is None
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch, pair, exl3):
+    """A loopback Hub holding the drafter (main) and its EXL3 target on a 4.0bpw branch; huggingface_hub points at it."""
+    from huggingface_hub import HfApi, constants
+
+    from hubserver import HubServer
+    from toolkit.hub.push import hub_endpoint
+
+    token = "hf_quantize_exl3_k2"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_TOKEN", token)
+    with HubServer(tmp_path / "hub", tokens={token: "alice"}) as server:
+        api = HfApi(endpoint=server.url, token=token)
+        with hub_endpoint(server.url):
+            api.create_repo("alice/tiny-dflash")
+            api.upload_folder(folder_path=str(pair[1]), repo_id="alice/tiny-dflash")
+            api.create_repo("alice/tiny-exl3")
+            api.create_branch("alice/tiny-exl3", branch="4.0bpw")
+            api.upload_folder(folder_path=str(exl3), repo_id="alice/tiny-exl3", revision="4.0bpw")
+        monkeypatch.setattr(constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+        yield server
+
+
+def test_hub_refs_with_branches_and_their_shas(tmp_path, pair, hub, monkeypatch):
+    """--model REPO@REVISION and --target REPO@BRANCH resolve to commit shas recorded in report.json; the upstream
+    README lands in OUT/upstream; a bitrate branch that does not exist is one line from core.refs."""
+    fakes.install(monkeypatch)
+    engine = fakes.install_engine(monkeypatch, pair[0])
+    recipe = str(write_recipe(tmp_path / "r.toml", pair[0]))
+    with pytest.raises(ToolkitError) as e:
+        main(["--recipe", recipe, "--model", "alice/tiny-dflash@main", "--target", "alice/tiny-exl3@9.0bpw",
+              "--out", str(tmp_path / "o1"), "--device", "cpu", "--bits", "8"])
+    assert one_line(e) == f"--target: alice/tiny-exl3@9.0bpw: alice/tiny-exl3 has no branch, tag or commit '9.0bpw' on {hub.url}"
+    assert engine.events == [] and not (tmp_path / "o1").exists()
+    out = tmp_path / "o2"
+    assert main(["--recipe", recipe, "--model", "alice/tiny-dflash@main", "--target", "alice/tiny-exl3@4.0bpw",
+                 "--out", str(out), "--device", "cpu", "--bits", "8", "--no-calibrate"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"] == "test/tiny-dflash" and report["revision"] == "main"
+    assert report["model_sha"] == hub.repos["alice/tiny-dflash"].branches["main"]
+    assert report["target"] == "alice/tiny-exl3@4.0bpw"
+    assert report["target_sha"] == hub.repos["alice/tiny-exl3"].branches["4.0bpw"]
+    assert report["results"][0]["exl3"]["target"] == "alice/tiny-exl3@4.0bpw"
+    assert (out / "upstream" / "README.md").read_text() == (pair[1] / "README.md").read_text()
+    assert "commit " + report["target_sha"] in (out / "report.md").read_text()
