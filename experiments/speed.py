@@ -7,8 +7,9 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 
 1. synthesise (toolkit.synthetic, on the GPU) the Qwen3.6-35B-A3B target at 4.0 bpw and its DFlash drafter at
    6.0 bpw into /tmp/speed (skipped when present: a warm machine keeps /tmp), and load them (Exl3Backend);
-2. t_AR (exllamav3's Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR
-   round of the speculative Generator, drafter K/V kept) at c in {1, 4, 8, 16}, stock and with each lever
+2. t_AR (the Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR round of
+   the speculative Generator, drafter K/V kept: what the policy's AR rounds cost, reported against t_AR as
+   `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever
    (sparse_draft_head=32768, draft_max_rows=8, chunked_verify), >= 10 repetitions interleaved: every
    repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
    round per width then one timed pass over the widths (toolkit.runtime.exl3_policy.time_rounds, the same timer
@@ -89,6 +90,13 @@ def projection_rows(ar: dict[int, list[float]], sets: dict[str, dict[int, dict[i
                 if B - 1 in pts:
                     rows.append({"setting": tag, "name": name, **project(table, c, tau, B, t_ar=spread(ar[c])["median"])})
     return rows
+
+
+def ar_overhead(ar: dict[int, list[float]], stock: dict[int, dict[int, list[float]]]) -> dict[str, float]:
+    """Per c: an AR round of the speculative Generator (w = 0, drafter K/V kept) over a plain AR step."""
+    from statistics import median
+
+    return {str(c): median(stock[c][0]) / median(ar[c]) for c in ar if ar[c] and stock.get(c, {}).get(0)}
 
 
 def shape_targets(rows: list[dict]) -> dict:
@@ -255,6 +263,7 @@ def run_shape(run: Run, a) -> None:
             taus = [(k, t, B) for k, (t, B) in PUBLISHED.items()]
             rows = projection_rows(data["ar"], data["sets"], taus)
             run.results["projection"] = {"assumption": ASSUMPTION, "rows": rows, "targets": shape_targets(rows)}
+            run.results["ar_in_spec_over_ar"] = ar_overhead(data["ar"], data["sets"]["stock"])
             run.save()
     finally:
         free_cuda(be)

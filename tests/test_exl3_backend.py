@@ -421,7 +421,10 @@ def test_chunked_verify_leaves_unsafe_calls_alone(fake_backend, monkeypatch, tmp
     m = FakeMoE()
     set_chunked_verify([m], FakeMoE, True)
     m.forward(x, {"capture_sens": {}})                   # a calibration pass
-    assert plain.calls == [12] and m.calls == [12]
+    m.forward(x, {"indexed_embeddings": ["image"]})      # routing may read image rows from params
+    assert plain.calls == [12] and m.calls == [12, 12]
+    m.forward(x, {"indexed_embeddings": []})             # text: chunked
+    assert m.calls[2:] == [6, 6]
     moe = FakeMoE()
     be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
     be.set_options(Exl3Options(chunked_verify=True))

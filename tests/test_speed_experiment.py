@@ -11,6 +11,7 @@ from exl3_fakes import Clock, FakeGenerator, make_backend
 
 from experiments.harness import Run
 from experiments.speed import (
+    ar_overhead,
     busy,
     pair_targets,
     projection_rows,
@@ -74,6 +75,7 @@ def test_projection_and_targets_from_the_timing(shape_run):
     # w = 0..3 cost 10, 12, 14, 16 ms (w = 2 interpolated); alpha 0.9: (1 + .9 + .81 + .729) / 16 ms is the best
     assert r["policy_width"] == 3 and r["policy_speedup"] == pytest.approx(3.439 / 16 * 8)
     assert shape_targets(rows) == {}                                                    # DF-16 not in these rows
+    assert ar_overhead(data["ar"], data["sets"]["stock"]) == {"1": pytest.approx(10 / 8), "4": pytest.approx(10 / 8)}
     df16 = [{"setting": "stock", "concurrency": 1, "name": "DF-16", "policy_over_default": 1.5, "policy_speedup": 2.4,
              "policy_width": 7}]
     assert shape_targets(df16)["pass"] is True and shape_targets([{**df16[0], "policy_speedup": 2.0}])["pass"] is False

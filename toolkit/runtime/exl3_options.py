@@ -111,15 +111,16 @@ def row_chunks(rows: int, size: int = MAX_FUSED_ROWS) -> list[tuple[int, int]]:
 
 def chunkable(module, params: dict) -> bool:
     """Whether a BlockSparseMLP treats its rows independently here: the fused path exists, no per-row params
-    (residual channel, token-hashed routing), no tensor-parallel or CPU-expert split, no calibration pass."""
+    (residual channel, token-hashed routing, multimodal rows), no tensor-parallel or CPU-expert split, no
+    calibration pass."""
     if getattr(module, "bc", None) is None or getattr(module, "alt_residual_channel", False):
         return False
     if getattr(module, "tp_reduce", False) or getattr(module, "routing_device", None) is not None:
         return False
     if getattr(module, "cpu_split_first", None) is not None or getattr(module, "cpu_offload", False):
         return False
-    if "hash" in getattr(getattr(module, "routing_fn", None), "__name__", ""):
-        return False
+    if "hash" in getattr(getattr(module, "routing_fn", None), "__name__", "") or params.get("indexed_embeddings"):
+        return False                               # routing reads per-row input ids / image rows from params
     return not any(k in params for k in UNSAFE_PARAMS)
 
 
