@@ -116,3 +116,143 @@ def test_mask_embedding_is_used(folder):
     m = load_drafter(folder)
     x = m.embed_block(torch.tensor([3]), torch.randn(32, 16))
     assert (x[0, 1:] == 0.5).all() and not (x[0, 0] == 0.5).all()
+
+
+# --- strict loading of a target (torch backend) and of the kinds of folders -------------------------------------
+
+@pytest.fixture
+def target(tmp_path, pair):
+    import shutil
+
+    return shutil.copytree(pair[0], tmp_path / "target")
+
+
+def edit_tensors(folder, fn):
+    sd = load_file(folder / "model.safetensors")
+    fn(sd)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def load_target(folder):
+    from toolkit.runtime.torch_backend import load_hf_model
+
+    return load_hf_model(folder, what="--target")
+
+
+def test_target_loads_strictly_when_complete(target):
+    assert load_target(target).lm_head.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda sd: sd.pop("lm_head.weight"), "lacks tensor 'lm_head.weight'"),
+    (lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"), "lacks tensor 'model.layers.1.mlp.up_proj.weight'"),
+    (lambda sd: sd.update({"model.extra.weight": torch.zeros(2)}), "has tensor 'model.extra.weight'"),
+    (lambda sd: sd.update({"lm_head.weight": torch.zeros(7, 128)}), "tensor 'lm_head.weight' has shape (7, 128)"),
+    (lambda sd: sd.update({"model.layers.0.mlp.up_proj.trellis": torch.zeros(2, dtype=torch.int16)}), "holds EXL3 tensors"),
+])
+def test_target_with_a_wrong_tensor_is_refused_naming_it(target, edit, msg):
+    edit_tensors(target, edit)
+    with pytest.raises(ToolkitError) as e:
+        load_target(target)
+    assert one_line(e).startswith("--target: ") and msg in str(e.value)
+
+
+def test_tied_target_needs_no_lm_head(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                               num_hidden_layers=1, vocab_size=50, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "tied"))
+    assert "lm_head.weight" not in load_file(tmp_path / "tied" / "model.safetensors")
+    m = load_target(tmp_path / "tied")
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+
+
+def test_truncated_target_is_refused(target):
+    f = target / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(ToolkitError) as e:
+        load_target(target)
+    assert one_line(e).startswith("--target: ") and "model.safetensors" in str(e.value) and "truncated" in str(e.value)
+
+
+def test_missing_shard_of_an_index_is_refused(target):
+    (target / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ToolkitError, match="model-00002-of-00002.safetensors"):
+        load_target(target)
+
+
+def test_exl3_folder_is_named_for_the_torch_backend(target):
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "exl3", "bits": 4.0}
+    (target / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ToolkitError) as e:
+        load_target(target)
+    assert "is an EXL3 checkpoint" in one_line(e) and "--backend exllamav3" in str(e.value)
+
+
+def test_drafter_given_as_target_and_target_as_draft_are_named(pair):
+    t, d = pair
+    with pytest.raises(ToolkitError) as e:
+        load_target(d)
+    assert "is a DFlash drafter, not a target model" in one_line(e)
+    with pytest.raises(ToolkitError) as e:
+        load_drafter(t)
+    assert "--draft: " in one_line(e) and "is an HF model (LlamaForCausalLM), not a DFlash drafter" in str(e.value)
+    from toolkit.dflash import DFlashConfig
+
+    with pytest.raises(ToolkitError, match="is an HF model"):
+        DFlashConfig.from_dir(t)
+    with pytest.raises(ToolkitError, match="target folder is a DFlash drafter"):
+        DFlashConfig.from_dir(d).validate_against(json.loads((d / "config.json").read_text()))
+
+
+def test_exl3_drafter_is_refused_by_the_reference_loader(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "exl3", "bits": 4.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ToolkitError) as e:
+        load_drafter(folder)
+    assert "is an EXL3 checkpoint of a DFlash drafter" in one_line(e) and "unquantized drafter" in str(e.value)
+
+
+def test_unexpected_drafter_tensor_is_refused(folder):
+    edit_tensors(folder, lambda sd: sd.update({"lm_head.weight": torch.zeros(32, 16)}))
+    with pytest.raises(ToolkitError) as e:
+        load_drafter(folder)
+    assert "unexpected tensor 'lm_head.weight'" in one_line(e)
+
+
+def write_raw(path, header, data=b""):
+    import struct
+
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("header,msg", [
+    ([1, 2], "the header is a JSON list, not an object"),
+    ({"w": {"dtype": "F32", "shape": [2]}}, "entry 'w': data_offsets must be [begin, end]"),
+    ({"w": [1]}, "entry 'w' is a JSON list"),
+    ({"w": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, "entry 'w': shape must be a list"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, "F32 [4] needs 16 bytes, data_offsets cover 8"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "truncated: needs"),
+    ({"__metadata__": [1]}, "__metadata__ is not an object"),
+])
+def test_malformed_headers_are_one_line_naming_file_and_entry(tmp_path, header, msg):
+    from toolkit.core.tensorfiles import read_header
+    from toolkit.quant.validate import read_headers
+
+    f = tmp_path / "model.safetensors"
+    write_raw(f, header)
+    for read in (lambda: read_header(f), lambda: read_headers(tmp_path), lambda: load_drafter_of(tmp_path)):
+        with pytest.raises(ToolkitError) as e:
+            read()
+        assert str(f) in one_line(e) and msg in str(e.value)
+
+
+def load_drafter_of(folder):
+    from toolkit.dflash import read_tensors
+
+    return read_tensors(folder)

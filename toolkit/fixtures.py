@@ -15,10 +15,11 @@ class FixturesOptions:
     block_size: int = option(16, "drafter block size B")
     seed: int = option(0, "random seed")
     pair: bool = option(False, "copy the shipped trained pair instead of building random models")
+    force: bool = option(False, "replace a non-empty --out that is not an earlier fixtures folder (once the new one is complete)")
 
 
 def main(argv: list[str] | None = None):
-    run(fixtures, FixturesOptions, argv, "python -m toolkit.fixtures", DOC.split("\n\n")[0])
+    run(fixtures, FixturesOptions, argv, "python -m toolkit.fixtures", DOC.split("\n\n")[0], output_policy=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .core.cli import entry, option, run
+from .core.cli import OUTPUT_POLICY, entry, option, run
 from .synthetic.build import synth
 
 EPILOG = """examples:
@@ -39,7 +39,8 @@ class SynthOptions:
 
 
 def main(argv: list[str] | None = None) -> None:
-    print(json.dumps(run(synth, SynthOptions, argv, "python -m toolkit.synth", __doc__.split("\n\n")[0], epilog=EPILOG)))
+    print(json.dumps(run(synth, SynthOptions, argv, "python -m toolkit.synth", __doc__.split("\n\n")[0],
+                         epilog=f"{EPILOG}\n\n{OUTPUT_POLICY.replace('--force', '--overwrite')}")))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .assets.pairs import PAIR
+from .core import checks
 from .core.cli import entry, option, run
+from .core.folders import claim, mark
 from .train.tiny import __doc__ as DOC, build_pair
 
 
@@ -16,10 +19,23 @@ class TinyPairOptions:
     target_steps: int = option(1500, "target training steps")
     draft_steps: int = option(3000, "drafter training steps")
     sequences: int = option(3072, "self-distilled sequences for the drafter")
+    force: bool = option(False, "replace a non-empty --out that is not an earlier tiny pair (once the new one is complete)")
+
+
+def rebuild(out: str = str(PAIR), seed: int = 0, target_steps: int = 1500, draft_steps: int = 3000,
+            sequences: int = 3072, force: bool = False) -> Path:
+    """Check every option and --out before the minutes of training, then build the pair and mark it as ours."""
+    checks.seed("seed", seed)
+    for field, value in (("target_steps", target_steps), ("draft_steps", draft_steps), ("sequences", sequences)):
+        checks.whole(field, value, 1)
+    claim(out, "tiny_pair", force)
+    final = build_pair(out, seed, target_steps, draft_steps, sequences)
+    mark(final, "tiny_pair")
+    return final
 
 
 def main(argv: list[str] | None = None):
-    run(build_pair, TinyPairOptions, argv, "python -m toolkit.tiny_pair", DOC.split("\n\n")[0])
+    run(rebuild, TinyPairOptions, argv, "python -m toolkit.tiny_pair", DOC.split("\n\n")[0], output_policy=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ import torch
 from ..dflash import DFlashConfig, DFlashDraft, save_drafter
 from ..dflash.shapes import drafter_config, kv_heads, spread_taps
 from .pairs import PAIR, tiny_pair
-from ..core.errors import ToolkitError
+from ..core import checks
+from ..core.errors import OptionError, ToolkitError
+from ..core.folders import atomic_dir, claim
 
 TOKENIZER = PAIR / "target"           # the fixtures' BPE tokenizer (trained on stdlib docstrings) lives here
 ARCHS = ("llama", "qwen3", "qwen3_5_moe")
@@ -102,13 +104,25 @@ def build(out_dir: str | Path, arch: str = "llama", block_size: int = 16, seed: 
     return tdir, ddir
 
 
-def fixtures(out: str, arch: str = "llama", block_size: int = 16, seed: int = 0, pair: bool = False) -> None:
-    if pair:
-        t, d = tiny_pair()
-        for src, name in ((t, "target"), (d, "draft")):
-            shutil.copytree(src, Path(out) / name, dirs_exist_ok=True)
-        print(json.dumps({"target": str(Path(out) / "target"), "draft": str(Path(out) / "draft")}))
-        return
-    for a in ARCHS if arch == "all" else [arch]:
-        t, d = build(out, a, block_size, seed)
-        print(json.dumps({"arch": a, "target": str(t), "draft": str(d)}))
+def fixtures(out: str, arch: str = "llama", block_size: int = 16, seed: int = 0, pair: bool = False,
+             force: bool = False) -> list[dict]:
+    """Write the fixture models into `out` as one folder, all or nothing (docs/outputs.md): a non-empty `out`
+    that is not an earlier fixtures folder is refused unless `force`. Prints one JSON line per pair."""
+    if arch not in (*ARCHS, "all"):
+        raise OptionError("arch", f"must be one of {', '.join(ARCHS)} or all, got {arch!r}")
+    checks.whole("block_size", block_size, 2, 1024)
+    checks.seed("seed", seed)
+    final = claim(out, "fixtures", force)
+    written = []
+    with atomic_dir(final, command="fixtures") as work:
+        if pair:
+            for src, name in zip(tiny_pair(), ("target", "draft")):
+                shutil.copytree(src, work / name, ignore=shutil.ignore_patterns(".*"))
+            written.append({"target": str(final / "target"), "draft": str(final / "draft")})
+        else:
+            for a in ARCHS if arch == "all" else [arch]:
+                t, d = build(work, a, block_size, seed)
+                written.append({"arch": a, "target": str(final / t.name), "draft": str(final / d.name)})
+    for line in written:
+        print(json.dumps(line))
+    return written

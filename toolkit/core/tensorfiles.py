@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import json
 import struct
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .errors import ToolkitError
 
@@ -105,15 +107,23 @@ def check_folder(folder: str | Path, what: str = "") -> list[Path]:
     return files
 
 
-def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
-    """safetensors' save_file, with its full-disk error (a SafetensorError saying "os error 28") raised as the
-    OSError(ENOSPC) that the atomic writers of core.folders turn into one line and a clean folder."""
+@contextmanager
+def disk_full_as_oserror(path: str | Path) -> Iterator[None]:
+    """Re-raise safetensors' full-disk error (a SafetensorError saying "os error 28", also from transformers'
+    save_pretrained) as the OSError(ENOSPC) that the atomic writers of core.folders turn into one line."""
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        yield
     except SafetensorError as e:
         if "os error 28" in str(e) or "No space left" in str(e):
             raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
         raise
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, a full disk raised as OSError(ENOSPC) (see disk_full_as_oserror)."""
+    from safetensors.torch import save_file
+
+    with disk_full_as_oserror(path):
+        save_file(tensors, str(path), metadata=metadata)

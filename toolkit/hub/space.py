@@ -13,8 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
-from ..core.errors import ToolkitError
-from ..core.folders import atomic_dir, check_out
+import yaml
+
+from ..core.errors import OptionError, ToolkitError
+from ..core.folders import atomic_dir, claim
+from ..core.refs import parse_ref
 from .wheels import EXLLAMAV3_VERSION, pick_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +124,14 @@ def copy_package(dst: Path) -> None:
     shutil.copy(ROOT / "app.py", dst / "app.py")
 
 
+def plain_title(title: str) -> bool:
+    """A non-empty one-line title that reads back as itself from `title: ...` in YAML (no quoting needed)."""
+    try:
+        return bool(title.strip()) and "\n" not in title and yaml.safe_load(f"title: {title}") == {"title": title}
+    except yaml.YAMLError:
+        return False
+
+
 def export(dir: str, target: str | None = None, draft: str | None = None, hardware: str = "l4x1",
            backend: str = "auto", title: str = "DFlash speculative decoding", force: bool = False,
            python: str = PYTHON_VERSION, torch: str = TORCH_VERSION, cuda: str = CUDA_VERSION,
@@ -131,14 +142,21 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
         raise ToolkitError(f"hardware must be one of {', '.join(HARDWARE)}, got {hardware!r}")
     if (target is None) != (draft is None):
         raise ToolkitError("target/draft: give both (a Space compares the drafter's speculative output with the target's AR) or neither")
+    for field, ref in (("target", target), ("draft", draft)):
+        if ref is not None:
+            parse_ref(ref, field)                       # a Hub id (REPO[@REVISION]) or a folder, one line otherwise
+    if not plain_title(title):
+        raise OptionError("title", f"{title!r} is not a one-line title that the Space's README front matter can hold")
     if backend not in ("auto", "torch", "exllamav3"):
         raise ToolkitError(f"backend must be auto, torch or exllamav3, got {backend!r}")
     if backend == "exllamav3" and hardware.startswith(("cpu", "zero")):
         raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/space.md)")
+    try:
+        out = claim(dir, "space", force, field="dir")     # before any work: docs/outputs.md
+    except OptionError as e:
+        raise ToolkitError(f"dir{e.rest}") from None
     lines = requirements(hardware, backend, python, torch, cuda, exllamav3_jit)
-    out = Path(dir)
-    check_out(out, "dir: ", force, "--force")
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, command="space") as tmp:
         copy_package(tmp)
         (tmp / "requirements.txt").write_text(requirements_text(lines, hardware))
         (tmp / "README.md").write_text(readme(hardware, target, draft, title, python, lines))

@@ -13,7 +13,8 @@ import torch
 from tqdm import tqdm
 
 from ..core.errors import ToolkitError
-from ..core.folders import atomic_dir, check_out, read_json
+from ..core import checks
+from ..core.folders import atomic_dir, claim, read_json
 from .codebook import CODEBOOKS, codebook_table, decode_linear
 from .layout import Plan, TensorSpec, build_plan
 from .tokenizer import write_tokenizer
@@ -56,7 +57,7 @@ def resolve_device(device: str | None) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ToolkitError(f"--device {device}: no CUDA GPU is available here")
-    return device
+    return checks.device("device", device)          # cpu, cuda or cuda:N that this machine has
 
 
 def read_shape(path: Path) -> dict:
@@ -142,6 +143,11 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
         raise ToolkitError(f"--codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
     if not shard_gb > 0:
         raise ToolkitError(f"--shard-gb must be positive, got {shard_gb}")
+    checks.number("shard_gb", shard_gb, hi=1024.0)
+    checks.seed("seed", seed)
+    if std is not None:
+        checks.number("std", std, above=0.0)
+    out = claim(out, "synth", overwrite, force_flag="--overwrite")     # before any work: docs/outputs.md
     o = SynthInputs(Path(config), _bits(bits, "--bits"), Path(out), _bits(head_bits, "--head-bits", allow16=True),
                      codebook, seed, std, shard_gb, resolve_device(device), overwrite, quiet)
     cfg = read_shape(o.config)
@@ -152,8 +158,7 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
     shards = plan_shards(plan.groups, int(o.shard_gb * 1024**3))
     names = shard_names(len(shards))
     make, check = Filler(o.device, o.seed, o.codebook), Checker(plan, o.codebook, o.std)
-    check_out(o.out, "--out ", o.overwrite, "--overwrite")
-    with atomic_dir(o.out) as tmp:
+    with atomic_dir(o.out, command="synth") as tmp:
         check_space(tmp, plan.nbytes)
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"synth {o.out.name}", disable=quiet, file=sys.stderr)
         staging = Staging()
