@@ -57,6 +57,34 @@ def test_batched_greedy_equals_unbatched_generation(pair):
     assert [a for k in range(0, len(ids), 3) for a in greedy_batch(m, ids[k : k + 3], 40, stops, 0)] == ref
 
 
+def test_grouped_decode_attention_is_repeat_kv_attention(random_target):
+    """The one-token GQA path (query heads as rows of their K/V head) against transformers' sdpa with repeat_kv, and
+    greedy answers of a GQA target (4 query, 2 K/V heads) against its own unbatched generate."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from toolkit.runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from toolkit.train.batchgen import grouped_decode
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 9, 1, 16), torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
+    mask = torch.rand(2, 1, 1, 20) > 0.3
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    ref, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask, scaling=0.25)
+    with grouped_decode():
+        got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(got, ref)
+    root, target = random_target
+    m, tok = load_hf_model(target, "cpu", torch.float32), load_hf_tokenizer(target)
+    assert m.config.num_key_value_heads < m.config.num_attention_heads
+    stops = stop_ids(m, tok)
+    ids = [encode_chat(tok, t) for t in NAMES[:5]]
+    ref = [cut(m.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=24,
+                          do_sample=False, eos_token_id=sorted(stops), pad_token_id=0)[0, len(p):].tolist(), stops) for p in ids]
+    assert greedy_batch(m, ids, 24, stops, 0) == ref
+
+
 def test_answer_store_appends_resumes_and_skips(pair, tmp_path):
     be, prompts = pair
     meta = {"max_new_tokens": 24}
@@ -240,3 +268,26 @@ def test_train_drafter_options_come_from_the_dataclass(data):
 
         run(td.train_drafter, td.TrainConfig, ["--target", target, "--out", str(root / "z"), "--data", str(root)], "prog")
     assert np.iinfo(np.uint16).max >= 512
+
+
+def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
+    """experiments/smol_scale.py gen then train (--quick: CPU, a tiny target), results where a device call returns them."""
+    from experiments import smol_scale
+    from toolkit.train.data import write_pool
+
+    root, target, _ = data
+    pool = [Item(f"Tell me about item number {i} in the list of things.", "chat") for i in range(200)]
+    pool += [Item(f"def f{i}(x):\n    return x * {i} + 1\n", "code") for i in range(100)]
+    write_pool(tmp_path / "pool.jsonl.gz", pool)
+    common = ["--quick", "--target", target, "--work", str(tmp_path / "work")]
+    monkeypatch.setenv("OUT", str(tmp_path / "out1"))
+    assert smol_scale.main(["gen", *common, "--pool", str(tmp_path / "pool.jsonl.gz"), "--batch", "4"]) == 0
+    gen = json.loads((tmp_path / "out1" / "gen.json").read_text())["stages"]["generate"]["result"]
+    assert gen["answered"] == 8 and gen["pending"] == 0 and gen["answers_per_s"] > 0
+    monkeypatch.setenv("OUT", str(tmp_path / "out2"))
+    assert smol_scale.main(["train", *common]) == 0
+    out = tmp_path / "out2"
+    res = json.loads((out / "results.json").read_text())
+    assert res["stages"]["train"]["result"]["steps"] == 6 and set(res["tau"]) == {"chat", "code"}
+    names = sorted(p.name for p in out.iterdir())
+    assert len(names) <= 8 and "curve.png" in names and "tau.json" in names and "model-00001-of-00002.safetensors" in names

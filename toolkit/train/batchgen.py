@@ -1,22 +1,27 @@
 """Batched greedy generation with plain transformers: the target's own answers, hundreds at a time.
 
-One batch is a set of prompts of similar length (the pending prompts are sorted by token count), left-padded, with
+One batch is a set of prompts of similar length (pools of pending prompts are sorted by token count), left-padded, with
 per-row positions, decoded step by step into a static KV cache sized prompt + max_new_tokens, so no step grows or
 copies the cache. Rows stop at their first stop token; every `CHECK` steps the finished rows are counted (one host
 sync) and, once a quarter of the rows is done, dropped from the batch and the cache. Greedy picks are the argmax of
 each row's own logits, so the tokens equal unbatched generation (tests/test_train_scale.py checks it on CPU fp32).
+A decode step reads the whole static cache, so with grouped-query attention (SmolLM2: 9 query, 3 K/V heads) the
+steps attend per K/V head with its query heads as rows (`grouped_decode`) instead of transformers' repeat_kv, which
+copies the cache three times over at every layer of every step (the same sums; only the memory traffic differs).
 `generate_into` answers prompts into an AnswerStore batch by batch, skipping those already stored, until a
 deadline, and reports answers per second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..assets.prompts import Prompt
@@ -26,6 +31,7 @@ from .store import AnswerStore, Row, prompt_key
 
 CHECK = 16                          # decode steps between looks at which rows are done
 COMPACT = 0.25                      # drop finished rows once this share of the batch is done
+POOL = 16                           # batches sorted by length together (see `batches`)
 
 
 @dataclass
@@ -70,6 +76,33 @@ def select_rows(cache, keep: torch.Tensor) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def grouped_decode():
+    """While active, transformers' "sdpa" attention runs one-token steps of a GQA model as one SDPA call per K/V head,
+    its query heads as rows (query head h uses K/V head h // groups, as repeat_kv pairs them); everything else goes
+    to the original function."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    orig = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        B, H, q, D = query.shape
+        KV, L = key.shape[1], key.shape[2]
+        plain = attention_mask is not None and attention_mask.dtype != torch.bool
+        if q != 1 or KV == H or dropout or plain or kw.get("position_bias") is not None or kw.get("output_attentions"):
+            return orig(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+        g = H // KV
+        mask = None if attention_mask is None else attention_mask.expand(B, 1, g, L)
+        out = F.scaled_dot_product_attention(query.reshape(B, KV, g, D), key, value, attn_mask=mask, scale=scaling)
+        return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attend
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = orig
+
+
 @torch.inference_mode()
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: set[int], pad_id: int) -> list[list[int]]:
     """Greedy answers to a batch of prompt ids, each cut after its first stop token (kept) or at max_new_tokens."""
@@ -98,7 +131,8 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: se
             if n_done >= COMPACT * len(rows) and select_rows(cache, (~done).nonzero().squeeze(1)):
                 keep = ~done
                 rows, tok, nxt, mask, done = rows[keep], tok[keep], nxt[keep], mask[keep], done[keep]
-        logits = model(input_ids=tok[:, None], attention_mask=mask[:, : P + t], position_ids=nxt[:, None], **kw).logits
+        with grouped_decode():
+            logits = model(input_ids=tok[:, None], attention_mask=mask[:, : P + t], position_ids=nxt[:, None], **kw).logits
         tok = torch.where(done, pad_id, logits[:, -1].argmax(-1))
         out[rows, t] = tok
         done |= torch.isin(tok, stop_t)
@@ -116,11 +150,15 @@ def encode(tok, prompts: list[Prompt]) -> list[list[int]]:
     return [encode_chat(tok, p.text) for p in prompts]
 
 
-def batches(pending: list[tuple[Prompt, list[int]]], size: int) -> Iterable[list[tuple[Prompt, list[int]]]]:
-    """Batches of prompts of similar token count, longest first (the memory peak comes at once, not at the end)."""
-    ordered = sorted(pending, key=lambda e: -len(e[1]))
-    for k in range(0, len(ordered), size):
-        yield ordered[k : k + size]
+def batches(pending: list[tuple[Prompt, list[int]]], size: int, pool: int = POOL) -> Iterable[list[tuple[Prompt, list[int]]]]:
+    """Batches of prompts of similar token count: the prompts in a fixed pseudo-random order (by key) cut into pools
+    of `pool` batches, each pool sorted longest first. A run cut off by its deadline has then answered a random
+    sample of the prompts (not only the longest, which are mostly code), and a batch still pads little."""
+    mixed = sorted(pending, key=lambda e: prompt_key(e[0].category + "\0" + e[0].text))
+    for k in range(0, len(mixed), size * pool):
+        part = sorted(mixed[k : k + size * pool], key=lambda e: -len(e[1]))
+        for j in range(0, len(part), size):
+            yield part[j : j + size]
 
 
 def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new_tokens: int, batch_size: int,

@@ -46,6 +46,7 @@ def plot(data: dict, path: str | Path, title: str = "") -> bool:
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)

@@ -294,7 +294,7 @@ def train_drafter(target: str, out: str, **options) -> dict:
 
     deadline = t0 + budget - 10 if budget else None       # 10 s left for the final evaluation and save
     model.train()
-    st = optimize(model, loss_fn, st.steps, cfg.lr, "drafter", cfg.warmup, st, on_step, deadline, cfg.log_every, quiet=cfg.quiet)
+    st = optimize(model, loss_fn, planned, cfg.lr, "drafter", cfg.warmup, st, on_step, deadline, cfg.log_every, quiet=cfg.quiet)
     if ev is not None and (not run["evals"] or run["evals"][-1]["step"] != st.step):
         evaluate(st.step)
     if run["best"] is not None and run["best"]["step"] != st.step:
