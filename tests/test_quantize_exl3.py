@@ -246,3 +246,22 @@ def test_hub_refs_with_branches_and_their_shas(tmp_path, pair, hub, monkeypatch)
     assert report["results"][0]["exl3"]["target"] == "alice/tiny-exl3@4.0bpw"
     assert (out / "upstream" / "README.md").read_text() == (pair[1] / "README.md").read_text()
     assert "commit " + report["target_sha"] in (out / "report.md").read_text()
+
+
+def test_draft_widths_and_the_recommended_one():
+    from toolkit.quant.speed import best_width, widths_for
+
+    assert widths_for(16, []) == [3, 7, 15] and widths_for(4, [3, 7, 15]) == [3] and widths_for(16, [1, 20]) == [1, 15]
+    assert best_width({3: {"speedup": 1.2}, 7: {"speedup": 1.5}, 15: {"speedup": 1.5}}) == 7    # ties: the narrower
+    assert best_width({3: {"speedup": 0.8}, 7: {"speedup": 0.6}}) == 3                          # the best, even if < 1
+    assert best_width({3: {"speedup": None}}) is None
+
+
+def test_recipe_draft_tokens(tmp_path):
+    from toolkit.quant.recipe import load_recipe
+
+    assert load_recipe(ROOT / "quantize" / "qwen3.6-35b-a3b-dflash.toml").draft_tokens == [3, 7, 15]
+    bad = tmp_path / "r.toml"
+    bad.write_text('[model]\nid = "a/b"\n[check]\ndraft_tokens = [0, 3]\n')
+    with pytest.raises(ToolkitError, match=r"check.draft_tokens must be a list of integers >= 1, got \[0, 3\]"):
+        load_recipe(bad)

@@ -296,12 +296,13 @@ def speed(run: Run) -> None:
     setup = spd.SpeedSetup(run.target_dir, s.target, target_bits(run.target_config), run.held_ids, r.max_new_tokens,
                            mem.job_tokens(n, r.max_new_tokens, c.block_size))
     ref_dir = spd.shadow_reference(run.model_dir, run.work / "bf16-reference", run.tap_shift)
-    sweep = spd.measure(engine.ENGINE, setup, ref_dir, spd.widths_for(c.block_size, r.draft_tokens))
+    sweep, ar = spd.measure(engine.ENGINE, setup, ref_dir, spd.widths_for(c.block_size, r.draft_tokens))
     run.exl3_widths = [sweep[w] for w in sorted(sweep)]
     run.recommended = spd.best_width(sweep) or max(sweep)
     run.bf16_exl3 = sweep.get(run.recommended)
     for item in tqdm(run.items, desc="speed", unit="bitrate", disable=not run.progress, leave=False):
-        run.exl3[item.folder] = spd.measure(engine.ENGINE, setup, run.dest / item.folder, [run.recommended])[run.recommended]
+        got, _ = spd.measure(engine.ENGINE, setup, run.dest / item.folder, [run.recommended], ar)
+        run.exl3[item.folder] = got[run.recommended]
     if all((x.get("speedup") or 0) < 1 for x in run.exl3_widths):
         run.notes.append("speculative decoding was slower than AR at every measured draft width")
 

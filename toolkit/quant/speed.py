@@ -1,10 +1,11 @@
 """τ and speed of each drafter on exllamav3 with the EXL3 target: the numbers the users of the quants get.
 
 For one drafter folder the target and that drafter are loaded through the exllamav3 backend (engine.ENGINE),
-the held-out prompts are decoded one after another (one user's stream) greedily, first plain AR and then
-speculatively at each asked draft width (GenSettings with a fixed block of width + 1), all in one process, and
-the backend is closed before the next drafter loads. Per width: τ (mean accepted + 1 per verification round),
-acceptance per draft position, tok/s of both, the speedup, and the share of prompts whose output equals AR's.
+the held-out prompts are decoded one after another (one user's stream) greedily at each asked draft width
+(GenSettings with a fixed block of width + 1), and the backend is closed before the next drafter loads. Plain
+AR on the same target runs once, in the first load, and is the baseline of every drafter (same process, same
+target and cache). Per width: τ (mean accepted + 1 per verification round), acceptance per draft position,
+tok/s of both, the speedup, and the share of prompts whose output equals AR's.
 """
 
 from __future__ import annotations
@@ -44,31 +45,39 @@ def decode(backend: Backend, prompts: list[list[int]], settings: GenSettings,
     return rounds, time.perf_counter() - t0
 
 
-def cell(rounds: list[list[Round]], secs: float, ar: dict, ar_tokens: list[list[int]], width: int,
-         setup: SpeedSetup) -> dict:
+@dataclass
+class Baseline:
+    """Plain AR decoding of the prompts on the target: its tok/s and its tokens (what lossless decoding must emit)."""
+
+    tok_s: float
+    tokens: list[list[int]]
+
+
+def cell(rounds: list[list[Round]], secs: float, ar: Baseline, width: int, setup: SpeedSetup) -> dict:
     """The report's `exl3` object for one drafter at one width."""
     s = summarize([r for job in rounds for r in job], secs)
-    same = [tokens_of(job) == a for job, a in zip(rounds, ar_tokens)]
-    return {"tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "ar_tok_s": ar["tok_s"],
-            "speedup": s.tok_s / ar["tok_s"] if ar["tok_s"] else None, "lossless": sum(same) / len(same),
+    same = [tokens_of(job) == a for job, a in zip(rounds, ar.tokens)]
+    return {"tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "ar_tok_s": ar.tok_s,
+            "speedup": s.tok_s / ar.tok_s if ar.tok_s else None, "lossless": sum(same) / len(same),
             "draft_tokens": width, "target": setup.name, "target_bits": setup.bits, "tokens": s.tokens,
             "seconds": round(secs, 3)}
 
 
-def measure(engine, setup: SpeedSetup, draft: Path, widths: list[int]) -> dict[int, dict]:
-    """AR and each draft width for one drafter folder, in one load of target + drafter: {width: exl3 object}."""
+def measure(engine, setup: SpeedSetup, draft: Path, widths: list[int],
+            ar: Baseline | None = None) -> tuple[dict[int, dict], Baseline]:
+    """Each draft width for one drafter folder, in one load of target + drafter: ({width: exl3 object}, the AR
+    baseline). AR runs in this load unless `ar` (an earlier load's, same target and process) is given."""
     be = engine.open_backend(setup.target, draft, setup.cache_tokens, 1)
     try:
         base = GenSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, block_size=None)
-        ar_rounds, ar_secs = decode(be, setup.prompts, base, speculative=False)
-        ar = {"tok_s": summarize([r for job in ar_rounds for r in job], ar_secs).tok_s}
-        ar_tokens = [tokens_of(job) for job in ar_rounds]
+        if ar is None:
+            rounds, secs = decode(be, setup.prompts, base, speculative=False)
+            ar = Baseline(summarize([r for job in rounds for r in job], secs).tok_s, [tokens_of(job) for job in rounds])
         out = {}
         for w in widths:
-            st = GenSettings(**{**vars(base), "block_size": w + 1})
-            rounds, secs = decode(be, setup.prompts, st, speculative=True)
-            out[w] = cell(rounds, secs, ar, ar_tokens, w, setup)
-        return out
+            rounds, secs = decode(be, setup.prompts, GenSettings(**{**vars(base), "block_size": w + 1}), speculative=True)
+            out[w] = cell(rounds, secs, ar, w, setup)
+        return out, ar
     finally:
         be.close()
         from ..runtime.exl3_taps import free_gpu

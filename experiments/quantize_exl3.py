@@ -1,0 +1,180 @@
+"""toolkit.quantize with an EXL3 target on the device (issue 17): the full Qwen3.6-35B-A3B recipe on the real shape,
+timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per bitrate on exllamav3.
+
+    source .device/on-device.sh && timeout 590 python -m experiments.quantize_exl3 shape       (carry [".device"])
+    source .device/on-device.sh && timeout 590 python -m experiments.quantize_exl3 pair        (after smol_device stage)
+
+`shape`: (1) toolkit.synthetic.synth writes a 4.0 bpw EXL3 target of quantize/shapes/qwen3.6-35b-a3b.json (about
+18.4 GB, ~20 s) and a BF16 drafter of quantize/shapes/qwen3.6-35b-a3b-dflash.json with random weights
+(toolkit.assets.fixtures.random_drafter, std 0.02, plus a README.md and LICENSE so that OUT/upstream is made) into
+/tmp/q36 (kept for a later call on the same warm machine; `shape --stage` writes them and stops, if one call
+cannot hold both); (2) `python -m toolkit.quantize --recipe quantize/qwen3.6-35b-a3b-dflash.toml --model DRAFT
+--target TARGET --out /tmp/q36/out --force`: 5 bitrates, calibrated, KL/top-1, τ and speed per bitrate on
+exllamav3, report and cards, timed end to end (target: <= 10 minutes, peak <= 22 GiB). Random weights: the numbers
+mean nothing (the thresholds fail and say so), the plumbing, the time and the memory are real.
+
+`pair`: the SmolLM2 pair. `python3 -m experiments.smol_device stage` first prepares the target in
+/tmp/smol-run/smollm2-135m-instruct (same warm machine); here the target and the shipped drafter
+(toolkit/data/smollm2_dflash) are padded to hidden 768 (exllamav3 1.6.5 needs 128-aligned widths), the padded
+target is converted to EXL3 4.0 bpw (exllamav3's converter), and toolkit.quantize runs
+quantize/smollm2-135m-dflash.toml against it with --also-uncalibrated: τ per bitrate on exllamav3, calibrated vs
+uncalibrated, with the BF16 drafter as reference.
+
+Writes $OUT/quantize_exl3.json (per step: seconds, result, errors) and $OUT/<mode>/ (report.json, report.md,
+tau_top1.png, the main card), after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from experiments.harness import Run, convert_exl3, device_name, env_float, free_cuda
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "quantize" / "shapes"
+Q36 = Path("/tmp/q36")
+SMOL = Path("/tmp/smol-run")
+GIB = 1024**3
+
+
+def shape_config(name: str) -> dict:
+    cfg = json.loads((SHAPES / name).read_text())
+    cfg.pop("_source", None)
+    return cfg
+
+
+def stage_shape(work: Path) -> dict:
+    """The synthetic 4.0 bpw target and the random upstream-shaped BF16 drafter (skipped when already there)."""
+    import torch
+
+    from toolkit.assets.fixtures import random_drafter
+    from toolkit.dflash import save_drafter
+    from toolkit.synthetic.build import synth
+
+    out: dict = {}
+    target, draft = work / "target-4.0", work / "draft"
+    if not (target / "config.json").is_file():
+        out["target"] = {k: v for k, v in synth(str(SHAPES / "qwen3.6-35b-a3b.json"), 4.0, str(target), quiet=True).items()
+                         if k in ("bytes", "size", "shards", "seconds")}
+    if not (draft / "config.json").is_file():
+        t = time.time()
+        model = random_drafter(shape_config("qwen3.6-35b-a3b-dflash.json"), seed=0, std=0.02)
+        save_drafter(model, draft, dtype=torch.bfloat16, extra_files={
+            "README.md": "---\nlicense: mit\n---\n# Random drafter\n\nUpstream-shaped stand-in with random weights.\n",
+            "LICENSE": "MIT License (stand-in for the upstream license file)\n"})
+        out["draft"] = {"seconds": round(time.time() - t, 1)}
+    out["bytes"] = {p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (target, draft)}
+    return out
+
+
+def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path, extra: list[str]) -> dict:
+    """python -m toolkit.quantize ... --force, timed end to end; the report, card and verdict kept under `keep`."""
+    from toolkit.core.errors import ToolkitError
+    from toolkit.quantize import main
+
+    t = time.time()
+    try:
+        main(["--recipe", str(recipe), "--model", str(model), "--target", str(target), "--out", str(out), "--force",
+              *extra])
+        verdict = "pass"
+    except ToolkitError as e:                    # below a threshold: report and cards are still written
+        verdict = str(e)[:800]
+    wall = round(time.time() - t, 1)
+    keep.mkdir(parents=True, exist_ok=True)
+    for name in ("report.json", "report.md", "tau_top1.png"):
+        if (out / name).is_file():
+            shutil.copy(out / name, keep / name)
+    for card in out.glob("*/README.md"):
+        shutil.copy(card, keep / f"card-{card.parent.name}.md")
+    rep = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
+    return {"verdict": verdict, "wall_seconds": wall, "upstream": sorted(p.name for p in (out / "upstream").glob("*")),
+            **summary(rep)}
+
+
+def summary(rep: dict) -> dict:
+    """What docs/benchmarks.md needs from a report: time and memory per step, τ and speed per bitrate."""
+    if not rep:
+        return {}
+    g = lambda v: None if v is None else round(v / GIB, 2)      # noqa: E731
+    return {
+        "memory_gib": {k: g(v) if k.endswith("bytes") else v for k, v in (rep.get("memory") or {}).items()},
+        "steps": [{"step": s["step"], "seconds": s["seconds"], "peak_allocated_gib": g(s["peak_allocated_bytes"]),
+                   "peak_device_gib": g(s["peak_device_bytes"]), "estimated_gib": g(s["estimated_bytes"])}
+                  for s in rep.get("steps") or []],
+        "recommended_draft_tokens": rep.get("recommended_draft_tokens"),
+        "widths": [{k: c.get(k) for k in ("draft_tokens", "tau", "tok_s", "ar_tok_s", "speedup", "lossless")}
+                   for c in rep.get("exl3_widths") or []],
+        "bf16": {"tau": (rep["bf16"].get("exl3") or {}).get("tau"), "speedup": (rep["bf16"].get("exl3") or {}).get("speedup")},
+        "results": [{"folder": r["folder"], "calibrated": r["calibrated"], "kl": r["kl"], "top1": r["top1"],
+                     "passed": r["passed"], **{k: (r.get("exl3") or {}).get(k)
+                                               for k in ("tau", "tok_s", "speedup", "lossless", "accept_per_position")}}
+                    for r in rep.get("results") or []],
+    }
+
+
+def run_shape(run: Run, a) -> None:
+    staged = run.step("stage", stage_shape, a.work, need_s=60)
+    if staged is None or a.stage:
+        return
+    free_cuda()
+    run.step("quantize", quantize_run, ROOT / "quantize" / "qwen3.6-35b-a3b-dflash.toml", a.work / "draft",
+             a.work / "target-4.0", a.work / "out", run.path.parent / "shape", [], need_s=120)
+
+
+def stage_pair(work: Path, target: Path, draft: Path) -> dict:
+    """Both padded to hidden 768, the padded target converted to EXL3 4.0 bpw (its tokenizer files copied along)."""
+    from toolkit.assets.padding import pad
+
+    pt, pd, te = work / "pad" / "target", work / "pad" / "draft", work / "target-exl3-4.0"
+    for src, dst in ((target, pt), (draft, pd)):
+        if not (dst / "config.json").is_file():
+            pad(str(src), str(dst))
+    conv = None
+    if not (te / "config.json").is_file():
+        conv = convert_exl3(pt, te, 4.0, work / "work-target")
+        for f in pt.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and not (te / f.name).exists():
+                shutil.copy(f, te / f.name)
+    return {"padded": [str(pt), str(pd)], "target": str(te), "convert": conv}
+
+
+def run_pair(run: Run, a) -> None:
+    target, draft = a.smol_target, a.smol_draft
+    missing = [p for p in (target, draft) if not (p / "config.json").is_file()]
+    if missing:
+        run.errors["inputs"] = f"{missing[0]} is missing: run python3 -m experiments.smol_device stage first, on this warm machine"
+        return
+    staged = run.step("stage", stage_pair, a.work, target, draft, need_s=60)
+    if staged is None:
+        return
+    run.step("quantize", quantize_run, ROOT / "quantize" / "smollm2-135m-dflash.toml", Path(staged["padded"][1]),
+             Path(staged["target"]), a.work / "out", run.path.parent / "pair", ["--also-uncalibrated"], need_s=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.quantize_exl3", description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("shape", "pair"), help="shape: the Qwen3.6 recipe on synthetic weights; pair: SmolLM2")
+    ap.add_argument("--stage", action="store_true", help="shape: only write the synthetic target and drafter")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default /tmp/q36, or /tmp/smol-run/q for pair)")
+    ap.add_argument("--smol-target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")),
+                    help="pair: the prepared SmolLM2 target (default SMOL_TARGET, else /tmp/smol-run/smollm2-135m-instruct)")
+    ap.add_argument("--smol-draft", type=Path, default=ROOT / "toolkit" / "data" / "smollm2_dflash",
+                    help="pair: the drafter (default: the shipped toolkit/data/smollm2_dflash)")
+    ap.add_argument("--budget-s", type=float, default=env_float("QEXL3_BUDGET_S", 580),
+                    help="start no step that does not fit in what is left of it (default QEXL3_BUDGET_S, else 580)")
+    a = ap.parse_args(argv)
+    a.work = a.work or (Q36 if a.mode == "shape" else SMOL / "q")
+    run = Run("quantize_exl3.json", budget_s=a.budget_s, section="steps")
+    run.results.update(mode=a.mode, device=device_name(), work=str(a.work))
+    (run_shape if a.mode == "shape" else run_pair)(run, a)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
