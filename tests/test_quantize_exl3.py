@@ -113,9 +113,16 @@ def test_exl3_engine_refuses_another_exllamav3(monkeypatch):
     from toolkit.runtime import exl3_taps
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.7.0")
     why = Exl3Engine().unavailable("t")
     assert why.startswith("--target: t is an EXL3 model: exllamav3 1.7.0 is installed") and "1.6.5" in why
+    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.6.5")
+    assert Exl3Engine().unavailable("t") is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    assert Exl3Engine().unavailable("t") == ("--target: t is an EXL3 model, and exllamav3 needs compute capability 8.0 "
+                                             "or newer; Tesla T4 has 7.5")
 
 
 @pytest.mark.parametrize("config,msg", [

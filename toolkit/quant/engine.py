@@ -17,14 +17,21 @@ class Exl3Engine:
     """exllamav3 1.6.5 on the local CUDA GPU."""
 
     def unavailable(self, target: str) -> str | None:
-        """Why an EXL3 target cannot run here (no CUDA GPU, exllamav3 missing or not 1.6.5), or None."""
+        """Why an EXL3 target cannot run here (no CUDA GPU, one older than Ampere, exllamav3 missing or not 1.6.5),
+        or None."""
         import torch
 
         if not torch.cuda.is_available():
             return (f"--target: {target} is an EXL3 model, and running it needs a CUDA GPU (none found here); "
                     "pass a BF16 target, or --no-calibrate --no-check")
+        from ..runtime.exl3_backend import MIN_CAPABILITY
         from ..runtime.exl3_taps import check_pinned
 
+        cap = tuple(torch.cuda.get_device_capability())
+        if cap < MIN_CAPABILITY:
+            return (f"--target: {target} is an EXL3 model, and exllamav3 needs compute capability "
+                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer; {torch.cuda.get_device_name()} has "
+                    f"{cap[0]}.{cap[1]}")
         try:
             check_pinned()
         except ToolkitError as e:

@@ -173,10 +173,10 @@ class Meter:
     """Seconds and peak GPU memory of one step: torch's peak in this process, and the device's used memory
     (total - free) sampled every 50 ms, which also sees subprocesses."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         import torch
 
-        self.cuda = torch.cuda.is_available()
+        self.cuda = enabled and torch.cuda.is_available()
         self.seconds = 0.0
         self.peak_allocated: int | None = None
         self.peak_device: int | None = None

@@ -83,13 +83,13 @@ def plan(run: Run) -> None:
 
 def plan_memory(run: Run, max_prompt: int = mem.PROMPT_TOKENS) -> list[mem.Need]:
     r, folder, cfg = run.s.recipe, run.target_dir, run.target_config or {}
-    weights = None
+    run.target_weights = None
     if folder is not None and run.kind == "exl3":
-        weights = mem.exl3_weights(folder, cfg)
+        run.target_weights = mem.exl3_weights(folder, cfg)
     elif folder is not None and run.kind == "hf":
-        weights = mem.hf_weights(folder, cfg)
+        run.target_weights = mem.hf_weights(folder, cfg)
     n = len(r.calibration_prompts) + len(r.check_prompts)
-    sizes = mem.Sizes(run.kind, run.config, cfg, weights, max_prompt, r.max_new_tokens, n)
+    sizes = mem.Sizes(run.kind, run.config, cfg, run.target_weights, max_prompt, r.max_new_tokens, n)
     return mem.plan_memory(sizes, run.calibrating, bool(run.todo), run.check)
 
 
@@ -103,9 +103,7 @@ def show_plan(run: Run) -> None:
     if not run.checked.has_weights:
         run.notes.append("no weights in the model folder: tensors not checked")
     print(format_plan(run.items, s.out))
-    weights_known = run.kind == "none" or run.target_dir is None or any(
-        "target weights" in n.parts and n.parts["target weights"] for n in run.needs)
-    print(mem.format_memory(run.needs, weights_known))
+    print(mem.format_memory(run.needs, run.kind == "none" or run.target_weights is not None))
     for n in run.notes:
         print(f"note: {n}")
 

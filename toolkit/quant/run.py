@@ -37,6 +37,7 @@ class Run:
     model_sha: str | None = None        # the commit a Hub --model resolved to (None: a local folder)
     target_dir: Path | None = None      # config only until prepare fetches the whole target
     target_sha: str | None = None
+    target_weights: int | None = None   # GPU bytes of the target's weights (None: unknown, e.g. not downloaded)
     target_config: dict | None = None   # read once, in validate
     kind: str = "none"                  # the target: exl3 (runs on exllamav3) | hf (transformers) | none
     checked: Checked | None = None
@@ -107,7 +108,7 @@ def step(fn: Callable[[Run], None]) -> Callable[[Run], None]:
     @functools.wraps(fn)
     def run_step(run: Run) -> None:
         run.bar.set_description(fn.__name__)
-        with Meter() as m:
+        with Meter(enabled=not run.dry_run) as m:        # a dry run touches no GPU
             fn(run)
         run.timings.append(m.row(fn.__name__, run.estimate(fn.__name__)))
         run.bar.update()
