@@ -126,13 +126,16 @@ def prepare(run: Run) -> None:
         raise ToolkitError("calibration: the recipe has no [calibration] prompts (or pass --no-calibrate)")
     if not (run.calibrating or run.check):
         return
-    run.target_dir, run.target_sha = fetch_ref(s.target, s.target_revision, "target")
     from ..runtime.torch_backend import load_hf_tokenizer
 
-    run.tokenizer = load_hf_tokenizer(run.target_dir, "--target")
+    run.tokenizer = load_hf_tokenizer(run.target_dir, "--target")      # fetched with the config (source.CONFIG_FILES)
     run.cal_ids = encode(run, r.calibration_prompts) if run.calibrating else []
     run.held_ids = encode(run, r.check_prompts) if run.check else []
-    run.needs = plan_memory(run, max(map(len, run.cal_ids + run.held_ids), default=mem.PROMPT_TOKENS))
+    longest = max(map(len, run.cal_ids + run.held_ids), default=mem.PROMPT_TOKENS)
+    run.needs = plan_memory(run, longest)
+    check_fits(run)                      # the weights' size from a Hub ref's index, before they are downloaded
+    run.target_dir, run.target_sha = fetch_ref(s.target, s.target_revision, "target")
+    run.needs = plan_memory(run, longest)
     check_fits(run)
 
 

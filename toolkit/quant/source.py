@@ -12,6 +12,11 @@ from ..core.errors import ToolkitError
 from ..core.refs import SHA_RE, Ref, fetch, parse_ref
 from ..core.target import TargetInfo
 
+# A config-only fetch: the configs, the tokenizer (to plan with the real prompt lengths) and the safetensors index
+# (the weights' size), so the plan's memory check runs before the weights are downloaded.
+CONFIG_FILES = ["config.json", "generation_config.json", "*.safetensors.index.json", "tokenizer*",
+                "special_tokens_map.json", "*.jinja", "vocab.*", "merges.txt"]
+
 
 def split_ref(text: str, what: str) -> tuple[str, str | None]:
     """(repo or folder, revision named after '@') of a --model / --target value; a folder has no revision."""
@@ -35,7 +40,7 @@ def from_cache(ref: Ref, what: str, config_only: bool) -> Path:
 
     try:
         return Path(snapshot_download(ref.repo, revision=ref.revision, local_files_only=True,
-                                      allow_patterns=["config.json"] if config_only else None))
+                                      allow_patterns=CONFIG_FILES if config_only else None))
     except Exception:  # noqa: BLE001 - not cached, in any of huggingface_hub's ways of saying so
         raise ToolkitError(f"--{what}: {ref} is not in the local Hub cache (a dry run does not download); pass a "
                            f"local folder with --{what} instead") from None
@@ -44,7 +49,7 @@ def from_cache(ref: Ref, what: str, config_only: bool) -> Path:
 def fetch_ref(ref: str, revision: str | None = None, what: str = "model", config_only: bool = False,
               cache_only: bool = False) -> tuple[Path, str | None]:
     """(local folder, commit sha) for `ref`; the sha is None for a local folder. config_only fetches just
-    config.json; cache_only never touches the network."""
+    CONFIG_FILES; cache_only never touches the network."""
     r = hub_ref(ref, revision, what)
     if r.is_local:
         return r.path.expanduser().resolve(), None
@@ -52,7 +57,7 @@ def fetch_ref(ref: str, revision: str | None = None, what: str = "model", config
         path = from_cache(r, what, config_only)
         return path, path.name if SHA_RE.match(path.name) else None
     try:
-        return fetch(r, what, allow_patterns=["config.json"] if config_only else None)
+        return fetch(r, what, allow_patterns=CONFIG_FILES if config_only else None)
     except ToolkitError as e:
         text = str(e)
         if "offline" in text or "cannot connect" in text:
