@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--also-uncalibrated", action="store_true",
                     help="with --calibrate, also convert uncalibrated into <bits>bpw-uncal folders for comparison (not pushed)")
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                    help="compare each bitrate with the BF16 reference and enforce the recipe's thresholds (default on)")
+                    help="compare each bitrate with the BF16 reference (KL, top-1; with an EXL3 target also tau and "
+                         "tok/s against AR on exllamav3) and enforce the recipe's thresholds (default on)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan and the GPU memory of each step, and exit; touches no GPU and no network")
     ap.add_argument("--force", action="store_true", help="overwrite an existing output folder and redo every bitrate")
