@@ -51,10 +51,10 @@ SCALE = Path("/tmp/smol-scale")
 HELDOUT = {"chat": 24, "code": 24}
 GEN = dict(max_new_tokens=256, max_prompt_tokens=640)
 TRAIN = dict(heldout_chat=24, heldout_code=24, max_prompt_tokens=640, steps=100_000, batch_seqs=64, anchors=512,
-             anchor_chunk=64, lr=1e-3, warmup=100, device="cuda", eval_every=200, eval_tokens=128, checkpoint_every=500,
-             log_every=50, seed=0, quiet=True)
+             anchor_chunk=32, lr=1e-3, warmup=100, device="cuda", eval_every=200, eval_tokens=128, checkpoint_every=500,
+             log_every=50, seed=0, quiet=False)
 QUICK = dict(heldout_chat=1, heldout_code=1, steps=6, batch_seqs=2, anchors=8, anchor_chunk=4, warmup=2, device="cpu",
-             eval_every=3, eval_tokens=8, checkpoint_every=3, log_every=1)
+             eval_every=3, eval_tokens=8, checkpoint_every=3, log_every=1, quiet=True)
 
 
 def pack() -> None:
@@ -134,6 +134,7 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
     from experiments.smol_device import copy_drafter
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TQDM_MININTERVAL", "30")          # a progress line every 30 s (and each tau line) in the log
     run = Run("results.json", budget_s=budget_s, section="stages")
     out = run.path.parent
     folder = target or prepared_target(run, None)
