@@ -75,7 +75,7 @@ def test_grouped_decode_attention_is_repeat_kv_attention(random_target):
     with grouped_decode():
         got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask, scaling=0.25)
     torch.testing.assert_close(got, ref)
-    root, target = random_target
+    _, target = random_target
     m, tok = load_hf_model(target, "cpu", torch.float32), load_hf_tokenizer(target)
     assert m.config.num_key_value_heads < m.config.num_attention_heads
     stops = stop_ids(m, tok)
@@ -275,7 +275,7 @@ def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
     from experiments import smol_scale
     from toolkit.train.data import write_pool
 
-    root, target, _ = data
+    _, target, _ = data
     pool = [Item(f"Tell me about item number {i} in the list of things.", "chat") for i in range(200)]
     pool += [Item(f"def f{i}(x):\n    return x * {i} + 1\n", "code") for i in range(100)]
     write_pool(tmp_path / "pool.jsonl.gz", pool)
