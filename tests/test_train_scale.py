@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import toolkit.train.trainer as td
+from toolkit.train import batchgen
 from toolkit.assets.fixtures import build, drafter_config, random_drafter
 from toolkit.assets.pairs import tiny_pair
 from toolkit.assets.prompts import Prompt
@@ -42,7 +43,7 @@ def random_target(tmp_path_factory):
     return root, str(target)
 
 
-def test_batched_greedy_equals_unbatched_generation(pair):
+def test_batched_greedy_equals_unbatched_generation(pair, monkeypatch):
     be, prompts = pair
     m, tok = be.target, be.tokenizer
     stops = stop_ids(m, tok)
@@ -55,6 +56,13 @@ def test_batched_greedy_equals_unbatched_generation(pair):
     assert len({len(p) for p in ids}) > 3 and len({len(r) for r in ref}) > 3 and any(r[-1] in stops for r in ref)
     assert greedy_batch(m, ids, 40, stops, 0) == ref              # left padding, rows finishing apart, dropped rows
     assert [a for k in range(0, len(ids), 3) for a in greedy_batch(m, ids[k : k + 3], 40, stops, 0)] == ref
+
+    def small_memory(model, prompts, *a):                          # a batch over 3 rows runs out of GPU memory
+        if len(prompts) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return greedy_batch(model, prompts, *a)
+    monkeypatch.setattr(batchgen, "greedy_batch", small_memory)
+    assert batchgen.answer(m, ids, 40, stops, 0) == ref
 
 
 def test_grouped_decode_attention_is_repeat_kv_attention(random_target):

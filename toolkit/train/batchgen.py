@@ -9,7 +9,7 @@ A decode step reads the whole static cache, so with grouped-query attention (Smo
 steps attend per K/V head with its query heads as rows (`grouped_decode`) instead of transformers' repeat_kv, which
 copies the cache three times over at every layer of every step (the same sums; only the memory traffic differs).
 `generate_into` answers prompts into an AnswerStore batch by batch, skipping those already stored, until a
-deadline, and reports answers per second.
+deadline, and reports answers per second; a batch that runs out of GPU memory is split in two and retried.
 """
 
 from __future__ import annotations
@@ -145,6 +145,20 @@ def cut(row: list[int], stops: set[int]) -> list[int]:
     return next((row[: i + 1] for i, t in enumerate(row) if t in stops), row)
 
 
+def answer(model, prompts: list[list[int]], max_new_tokens: int, stops: set[int], pad_id: int) -> list[list[int]]:
+    """greedy_batch, halving a batch that runs out of GPU memory (the answers do not depend on the batch)."""
+    try:
+        return greedy_batch(model, prompts, max_new_tokens, stops, pad_id)
+    except torch.OutOfMemoryError:
+        if len(prompts) == 1:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = len(prompts) // 2
+    return (answer(model, prompts[:half], max_new_tokens, stops, pad_id)
+            + answer(model, prompts[half:], max_new_tokens, stops, pad_id))
+
+
 def encode(tok, prompts: list[Prompt]) -> list[list[int]]:
     """Chat-template ids of every prompt."""
     return [encode_chat(tok, p.text) for p in prompts]
@@ -181,7 +195,7 @@ def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new
     for chunk in batches(pending, batch_size):
         if deadline is not None and time.time() > deadline:
             break
-        answers = greedy_batch(model, [ids for _, ids in chunk], max_new_tokens, stops, pad)
+        answers = answer(model, [ids for _, ids in chunk], max_new_tokens, stops, pad)
         store.append([Row(prompt_key(p.text), ids + a, len(ids), p.category) for (p, ids), a in zip(chunk, answers)])
         done += len(chunk)
         st.answers += len(chunk)
