@@ -23,11 +23,14 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
 Device, call 3 (~9.5 min), carry [".device"]:
     source .device/on-device.sh && python3 -m experiments.smol_scale train
     (trains from /tmp/smol-scale/data with the teacher-forced tau every 200 steps, keeps the best checkpoint, then
-    toolkit.eval_tau with the torch backend at B=16 and 8 on 8 + 8 held-out prompts; $OUT: the drafter in two
-    safetensors shards, config.json, README.md, heldout.json, results.json, tau.json, curve.png. A cut-off call
-    leaves /tmp/smol-scale/ckpt: the same command resumes it.)
+    toolkit.eval_tau with the torch backend at B=16 and 8 on 4 + 4 held-out prompts; $OUT: the drafter in two
+    safetensors shards, config.json, README.md, heldout.json, results.json, tau.json, curve.png. results.json's
+    train.result.evals[-1] is the teacher-forced tau of the last step on all 24 + 24 prompts, which equals the torch
+    backend's greedy decoding up to float rounding (tests/test_train_scale.py). A cut-off call leaves
+    /tmp/smol-scale/ckpt: the same command resumes it.)
 Device, call 4 (optional), carry [".device"]:
-    source .device/on-device.sh && python3 -m experiments.smol_scale eval      (all 24 + 24 prompts, torch backend)
+    source .device/on-device.sh && python3 -m experiments.smol_scale eval      (torch backend, one prompt at a time,
+    ~3 s a prompt and block size on 2026-12-02/03: all 24 + 24 at B=16 and 8 fit one call)
     source .device/on-device.sh && python3 -m experiments.smol_exl3 --draft /tmp/smol-scale/draft   (exllamav3)
 Here, afterwards:   python -m experiments.smol_device install FILES_AT   (the drafter into toolkit/data/smollm2_dflash)
 
@@ -168,8 +171,10 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
     return run.finish()
 
 
-def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path) -> int:
-    """Device: toolkit.eval_tau on every held-out prompt (torch backend, B = 16 and 8) for the trained drafter."""
+def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path, limit: int | None = None,
+             block_sizes: list[int] = (16, 8)) -> int:
+    """Device: toolkit.eval_tau on the held-out prompts (torch backend) for the trained drafter; it starts no prompt
+    past the budget, so a cut-off result says `complete: false` (the torch backend runs one prompt at a time)."""
     from toolkit.eval_tau import eval_tau
 
     run = Run("eval.json", budget_s=budget_s, section="stages")
@@ -178,7 +183,8 @@ def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path) -> i
     if folder is None or not (draft / "config.json").is_file():
         run.errors["inputs"] = "no trained drafter in /tmp/smol-scale/draft: run `train` first on this warm machine"
         return run.finish()
-    tau = run.step("eval_tau", lambda: eval_tau(str(folder), str(draft), block_sizes=[8, 16], max_new_tokens=16 if quick else 128,
+    tau = run.step("eval_tau", lambda: eval_tau(str(folder), str(draft), block_sizes=list(block_sizes), limit=limit,
+                                                max_new_tokens=16 if quick else 128,
                                                 device="cpu" if quick else "cuda", minutes=(run.left() - 15) / 60,
                                                 out=str(run.path.parent / "tau_full.json"), quiet=True))
     if tau is not None:
@@ -206,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts per generation batch (default: SMOL_GEN_BATCH, else 2048)")
     g.add_argument("--pool", type=Path, default=POOL, help=f"the prompt pool (default {POOL.relative_to(ROOT)})")
     t = sub.choices["train"]
-    t.add_argument("--eval-reserve-s", type=float, default=env_float("SMOL_EVAL_S", 75),
-                   help="seconds kept for eval_tau after training (default: SMOL_EVAL_S, else 75)")
-    t.add_argument("--eval-limit", type=int, default=int(env_float("SMOL_EVAL_LIMIT", 8)),
-                   help="held-out prompts per category for eval_tau in this call (default: SMOL_EVAL_LIMIT, else 8)")
+    t.add_argument("--eval-reserve-s", type=float, default=env_float("SMOL_EVAL_S", 60),
+                   help="seconds kept for eval_tau after training (default: SMOL_EVAL_S, else 60)")
+    t.add_argument("--eval-limit", type=int, default=int(env_float("SMOL_EVAL_LIMIT", 4)),
+                   help="held-out prompts per category for eval_tau in this call (default: SMOL_EVAL_LIMIT, else 4)")
+    e = sub.choices["eval"]
+    e.add_argument("--limit", type=int, help="held-out prompts per category (default: all 24)")
+    e.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8], help="block sizes (default 16 8)")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
         pack()
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return gen(a.budget_s, a.batch, a.quick, a.target, a.pool, a.work)
     if a.cmd == "train":
         return train(a.budget_s, a.eval_reserve_s, a.eval_limit, a.quick, a.target, a.work)
-    return evaluate(a.budget_s, a.quick, a.target, a.work)
+    return evaluate(a.budget_s, a.quick, a.target, a.work, a.limit, a.block_sizes)
 
 
 if __name__ == "__main__":
