@@ -124,7 +124,8 @@ def gen(budget_s: float, batch: int, quick: bool, target: Path | None, pool_file
                            deadline=time.time() + run.left() - 30, quiet=True, on_batch=progress)
         corpus = store.load()
         return {"prompts": len(train), "already": st.already, "answered": st.answers, "skipped": st.skipped,
-                "pending": st.pending, "seconds": round(st.seconds, 1), **st.rate(), "stored_sequences": len(corpus),
+                "pending": st.pending, "seconds": round(st.seconds, 1), "encode_seconds": round(st.encode_seconds, 1),
+                **st.rate(), "stored_sequences": len(corpus),
                 "stored_answer_tokens": corpus.answer_tokens(), "by_category": {c: corpus.count(c) for c in ("chat", "code")},
                 "store_mib": round(sum(f.stat().st_size for f in data.iterdir()) / 2**20, 1)}
 

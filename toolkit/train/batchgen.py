@@ -43,11 +43,12 @@ class GenStats:
     skipped: int = 0                # prompts over the prompt-token limit (stored empty, never retried)
     already: int = 0                # prompts found in the store
     pending: int = 0                # prompts left when the deadline came
-    seconds: float = 0.0
+    seconds: float = 0.0            # in all
+    encode_seconds: float = 0.0     # of which tokenizing the prompts
 
     def rate(self) -> dict:
-        """Answers and answer tokens per second."""
-        s = max(self.seconds, 1e-9)
+        """Answers and answer tokens per second of generation (tokenizing left out)."""
+        s = max(self.seconds - self.encode_seconds, 1e-9)
         return {"answers_per_s": round(self.answers / s, 2), "tokens_per_s": round(self.tokens / s, 1)}
 
 
@@ -180,12 +181,15 @@ def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new
                   on_batch: Callable[[GenStats], None] | None = None) -> GenStats:
     """Answer every prompt not yet in `store`, batch by batch, until `deadline` (time.time()); returns the counts."""
     t0 = time.time()
-    have = store.keys()
-    todo = list({prompt_key(p.text): p for p in reversed(prompts) if prompt_key(p.text) not in have}.values())[::-1]
-    st = GenStats(already=len(prompts) - len(todo))
+    have, pending_keys = store.keys(), {}
+    for p in prompts:                              # each prompt once, the first of equal texts
+        pending_keys.setdefault(prompt_key(p.text), p)
+    todo = [p for k, p in pending_keys.items() if k not in have]
+    st = GenStats(already=len(pending_keys) - len(todo))
     stops = stop_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (min(stops) if stops else 0)
     enc = list(zip(todo, encode(tok, todo)))
+    st.encode_seconds = time.time() - t0
     long = [p for p, ids in enc if len(ids) > max_prompt_tokens]
     store.append([Row(prompt_key(p.text), [], 0, p.category) for p in long])
     st.skipped = len(long)
