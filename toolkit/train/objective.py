@@ -2,10 +2,13 @@
 
 Where each choice comes from:
 - The objective (DFlash, Block Diffusion for Flash Speculative Decoding, arXiv:2602.06036,
-  https://arxiv.org/abs/2602.06036): the drafter is trained on the target's own outputs; a block [x_a, MASK x (B-1)]
-  anchored at position a sees the target's tap features of positions < a only and predicts x_{a+1..a+B-1}; the
-  cross-entropy of block position k is weighted w_k = exp(-(k-1)/gamma) (the paper's Eq. 4), because an early miss
-  ends the accepted prefix.
+  https://arxiv.org/abs/2602.06036): a block [x_a, MASK x (B-1)] anchored at position a sees the target's tap
+  features of positions < a only and predicts x_{a+1..a+B-1}; the cross-entropy of block position k is weighted
+  w_k = exp(-(k-1)/gamma) (the paper's Eq. 4, as SpecForge and NeMo AutoModel cite it), because an early miss ends
+  the accepted prefix.
+- The target's own answers, regenerated rather than the dataset's: SpecForge ships scripts/regenerate_train_data.py
+  for it, and NVIDIA NeMo AutoModel's DFlash recipes (nemo_automodel.recipes.llm.train_dflash2, docs.nvidia.com)
+  say to regenerate the responses with the target first, as the mismatch otherwise hurts acceptance length.
 - gamma 7 for B=16, 5 for B=10, 4 for B=8: the values SpecForge's DFlash recipe suggests for the paper's Eq. 4
   (sgl-project/SpecForge, scripts/train_dflash.py, --loss-decay-gamma: "Suggested: 7 for block_size=16, 5 for 10,
   4 for 8"; its specforge/core/dflash.py OnlineDFlashModel applies exp(-(k-1)/gamma)).
