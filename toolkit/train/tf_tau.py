@@ -9,7 +9,10 @@ y (taps from one target forward over prompt + y) gives every round of that decod
 accepted_j = min(match_j, b - 1, N - j - 2), the last term being the runtime's clip at the stop token or the token
 budget. tau = 1 + mean accepted, pooled over the rounds of a category, as `summarize` computes it. The only
 difference from decoding is numerical (one full forward against incremental ones); tests/test_train_scale.py checks
-that the rounds are the same on the tiny pair.
+that the rounds are the same on the tiny pair (CPU, fp32). In half precision on a GPU the batched generation and the
+speculative verify run other kernels, so at a near-tie a real decode can leave the stored answer and the two part
+from there (NVIDIA Model-Optimizer's DFlash PR #1211 calls these "fixed" and "online" ground truth): the estimate
+is for choosing checkpoints, and `python -m toolkit.eval_tau` stays the measure that is reported.
 """
 
 from __future__ import annotations
