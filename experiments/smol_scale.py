@@ -23,7 +23,8 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
 Device, call 3 (~9.5 min), carry [".device"]:
     source .device/on-device.sh && python3 -m experiments.smol_scale train
     (trains from /tmp/smol-scale/data with the teacher-forced tau every 200 steps, keeps the best checkpoint, then
-    toolkit.eval_tau with the torch backend at B=16 and 8 on 4 + 4 held-out prompts; $OUT: the drafter in two
+    toolkit.eval_tau with the torch backend at B=16 and 8 on 4 + 4 held-out prompts, and, exllamav3 being installed by
+    on-device.sh, on all 24 + 24 with exllamav3 through the padded pair (results.json); $OUT: the drafter in two
     safetensors shards, config.json, README.md, heldout.json, results.json, tau.json, curve.png. results.json's
     train.result.evals[-1] is the teacher-forced tau of the last step on all 24 + 24 prompts, which equals the torch
     backend's greedy decoding up to float rounding (tests/test_train_scale.py). A cut-off call leaves
@@ -40,6 +41,7 @@ SMOL_QUICK=1 (--quick) runs each step tiny on the CPU (with --target and --pool)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -169,7 +171,24 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
         (out / "README.md").write_text((draft / "README.md").read_text())
         run.results["tau"] = tau["tau"]
     run.results["drafter_bytes"] = (draft / "model.safetensors").stat().st_size
+    if not quick and importlib.util.find_spec("exllamav3") is not None:       # .device sourced: the other backend too
+        run.step("tau_exl3", exl3_tau, folder, draft, work, run, need_s=45)
     return run.finish()
+
+
+def exl3_tau(target: Path, draft: Path, work: Path, run: Run) -> dict:
+    """tau on exllamav3 on all held-out prompts (24 jobs at a time), through the padded pair (experiments.smol_exl3's
+    first two stages; exllamav3 1.6.5 needs 128-aligned widths). In results.json: $OUT holds 8 files already."""
+    from toolkit.assets.padding import pad
+    from toolkit.eval_tau import eval_tau
+
+    pt, pd = work / "pad" / "target", work / "pad" / "draft"
+    pad(str(target), str(pt), force=True)
+    pad(str(draft), str(pd), force=True)
+    res = eval_tau(str(pt), str(pd), heldout=str(draft / "heldout.json"), block_sizes=[8, 16], max_new_tokens=128,
+                   backend="exllamav3", concurrency=24, minutes=max(0.2, (run.left() - 10) / 60), quiet=True)
+    return {"tau": res["tau"], "prompts": res["prompts"], "complete": res["complete"],
+            "accept_16": {c: d.get("16", {}).get("accept_per_position", [])[:4] for c, d in res["detail"].items()}}
 
 
 def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path, limit: int | None = None,
@@ -213,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts per generation batch (default: SMOL_GEN_BATCH, else 2048)")
     g.add_argument("--pool", type=Path, default=POOL, help=f"the prompt pool (default {POOL.relative_to(ROOT)})")
     t = sub.choices["train"]
-    t.add_argument("--eval-reserve-s", type=float, default=env_float("SMOL_EVAL_S", 60),
-                   help="seconds kept for eval_tau after training (default: SMOL_EVAL_S, else 60)")
+    t.add_argument("--eval-reserve-s", type=float, default=env_float("SMOL_EVAL_S", 110),
+                   help="seconds kept after training for eval_tau, torch then exllamav3 (default: SMOL_EVAL_S, else 110)")
     t.add_argument("--eval-limit", type=int, default=int(env_float("SMOL_EVAL_LIMIT", 4)),
                    help="held-out prompts per category for eval_tau in this call (default: SMOL_EVAL_LIMIT, else 4)")
     e = sub.choices["eval"]
