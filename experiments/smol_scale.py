@@ -25,10 +25,10 @@ Device, call 3 (~9.5 min), carry [".device"]:
     (trains from /tmp/smol-scale/data with the teacher-forced tau every 200 steps, keeps the best checkpoint, then
     toolkit.eval_tau with the torch backend at B=16 and 8 on 4 + 4 held-out prompts, and, exllamav3 being installed by
     on-device.sh, on all 24 + 24 with exllamav3 through the padded pair (results.json); $OUT: the drafter in two
-    safetensors shards, config.json, README.md, heldout.json, results.json, tau.json, curve.png. results.json's
-    train.result.evals[-1] is the teacher-forced tau of the last step on all 24 + 24 prompts, which equals the torch
-    backend's greedy decoding up to float rounding (tests/test_train_scale.py). A cut-off call leaves
-    /tmp/smol-scale/ckpt: the same command resumes it.)
+    safetensors shards, config.json, README.md, heldout.json, results.json, tau.json, curve.png. In results.json,
+    stages.train.result.best is the kept checkpoint's teacher-forced tau on all 24 + 24 prompts (equal to the torch
+    backend's greedy decoding up to float rounding, tests/test_train_scale.py) and .evals the whole curve. A cut-off
+    call leaves /tmp/smol-scale/ckpt: the same command resumes it.)
 Device, call 4 (optional), carry [".device"]:
     source .device/on-device.sh && python3 -m experiments.smol_scale eval      (torch backend, one prompt at a time,
     ~3 s a prompt and block size on 2026-12-02/03: all 24 + 24 at B=16 and 8 fit one call)
