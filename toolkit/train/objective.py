@@ -13,9 +13,10 @@ Where each choice comes from:
   (sgl-project/SpecForge, scripts/train_dflash.py, --loss-decay-gamma: "Suggested: 7 for block_size=16, 5 for 10,
   4 for 8"; its specforge/core/dflash.py OnlineDFlashModel applies exp(-(k-1)/gamma)).
 - About 512 anchors per sequence: SpecForge's --num-anchors default (512), drawn afresh at every forward, without
-  replacement, among the positions that have a label after them (OnlineDFlashModel._sample_anchor_positions); a
-  sequence with fewer such positions uses them all. Here they are drawn from the answer only, so every label is one
-  of the target's own greedy tokens.
+  replacement, among the loss-masked positions up to length - B (OnlineDFlashModel._sample_anchor_positions); a
+  sequence with fewer such positions uses them all. Here they are drawn from the answer positions with at least one
+  answer token after them (a block running past the end has its missing labels masked, as decoding near the end
+  drafts such blocks), so every label is one of the target's own greedy tokens.
 - One shared context per sequence: all of a sequence's blocks attend to its tap rows (each to those before its
   anchor) and to their own block only, as in SpecForge's DFlash attention mask; the in-block pattern is the drafter's
   own (sliding layers causal in the block, full layers bidirectional, as at inference in toolkit/dflash/model.py).
