@@ -1,4 +1,7 @@
-"""`python -m toolkit.tiny_pair`: rebuild the trained tiny target + drafter pair shipped in toolkit/data/tiny_pair."""
+"""`python -m toolkit.tiny_pair`: rebuild the trained tiny target + drafter pair shipped in toolkit/data/tiny_pair.
+
+Deterministic from --seed on one torch version; the recipe is toolkit/train/tiny.py's. Every option and --out are
+checked before torch is even imported, so a refused run costs nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from .assets.pairs import PAIR
 from .core import checks
 from .core.cli import entry, option, run
 from .core.folders import claim, mark
-from .train.tiny import __doc__ as DOC, build_pair
 
 
 @dataclass
@@ -29,13 +31,15 @@ def rebuild(out: str = str(PAIR), seed: int = 0, target_steps: int = 1500, draft
     for field, value in (("target_steps", target_steps), ("draft_steps", draft_steps), ("sequences", sequences)):
         checks.whole(field, value, 1)
     claim(out, "tiny_pair", force)
+    from .train.tiny import build_pair
+
     final = build_pair(out, seed, target_steps, draft_steps, sequences)
     mark(final, "tiny_pair")
     return final
 
 
 def main(argv: list[str] | None = None):
-    run(rebuild, TinyPairOptions, argv, "python -m toolkit.tiny_pair", DOC.split("\n\n")[0], output_policy=True)
+    run(rebuild, TinyPairOptions, argv, "python -m toolkit.tiny_pair", __doc__.split("\n\n")[0], output_policy=True)
 
 
 if __name__ == "__main__":

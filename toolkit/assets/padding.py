@@ -25,14 +25,16 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import MARKER, atomic_dir, claim, read_config
 from ..core.kinds import kind_of
 from ..core.target import TargetInfo
 from ..core.tensorfiles import check_folder, save_tensors
+
+if TYPE_CHECKING:          # torch loads only when padding runs: a refused option costs no torch import
+    import torch
 
 ALIGN = 128
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -128,8 +130,6 @@ def pad(src: str, dst: str, align: int = ALIGN, force: bool = False) -> Path:
     """Write a padded copy of the model folder `src` to `dst` (atomically); other files are copied as they are.
     A non-empty `dst` that is not an earlier padded folder is refused unless `force` (docs/outputs.md); SRC must be
     an unquantized model (an EXL3 checkpoint is refused by kind) with readable safetensors files."""
-    from safetensors.torch import load_file
-
     if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096:
         raise OptionError("align", f"must be a whole number from 1 to 4096, got {align!r}")
     s, d = Path(src), claim(dst, "pad", force, field="dst")
@@ -152,6 +152,8 @@ def pad(src: str, dst: str, align: int = ALIGN, force: bool = False) -> Path:
         raise OptionError("src", str(e)) from None
     if not files:
         raise ToolkitError(f"{s}: no .safetensors weights to pad")
+    from safetensors.torch import load_file         # torch loads only now, after every check
+
     with atomic_dir(d, command="pad", need=sum(f.stat().st_size for f in files) * 2) as work:
         for f in s.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and f.name != MARKER:

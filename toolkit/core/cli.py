@@ -115,7 +115,7 @@ def run_sub(subs: dict[str, tuple[Callable[..., Any], type, str]], argv: list[st
                                  epilog=OUTPUT_POLICY if output_policy else None)
     sp = ap.add_subparsers(dest="_command", required=True)
     for name, (_, cls, help) in subs.items():
-        add_fields(sp.add_parser(name, help=help, description=help), cls)
+        add_fields(sp.add_parser(name, help=help, description=help, epilog=OUTPUT_POLICY if output_policy else None), cls)
     args = vars(ap.parse_args(argv))
     fn, cls, _ = subs[args.pop("_command")]
     try:

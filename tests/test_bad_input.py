@@ -1,0 +1,392 @@
+"""Bad input never costs data, never passes silently, never ends in a traceback (issue 20).
+
+Each case runs a command as a subprocess (`python -m toolkit.<cmd> ...`) and asserts: exit status 2; the last line
+of stderr starts with `error:` and names what was wrong; no traceback; and every file under the case's folder (the
+output location and anything beside it) and under the inputs it read is unchanged byte for byte, or still absent.
+Cases are independent (one folder each), so they run a few at a time; fixture folders are built once per module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_card import sample_report
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIR = ROOT / "toolkit" / "data" / "tiny_pair"
+ROOT_USER = os.geteuid() == 0
+HAS_CUDA = torch.cuda.is_available()
+
+
+@dataclass
+class Case:
+    id: str
+    cmd: str                     # python -m toolkit.<cmd>
+    argv: list[str]              # {out} {case} and the fixture names below are filled in
+    msg: str                     # expected in the error line
+    out: str = "absent"          # state of {out}: absent unowned file under_file unwritable cwd home src_copy
+    env: dict = field(default_factory=dict)
+    watch: tuple[str, ...] = ()  # fixture inputs the command reads: they must not change either
+
+
+def pad_cases() -> list[Case]:
+    c = [Case("dst-unowned", "pad", ["{model}", "{out}"], "is not an earlier output of pad", "unowned"),
+         Case("dst-file", "pad", ["{model}", "{out}"], "exists and is not a folder", "file"),
+         Case("dst-under-file", "pad", ["{model}", "{out}"], "which is a file", "under_file"),
+         Case("dst-unwritable", "pad", ["{model}", "{out}"], "cannot write in", "unwritable"),
+         Case("dst-cwd", "pad", ["{model}", "{out}"], "is the current folder", "cwd"),
+         Case("dst-home", "pad", ["{model}", "{out}"], "home folder", "home"),
+         Case("force-dst-is-src", "pad", ["{out}", "{out}", "--force"], "is SRC itself", "src_copy"),
+         Case("force-dst-inside-src", "pad", ["{out}", "{out}/sub", "--force"], "SRC itself or inside it", "src_copy"),
+         Case("align-zero", "pad", ["{model}", "{out}", "--align", "0"], "--align must be a whole number from 1"),
+         Case("align-negative", "pad", ["{model}", "{out}", "--align", "-128"], "--align must be"),
+         Case("src-missing", "pad", ["{case}/nothing", "{out}"], "SRC: ", "absent"),
+         Case("src-exl3", "pad", ["{exl3}", "{out}"], "is an EXL3 checkpoint"),
+         Case("src-truncated", "pad", ["{truncated}", "{out}"], "not a readable safetensors file (truncated"),
+         Case("src-header-list", "pad", ["{header_list}", "{out}"], "the header is a JSON list"),
+         Case("src-no-offsets", "pad", ["{no_offsets}", "{out}"], "data_offsets must be [begin, end]"),
+         Case("src-config-list", "pad", ["{config_list}", "{out}"], "is not a JSON object"),
+         Case("src-moe", "pad", ["{moe}", "{out}"], "padding supports dense"),
+         Case("src-no-config", "pad", ["{no_config}", "{out}"], "has no config.json")]
+    return [_watch_inputs(x) for x in c]
+
+
+def tiny_pair_cases() -> list[Case]:
+    return [Case("seed-negative", "tiny_pair", ["--out", "{out}", "--seed", "-1"], "--seed must be from 0"),
+            Case("target-steps-zero", "tiny_pair", ["--out", "{out}", "--target-steps", "0"], "--target-steps must be >= 1"),
+            Case("draft-steps-negative", "tiny_pair", ["--out", "{out}", "--draft-steps", "-5"], "--draft-steps must be >= 1"),
+            Case("sequences-zero", "tiny_pair", ["--out", "{out}", "--sequences", "0"], "--sequences must be >= 1"),
+            Case("out-unowned", "tiny_pair", ["--out", "{out}"], "is not an earlier output of tiny_pair", "unowned"),
+            Case("out-file", "tiny_pair", ["--out", "{out}"], "exists and is not a folder", "file"),
+            Case("out-cwd", "tiny_pair", ["--out", "{out}"], "is the current folder", "cwd")]
+
+
+def fixtures_cases() -> list[Case]:
+    return [Case("block-size-one", "fixtures", ["--out", "{out}", "--block-size", "1"], "--block-size must be from 2"),
+            Case("seed-negative", "fixtures", ["--out", "{out}", "--seed", "-3"], "--seed must be from 0"),
+            Case("out-unowned", "fixtures", ["--out", "{out}"], "is not an earlier output of fixtures", "unowned"),
+            Case("out-file", "fixtures", ["--out", "{out}", "--pair"], "exists and is not a folder", "file"),
+            Case("out-under-file", "fixtures", ["--out", "{out}"], "which is a file", "under_file"),
+            Case("out-home", "fixtures", ["--out", "{out}"], "home folder", "home")]
+
+
+def space_cases() -> list[Case]:
+    e = ["export", "{out}"]
+    return [Case("dir-unowned", "space", e, "dir: ", "unowned"),
+            Case("dir-file", "space", e, "exists and is not a folder", "file"),
+            Case("dir-cwd", "space", e, "is the current folder", "cwd"),
+            Case("dir-unwritable", "space", e, "cannot write in", "unwritable"),
+            Case("target-without-draft", "space", [*e, "--target", "me/t"], "give both"),
+            Case("exllamav3-on-cpu", "space", [*e, "--hardware", "cpu-basic", "--backend", "exllamav3"], "needs GPU hardware"),
+            Case("bad-backend", "space", [*e, "--backend", "tensorrt"], "backend must be auto, torch or exllamav3"),
+            Case("title-breaks-yaml", "space", [*e, "--title", "a: b"], "--title: 'a: b' is not a one-line title"),
+            Case("target-not-a-repo", "space", [*e, "--target", "a b", "--draft", "me/d"], "nor a Hub repo id"),
+            Case("no-wheel-for-t4", "space", [*e, "--hardware", "t4-small"], "sm_75")]
+
+
+def synth_cases() -> list[Case]:
+    a = ["--config", "{synth_config}", "--bits", "4", "--out", "{out}", "--quiet"]
+    c = [Case("out-unowned", "synth", a, "is not an earlier output of synth (pass --overwrite", "unowned"),
+         Case("out-file", "synth", a, "exists and is not a folder", "file"),
+         Case("out-home", "synth", a, "home folder", "home"),
+         Case("shard-gb-inf", "synth", [*a, "--shard-gb", "inf"], "--shard-gb must be a finite number"),
+         Case("shard-gb-zero", "synth", [*a, "--shard-gb", "0"], "--shard-gb must be positive"),
+         Case("shard-gb-nan", "synth", [*a, "--shard-gb", "nan"], "--shard-gb must be positive"),
+         Case("std-negative", "synth", [*a, "--std", "-0.02"], "--std must be > 0"),
+         Case("device-unknown", "synth", [*a, "--device", "tpu"], "--device: 'tpu' is not a device"),
+         Case("bits-nine", "synth", [*a[:3], "9", *a[4:]], "--bits must be an integer from 1 to 8"),
+         Case("bits-half", "synth", [*a[:3], "2.5", *a[4:]], "--bits must be an integer from 1 to 8"),
+         Case("head-bits-twelve", "synth", [*a, "--head-bits", "12"], "--head-bits must be an integer"),
+         Case("seed-negative", "synth", [*a, "--seed", "-1"], "--seed must be from 0"),
+         Case("config-list", "synth", ["--config", "{list_json}", *a[2:]], "expected a JSON object"),
+         Case("config-missing", "synth", ["--config", "{case}/nothing.json", *a[2:]], "no such file")]
+    if not HAS_CUDA:
+        c.append(Case("device-cuda-without-gpu", "synth", [*a, "--device", "cuda"], "no CUDA GPU is available"))
+    return [_watch_inputs(x) for x in c]
+
+
+def demo_cases() -> list[Case]:
+    p = ["prepare", "--out", "{out}"]
+    return [Case("out-unowned", "demo", p, "is not an earlier output of demo", "unowned"),
+            Case("out-file", "demo", p, "exists and is not a folder", "file"),
+            Case("check-prompts-too-many", "demo", [*p, "--check-prompts", "9"], "--check-prompts must be from 0 to 3"),
+            Case("check-prompts-negative", "demo", [*p, "--check-prompts", "-1"], "--check-prompts must be from 0"),
+            Case("gguf-missing", "demo", [*p, "--gguf", "{case}/nothing.gguf"], "--gguf: "),
+            Case("license-missing", "demo", [*p, "--gguf", "{fake_gguf}", "--license", "{case}/NOPE"], "--license: "),
+            Case("gguf-wrong-file", "demo", [*p, "--gguf", "{fake_gguf}"], "sha256")]
+
+
+def push_cases() -> list[Case]:
+    base = ["--repo", "alice/drafter-exl3", "--from", "{run}"]
+    tok = {"HF_TOKEN": "hf_dummy_token_for_tests", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
+    c = [Case("repo-dotdot", "push", ["--repo", "../..", "--from", "{run}"], "--repo must be USER/NAME, got '../..'"),
+         Case("repo-no-slash", "push", ["--repo", "drafter", "--from", "{run}"], "--repo must be USER/NAME"),
+         Case("retries-negative", "push", [*base, "--retries", "-1"], "--retries must be a whole number >= 0"),
+         Case("retry-delay-negative", "push", [*base, "--retry-delay", "-1"], "--retry-delay must be a number of seconds"),
+         Case("retry-delay-nan", "push", [*base, "--retry-delay", "nan"], "--retry-delay must be"),
+         Case("endpoint-malformed", "push", [*base, "--endpoint", "htp:/nowhere"], "--endpoint: 'htp:/nowhere' is not an http(s) URL"),
+         Case("folder-escapes-from", "push", ["--repo", "alice/x", "--from", "{run_escape}", "--dry-run"], "is not a folder inside"),
+         Case("report-step-interrupted", "push", ["--repo", "alice/x", "--from", "{run_incomplete}"], "incomplete quantize run"),
+         Case("no-report", "push", ["--repo", "alice/x", "--from", "{case}"], "has no report.json"),
+         Case("report-is-a-list", "push", ["--repo", "alice/x", "--from", "{run_list}"], "expected a JSON object, got a JSON list"),
+         Case("report-bits-text", "push", ["--repo", "alice/x", "--from", "{run_badbits}"], "results[0].bits must be a positive number"),
+         Case("connection-refused", "push", [*base, "--endpoint", "{refused}", "--retries", "0"], "no connection to", env=tok),
+         Case("http-500", "push", [*base, "--endpoint", "{url500}", "--retries", "0"], "a server error at", env=tok),
+         Case("offline-mode", "push", [*base, "--endpoint", "{refused}"], "offline mode",
+              env={**tok, "HF_HUB_OFFLINE": "1"})]
+    return [_watch_inputs(x) for x in c]
+
+
+def card_cases() -> list[Case]:
+    c = [Case("no-report", "card", ["--from", "{case}"], "no report.json"),
+         Case("report-is-a-list", "card", ["--from", "{run_list}"], "expected a JSON object"),
+         Case("repo-dotdot", "card", ["--from", "{run}", "--repo", "../.."], "--repo must be USER/NAME"),
+         Case("bits-not-in-report", "card", ["--from", "{run}", "--bits", "9"], "is not in report results"),
+         Case("folder-escapes-from", "card", ["--from", "{run_escape}"], "is not a folder inside"),
+         Case("schema-two", "card", ["--from", "{run_schema2}"], "schema must be 1")]
+    return [_watch_inputs(x) for x in c]
+
+
+def others_cases() -> list[Case]:
+    """Commands other parts own, where they already behave (strict loading, recipe types, held-out file)."""
+    t, d = str(PAIR / "target"), str(PAIR / "draft")
+    return [Case("drafter-as-target", "generate", ["--target", d, "--prompt", "hi"], "is a DFlash drafter, not a target model"),
+            Case("target-as-draft", "generate", ["--target", t, "--draft", t, "--prompt", "hi"], "not a DFlash drafter"),
+            Case("exl3-target-on-torch", "generate", ["--target", "{exl3}", "--prompt", "hi"], "is an EXL3 checkpoint"),
+            Case("truncated-target", "generate", ["--target", "{truncated}", "--prompt", "hi"], "truncated"),
+            Case("max-new-tokens-zero", "generate", ["--target", t, "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+            Case("target-missing", "generate", ["--target", "{case}/nothing", "--prompt", "hi"], "is not a folder"),
+            Case("empty-heldout", "eval_tau", ["--target", t, "--draft", d, "--heldout", "{empty_file}"], "--heldout: "),
+            Case("recipe-wrong-type", "quantize", ["--recipe", "{bad_recipe}", "--out", "{out}"], "model.id must be a string"),
+            Case("bits-out-of-range", "quantize", ["--model", d, "--bits", "9", "--out", "{out}"], "outside exllamav3's range")]
+
+
+def _watch_inputs(case: Case) -> Case:
+    names = {a[1:-1] for a in case.argv if a.startswith("{") and a.endswith("}")}
+    case.watch = tuple(sorted(names - {"out", "case"}))
+    return case
+
+
+CASES = [(f"{c.cmd}-{c.id}", c) for group in (pad_cases, tiny_pair_cases, fixtures_cases, space_cases, synth_cases,
+                                                 demo_cases, push_cases, card_cases, others_cases) for c in group()]
+
+
+# --- fixture folders, built once ---------------------------------------------------------------------------------
+
+def write_header_only(path: Path, header) -> None:
+    import struct
+
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+def model_variants(root: Path) -> dict[str, Path]:
+    """The shipped tiny target and broken copies of it: EXL3-labelled, truncated, bad headers, bad configs."""
+    out = {"model": root / "model"}
+    shutil.copytree(PAIR / "target", out["model"])
+    cfg = json.loads((out["model"] / "config.json").read_text())
+
+    def variant(name: str, edit) -> None:
+        out[name] = root / name
+        shutil.copytree(out["model"], out[name])
+        edit(out[name])
+
+    variant("exl3", lambda d: (d / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": {"quant_method": "exl3", "bits": 4.0}})))
+    variant("truncated", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-4096]))
+    variant("header_list", lambda d: write_header_only(d / "model.safetensors", [1, 2]))
+    variant("no_offsets", lambda d: write_header_only(d / "model.safetensors", {"w": {"dtype": "F32", "shape": [2]}}))
+    variant("config_list", lambda d: (d / "config.json").write_text("[1, 2]"))
+    variant("moe", lambda d: (d / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_moe"})))
+    variant("no_config", lambda d: (d / "config.json").unlink())
+    return out
+
+
+def run_variants(root: Path) -> dict[str, Path]:
+    """A finished quantize run (report, plot, a folder per bitrate with its card) and broken copies of it."""
+    run = root / "run"
+    report = sample_report(0)
+    run.mkdir()
+    for r in report["results"]:
+        (run / r["folder"]).mkdir()
+        (run / r["folder"] / "config.json").write_text("{}")
+        (run / r["folder"] / "README.md").write_text("# card\n")
+    (run / "report.json").write_text(json.dumps(report))
+    (run / "report.md").write_text("# report\n")
+    (run / "tau_top1.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    out = {"run": run}
+
+    def variant(name: str, edit) -> None:
+        out[name] = root / name
+        shutil.copytree(run, out[name])
+        edit(out[name])
+
+    def report_edit(fn):
+        return lambda d: (d / "report.json").write_text(json.dumps(fn(json.loads((d / "report.json").read_text()))))
+
+    (root / "outside").mkdir()
+    (root / "outside" / "secret.txt").write_text("not for upload")
+    variant("run_escape", report_edit(lambda r: {**r, "results": [{**r["results"][0], "folder": "../outside"}]}))
+    variant("run_incomplete", lambda d: (d / "tau_top1.png").unlink())
+    variant("run_list", report_edit(lambda r: [r]))
+    variant("run_badbits", report_edit(lambda r: {**r, "results": [{**r["results"][0], "bits": "four"}]}))
+    variant("run_schema2", report_edit(lambda r: {**r, "schema": 2}))
+    return out
+
+
+class Broken(BaseHTTPRequestHandler):
+    """Every request answered with HTTP 500."""
+
+    def do_GET(self):
+        self.send_response(500)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_POST = do_HEAD = do_GET
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-input-inputs")
+    names = {**model_variants(root), **run_variants(root)}
+    (root / "synth.json").write_text(json.dumps({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                                 "model_type": "qwen3_5_moe", "text_config": {"hidden_size": 128}}))
+    (root / "list.json").write_text("[1]")
+    (root / "empty.json").write_text("")
+    (root / "bad.toml").write_text('[model]\nid = 3\n')
+    (root / "gguf").mkdir()
+    (root / "gguf" / "fake.gguf").write_bytes(b"GGUF not really")
+    (root / "gguf" / "LICENSE").write_text("Apache License\n")
+    names.update(hf_home=root / "hf-home", synth_config=root / "synth.json", list_json=root / "list.json", empty_file=root / "empty.json",
+                 bad_recipe=root / "bad.toml", fake_gguf=root / "gguf" / "fake.gguf")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    urls = {"url500": f"http://127.0.0.1:{server.server_address[1]}", "refused": f"http://127.0.0.1:{s.getsockname()[1]}"}
+    s.close()
+    yield {k: str(v) for k, v in names.items()}, urls
+    server.shutdown()
+
+
+# --- running the cases -------------------------------------------------------------------------------------------
+
+def snapshot(path: Path) -> dict | str | None:
+    """Every file and folder under `path` with the sha256 of each file; None when absent."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    out = {}
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path).as_posix()
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+def prepare(case: Case, folder: Path, names: dict[str, str]) -> tuple[dict, Path, dict]:
+    """Make the case's folder and its output location's state; returns (placeholders, cwd, env)."""
+    folder.mkdir(parents=True)
+    env = {}
+    out = folder / "out"
+    if case.out == "unowned":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine, not the command's")
+    elif case.out == "file":
+        out.write_text("a file where a folder is asked for")
+    elif case.out == "under_file":
+        (folder / "afile").write_text("x")
+        out = folder / "afile" / "out"
+    elif case.out == "unwritable":
+        if ROOT_USER:
+            out = Path("/proc/1/dflash-bad-input-out")
+        else:
+            (folder / "ro").mkdir(mode=0o500)
+            out = folder / "ro" / "out"
+    elif case.out == "cwd":
+        (folder / "keep.txt").write_text("the current folder")
+        out = Path(".")
+    elif case.out == "home":
+        (folder / "keep.txt").write_text("the home folder")
+        env["HOME"] = str(folder)
+        out = Path("~")
+    elif case.out == "src_copy":
+        shutil.copytree(names["model"], out)
+    return {**names, "out": str(out), "case": str(folder)}, folder, env
+
+
+def run_case(case: Case, folder: Path, inputs) -> dict:
+    names, urls = inputs
+    values, cwd, env = prepare(case, folder, {**names, **urls})
+    argv = [a.format(**values) for a in case.argv]
+    watched = [folder] + [Path(names[w]) for w in case.watch if w in names]
+    if case.out == "unwritable" and ROOT_USER:
+        watched.append(Path(values["out"]))
+    before = [snapshot(p) for p in watched]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT),
+           "HF_TOKEN": "", "HF_HOME": names["hf_home"], **env, **case.env}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", f"toolkit.{case.cmd}", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+    return {"proc": proc, "argv": argv, "seconds": time.monotonic() - t0, "unchanged": [snapshot(p) == b for p, b in zip(watched, before)],
+            "watched": watched}
+
+
+@pytest.fixture(scope="module")
+def results(inputs, tmp_path_factory):
+    """Every case, run three at a time (each in its own folder, so they cannot disturb each other)."""
+    root = tmp_path_factory.mktemp("bad-input-cases")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(run_case, case, root / name, inputs) for name, case in CASES}
+        done = {name: f.result() for name, f in futures.items()}
+    if not ROOT_USER:
+        for p in root.rglob("ro"):
+            p.chmod(0o755)
+    return done
+
+
+def test_the_suite_covers_every_command_it_can_reach():
+    cmds = {c.cmd for _, c in CASES}
+    assert cmds >= {"pad", "tiny_pair", "fixtures", "space", "synth", "demo", "push", "card"}
+    assert len(CASES) >= 80 and len({name for name, _ in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("name,case", CASES, ids=[n for n, _ in CASES])
+def test_bad_input(results, name, case):
+    r = results[name]
+    proc = r["proc"]
+    cmdline = f"python -m toolkit.{case.cmd} {' '.join(r['argv'])}"
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, f"{cmdline}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, f"{cmdline}\n{proc.stderr[-2000:]}"
+    assert lines and lines[-1].startswith("error: "), f"{cmdline}: last stderr line {lines[-1:]}"
+    assert case.msg in lines[-1], f"{cmdline}: {lines[-1]!r} does not say {case.msg!r}"
+    changed = [str(p) for p, same in zip(r["watched"], r["unchanged"]) if not same]
+    assert not changed, f"{cmdline} changed {changed}"
+
+
+@pytest.mark.parametrize("argv", [["pad"], ["tiny_pair"], ["fixtures"], ["space", "export"], ["synth"],
+                                  ["demo", "prepare"], ["demo"], ["push"], ["card"]], ids=" ".join)
+def test_help_points_to_the_output_policy(argv):
+    proc = subprocess.run([sys.executable, "-m", f"toolkit.{argv[0]}", *argv[1:], "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and "docs/outputs.md" in " ".join(proc.stdout.split()), proc.stdout[-500:]
