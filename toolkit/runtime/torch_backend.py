@@ -83,7 +83,7 @@ class TorchSteps:
         self._pending = self._snapshot = None
 
 
-def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: str = "target"):
+def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: str = "--target"):
     """A transformers causal LM from a local folder, on `device`, in eval mode with its weights frozen.
 
     Strict: an EXL3 checkpoint or a DFlash drafter is refused by its kind, every safetensors header is checked
@@ -114,7 +114,7 @@ def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: s
     return model
 
 
-def load_hf_tokenizer(folder: str | Path, what: str = "target"):
+def load_hf_tokenizer(folder: str | Path, what: str = "--target"):
     """The folder's transformers tokenizer; a folder without one, or a broken one, is one line."""
     from transformers import AutoTokenizer
 
