@@ -94,11 +94,14 @@ def measure_widths(block_size: int) -> list[int]:
 
 
 def measure_steps(steps, prompt_ids: list[int], block_size: int, widths: Iterable[int] | None = None,
-                  reps: int = 5, sync: Callable[[], None] = lambda: None) -> dict[int, float]:
-    """Median ms of one round per verify width on a `Steps` backend: draft B-1 (w > 0), verify w+1, accept 1.
+                  reps: int = 5, sync: Callable[[], None] = lambda: None,
+                  stat: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+    """ms of one round per verify width on a `Steps` backend (`stat` over reps, the median by default): draft B-1
+    (w > 0), verify w+1, accept 1.
 
     Rounds are interleaved over widths (drift spreads evenly) after one warm-up pass; each keeps one token, so
-    the context grows by one token per round. `sync` waits for the device (CUDA) before reading the clock.
+    the context grows by one token per round. `sync` waits for the device (CUDA) before reading the clock. On a
+    machine shared with other work, `stat=min` drops the rounds that other processes slowed down.
     """
     widths = sorted(set(measure_widths(block_size) if widths is None else widths) | {0})
     sampler = Sampler()
@@ -115,11 +118,12 @@ def measure_steps(steps, prompt_ids: list[int], block_size: int, widths: Iterabl
             if rep:
                 times[w].append((time.perf_counter() - t0) * 1000.0)
             token = picks[0]
-    return {w: statistics.median(ts) for w, ts in times.items()}
+    return {w: stat(ts) for w, ts in times.items()}
 
 
 def measure_torch_costs(target, drafter, block_size: int | None = None, context: int = 32, reps: int = 5,
-                        widths: Iterable[int] | None = None) -> CostTable:
+                        widths: Iterable[int] | None = None,
+                        stat: Callable[[list[float]], float] = statistics.median) -> CostTable:
     """Time rounds of a transformers target + reference drafter (the torch backend, one sequence: c = 1)."""
     from .torch_backend import TorchSteps        # lazy: torch_backend may import this module
 
@@ -128,7 +132,7 @@ def measure_torch_costs(target, drafter, block_size: int | None = None, context:
     prompt = [(7 * i + 3) % vocab for i in range(context)]
     dev = target.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    ms = measure_steps(TorchSteps(target, drafter), prompt, B, widths, reps, sync)
+    ms = measure_steps(TorchSteps(target, drafter), prompt, B, widths, reps, sync, stat)
     return CostTable({1: ms}, device_name(dev))
 
 

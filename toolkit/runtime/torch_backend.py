@@ -3,14 +3,20 @@
 It is the CPU reference that the exllamav3 backend is checked against. Rollback after a rejection crops
 the target's KV cache; a target with recurrent layers (Qwen3.5/3.6 Gated DeltaNet) cannot be cropped,
 so its cache is snapshotted before each verify and the accepted tokens are replayed from the snapshot.
+
+With block_size "auto" (the default) a drafting policy (runtime/policy.py) picks each round's width; it may
+pick 0, a plain AR round. Such a round still keeps the target's tap hidden states (the drafter needs them
+later as context), but only those layers' (where transformers can select them), and it does not run the
+drafter: the taps wait in a backlog that is added to the drafter's context in one call before the next draft.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import math
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -20,7 +26,35 @@ from ..core.target import TargetInfo
 from .backend import Backend, GenSettings
 from .events import Round
 from .loop import decode
+from .policy import CostTable, Policy, cached_costs, cost_key, measure_torch_costs
 from .sampling import Sampler
+
+BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
+PROBE_BUDGET = 0.02     # share of AR time that probing may cost in steady state (the policy's default is 3 %)
+FIRST_PROBE_COST = 0.05   # the most one probe may cost against the AR rounds before it
+
+
+def probing(costs: CostTable, block_size: int) -> dict:
+    """Probe spacing for the torch backend's policy, from its costs.
+
+    While the policy decodes AR it probes with full-width rounds. On a CPU such a round costs ~3 AR steps and the
+    capture of AR rounds ~2 % on a tiny model, so probing gets 2 % in steady state, and the first probe waits until
+    it costs at most 5 % of the AR rounds before it (the policy's default of 4 would make a short answer pay a
+    whole probe): together they keep auto within 5 % of plain AR (docs/generate.md has the measurements).
+    """
+    t = costs.curve(block_size)
+    extra = (t[-1] - t[0]) / t[0]                 # a probe's cost over an AR round's, in AR rounds
+    return dict(probe_budget=PROBE_BUDGET, min_probe_every=max(8, math.ceil(extra / FIRST_PROBE_COST)))
+
+
+def tap_selection(model, drafter: DFlashDraft) -> list[int] | bool:
+    """output_hidden_states for the drafter's taps: their indices where transformers selects by index, else True."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401  (transformers >= 5.2x)
+    except ImportError:
+        return True
+    cfg = drafter.config
+    return sorted({L + cfg.tap_shift + 1 for L in cfg.target_layer_ids})
 
 
 class TorchSteps:
@@ -35,27 +69,46 @@ class TorchSteps:
         types = getattr(target.config, "layer_types", None) or []
         self.recurrent = any(t not in ("full_attention", "sliding_attention") for t in types)
         self.draft_cache = DraftCache(drafter) if drafter is not None else None
+        self.hidden = tap_selection(target, drafter) if drafter is not None else False
+        self.backlog: list[torch.Tensor] = []      # taps of accepted tokens not yet in the drafter's context
+        self.backlog_len = 0
         self.pos = 0
         self._pending: tuple[list[int], torch.Tensor | None] | None = None
         self._snapshot = None
 
     def _forward(self, ids: list[int]):
         x = torch.tensor([ids], dtype=torch.long, device=self.target.device)
-        return self.target(input_ids=x, use_cache=True, output_hidden_states=self.drafter is not None, **{self.cache_arg: self.cache})
+        return self.target(input_ids=x, use_cache=True, output_hidden_states=self.hidden, **{self.cache_arg: self.cache})
 
     def _taps(self, out) -> torch.Tensor | None:
         return gather_taps(out.hidden_states, self.drafter.config) if self.drafter is not None else None
+
+    def _keep(self, taps: torch.Tensor | None) -> None:
+        """Queue the taps of accepted tokens for the drafter's context (added at the next draft)."""
+        if taps is None or taps.shape[1] == 0:
+            return
+        self.backlog.append(taps)
+        self.backlog_len += taps.shape[1]
+        if self.backlog_len >= BACKLOG_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Extend the drafter's context by every queued token, in one call."""
+        if self.backlog:
+            taps = self.backlog[0] if len(self.backlog) == 1 else torch.cat(self.backlog, 1)
+            self.drafter.extend(self.draft_cache, taps)
+            self.backlog, self.backlog_len = [], 0
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
         out = self._forward(prompt_ids)
         self.pos = len(prompt_ids)
-        if self.drafter is not None:
-            self.drafter.extend(self.draft_cache, self._taps(out))
+        self._keep(self._taps(out))
         return out.logits[0, -1]
 
     @torch.no_grad()
     def draft_block(self, token: int, width: int) -> list[int]:
+        self.flush()
         emb = self.target.get_input_embeddings().weight
         h = self.drafter.draft_hidden(self.draft_cache, torch.tensor([token], device=emb.device), emb)
         logits = self.target.get_output_embeddings()(h[:, 1 : 1 + width].to(emb.dtype))
@@ -78,8 +131,7 @@ class TorchSteps:
             else:
                 self.cache.crop(-(len(block) - n))   # negative = tokens to drop, in transformers 4.x and 5.x
         self.pos += n
-        if self.drafter is not None:
-            self.drafter.extend(self.draft_cache, taps[:, :n])
+        self._keep(taps[:, :n] if taps is not None else None)
         self._pending = self._snapshot = None
 
 
@@ -126,15 +178,24 @@ def load_hf_tokenizer(folder: str | Path, what: str = "--target"):
 
 
 class TorchBackend(Backend):
-    """Backend over a transformers target and an optional reference drafter."""
+    """Backend over a transformers target and an optional reference drafter.
+
+    With block_size "auto" it decodes under a drafting policy built once per backend: the cost table is timed
+    at first use (`measure_torch_costs`, cached on disk per model folders, device and dtype when the folders are
+    known) unless `costs` is given, and one policy learns greedy acceptance, another sampled acceptance, across
+    generate calls. speculative=False is always the plain AR loop, without drafter or hidden states.
+    """
 
     name = "torch"
 
-    def __init__(self, target, tokenizer, drafter: DFlashDraft | None = None):
+    def __init__(self, target, tokenizer, drafter: DFlashDraft | None = None, costs: CostTable | None = None,
+                 folders: Sequence[str | Path] = ()):
         self.target, self.tokenizer, self.drafter = target.eval(), tokenizer, drafter
         info = TargetInfo.of_model(target, tokenizer)
         self.block_size = drafter.config.block_size if drafter is not None else 1
         self.max_context, self.eos_ids = info.max_context, info.eos_ids
+        self.costs, self.folders = costs, tuple(folders)
+        self.policies: dict[bool, Policy] = {}     # greedy -> its policy
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, device: str = "cpu",
@@ -145,11 +206,34 @@ class TorchBackend(Backend):
         if draft is not None:
             DFlashConfig.from_dir(draft).validate_against(info.config)
             drafter = load_drafter(draft, dtype=dtype, device=device)
-        return cls(load_hf_model(target, device, dtype), load_hf_tokenizer(target), drafter)
+        folders = (target, draft) if draft is not None else ()
+        return cls(load_hf_model(target, device, dtype), load_hf_tokenizer(target), drafter, folders=folders)
+
+    def cost_table(self) -> CostTable:
+        """ms per round for each verify width on this target, drafter and device: timed once, cached on disk."""
+        if self.costs is None:
+            B = self.block_size
+            widths = sorted({0, 1, 2, 3, B - 1} | {1 << k for k in range(B.bit_length()) if 1 << k < B})
+            measure = lambda: measure_torch_costs(self.target, self.drafter, B, reps=3, widths=widths, stat=min)  # noqa: E731
+            if self.folders:
+                key = cost_key(self.folders, self.target.device, self.target.dtype, B)
+                self.costs = cached_costs(key, measure)
+            else:
+                self.costs = measure()
+        return self.costs
+
+    def policy(self, greedy: bool) -> Policy:
+        """The auto policy of greedy or sampled decoding (acceptance differs), made at first use."""
+        if greedy not in self.policies:
+            costs = self.cost_table()
+            self.policies[greedy] = Policy.auto(self.block_size, costs, **probing(costs, self.block_size))
+        return self.policies[greedy]
 
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         self.check_prompts([prompt_ids], settings.max_new_tokens)
         width = self.draft_width(settings, speculative)
+        policy = self.policy(settings.temperature == 0) if width and settings.auto else None
         steps = TorchSteps(self.target, self.drafter if width else None)
         sampler = Sampler(settings.temperature, settings.seed)
-        yield from decode(steps, list(prompt_ids), settings.max_new_tokens, sampler, set(self.stop_ids(settings)), width)
+        yield from decode(steps, list(prompt_ids), settings.max_new_tokens, sampler, set(self.stop_ids(settings)),
+                          width, policy)
