@@ -302,6 +302,7 @@ def write_run(out) -> dict:
     for r in report["results"]:
         (out / r["folder"]).mkdir()
         (out / r["folder"] / "config.json").write_text("{}")
+        (out / r["folder"] / "README.md").write_text("# card\n")      # a finished run: its cards are written
     (out / "report.json").write_text(json.dumps(report))
     (out / "tau_top1.png").write_bytes(b"png")
     write_upstream(out / "upstream")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .card import check_folder_inside, check_report, human_size, pick_pushed, render_card
+from .card import MAIN_IMAGE, check_folder_inside, check_report, human_size, pick_pushed, render_card
 from .upstream import UPSTREAM
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
@@ -69,8 +69,9 @@ def load_report(from_dir: Path) -> dict:
 
 
 def check_complete(report: dict, from_dir: Path) -> None:
-    """Refuse a run whose report step was interrupted: report.md, the plot, or a bitrate folder's README missing."""
-    missing = [n for n in MAIN_FILES if not (from_dir / n).is_file()]
+    """Refuse a run whose report step was interrupted: the plot (written last of the report files) or a bitrate
+    folder's README (written after the report) missing."""
+    missing = [n for n in (MAIN_IMAGE,) if not (from_dir / n).is_file()]
     missing += [f"{r['folder']}/README.md" for r in pick_pushed(report["results"])
                 if (from_dir / r["folder"]).is_dir() and not (from_dir / r["folder"] / "README.md").is_file()]
     if missing:
