@@ -21,6 +21,15 @@ OUTPUT_POLICY = ("Outputs: a non-empty folder that is not this command's own ear
                  "nothing it did not write is deleted; --force replaces only once the new output is complete (docs/outputs.md).")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors end stderr with the house's one line, `error: ...`, and exit 2."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
            choices: typing.Sequence | None = None, metavar: str | None = None, positional: bool = False,
            group: str | None = None, negatable: bool = False) -> Any:
@@ -69,7 +78,7 @@ def parser(cls: type, prog: str, description: str = "", epilog: str | None = Non
     """An argparse parser with one argument per field of the options dataclass `cls`."""
     if output_policy:
         epilog = f"{epilog}\n\n{OUTPUT_POLICY}" if epilog else OUTPUT_POLICY
-    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+    ap = Parser(prog=prog, description=description, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_fields(ap, cls)
     return ap
@@ -111,9 +120,9 @@ def add_fields(ap: argparse.ArgumentParser, cls: type) -> None:
 def run_sub(subs: dict[str, tuple[Callable[..., Any], type, str]], argv: list[str] | None, prog: str,
             description: str = "", output_policy: bool = False) -> Any:
     """`prog SUBCOMMAND ...`: each subcommand is (function, options dataclass, help); calls the chosen one."""
-    ap = argparse.ArgumentParser(prog=prog, description=description,
+    ap = Parser(prog=prog, description=description,
                                  epilog=OUTPUT_POLICY if output_policy else None)
-    sp = ap.add_subparsers(dest="_command", required=True)
+    sp = ap.add_subparsers(dest="_command", metavar="COMMAND", required=True, parser_class=Parser)
     for name, (_, cls, help) in subs.items():
         add_fields(sp.add_parser(name, help=help, description=help, epilog=OUTPUT_POLICY if output_policy else None), cls)
     args = vars(ap.parse_args(argv))
