@@ -30,7 +30,7 @@ def test_json_contract_on_built_fixtures(tmp_path):
 
 
 def test_embedded_default_runs_the_trained_pair(capsys):
-    res = generate(prompt="Return the list of", max_new_tokens=48, compare_ar=True, json_out=True, raw=True)
+    res = generate(prompt="Return the list of", max_new_tokens=48, compare_ar=True, json_out=True, raw=True, block_size=16)
     assert res["lossless"] and res["tau"] > 1.0
     assert json.loads(capsys.readouterr().out)["tokens"] == res["tokens"]
 
@@ -41,6 +41,7 @@ def test_embedded_default_runs_the_trained_pair(capsys):
     (["--prompt", "hi", "--draft", "/tmp"], "--draft needs --target"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--prompt", "hi", "--block-size", "1"], "block_size must be >= 2"),
+    (["--prompt", "hi", "--block-size", "fast"], "block_size must be auto or an integer >= 2, got 'fast'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = cli(*args)
@@ -54,3 +55,18 @@ def test_mismatched_drafter_is_refused(tmp_path, pair):
     t, _ = build(big, arch="llama", hidden=64)
     r = cli("--target", str(t), "--draft", str(pair[1]), "--prompt", "hi")
     assert r.returncode == 2 and "hidden_size: drafter has 128, target has 64" in r.stderr
+
+
+def test_block_size_auto_is_the_default_and_reports_its_widths(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path))
+    res = generate(prompt="Return the list of", max_new_tokens=32, compare_ar=True, raw=True)
+    assert res["block_size"] == "auto" and res["lossless"] and res["tokens"] == res["ar_tokens"]
+    steps = [r for r in res["rounds"] if not r["prefill"]]
+    assert all(r["proposed"] in (0, 15) and len(r["drafted"]) <= r["proposed"] for r in steps)
+    assert all((r["proposed"] == 0) == (r["drafted"] == []) for r in steps)
+    assert sum(r["accepted"] + 1 for r in res["rounds"]) == len(res["tokens"])
+    err = capsys.readouterr().err
+    assert f"of {len(steps)} (block auto; the rest plain AR)" in err
+    fixed = generate(prompt="Return the list of", max_new_tokens=32, raw=True, block_size="8")
+    assert fixed["block_size"] == 8 and fixed["tokens"] == res["tokens"]
+    assert all(len(r["drafted"]) == r["proposed"] == 7 for r in fixed["rounds"][1:])

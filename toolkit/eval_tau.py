@@ -4,7 +4,8 @@ It decodes every held-out prompt (heldout.json beside the drafter, written by to
 through a backend's speculative loop (torch: one prompt after another; exllamav3: up to --concurrency prompts
 as jobs of one generator) and reports tau (mean accepted + 1 per verification round) and
 acceptance per block position from the runtime's `summarize`, as JSON. A smaller block size drafts fewer
-positions of the same drafter. --write-card puts the numbers into the drafter's README.md.
+positions of the same drafter; `auto` decodes under the drafting policy (tau then counts only the rounds it
+chose to draft, and `ar_rounds` the plain AR ones). --write-card puts the numbers into the drafter's README.md.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def card_text(result: dict) -> str:
     return "<!-- tau -->\n" + "\n".join(rows) + "\n<!-- /tau -->"
 
 
-def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int] = (8, 16), max_new_tokens: int = 128,
+def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int | str] = (8, 16), max_new_tokens: int = 128,
              limit: int | None = None, device: str = "auto", dtype: str = "auto", minutes: float | None = None,
              out: str | None = None, write_card: bool = False, quiet: bool = False, backend: str = "torch",
              concurrency: int = 16) -> dict:
@@ -66,8 +67,12 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
         raise ToolkitError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if concurrency < 1:
         raise ToolkitError(f"--concurrency must be >= 1, got {concurrency}")
-    if not block_sizes or any(b < 2 for b in block_sizes):
-        raise ToolkitError(f"--block-sizes must be integers >= 2, got {list(block_sizes)}")
+    try:
+        asked = [GenSettings.parse_block(b) for b in block_sizes]
+    except ValueError:
+        asked = []
+    if not asked or None in asked:
+        raise ToolkitError(f"--block-sizes must be integers >= 2 or auto, got {list(block_sizes)}")
     if limit is not None and limit < 1:
         raise ToolkitError(f"--limit must be >= 1, got {limit}")
     for name, p in (("--target", target), ("--draft", draft)):
@@ -86,9 +91,9 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
                       cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256)
     if exl3:
         dev = torch.cuda.get_device_name()
-    sizes = sorted({min(b, be.block_size) for b in block_sizes})
+    sizes = sorted({min(b, be.block_size) for b in asked if b != "auto"}) + ["auto"] * ("auto" in asked)
     deadline = time.time() + minutes * 60 if minutes else None
-    rounds: dict[tuple[str, int], list[Round]] = {(c, b): [] for c in held for b in sizes}
+    rounds: dict[tuple[str, int | str], list[Round]] = {(c, b): [] for c in held for b in sizes}
     done = {c: 0 for c in held}
     result: dict = {}
     total = sum(len(v) for v in held.values())
@@ -128,6 +133,7 @@ def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) 
         s = summarize(rs)
         tau.setdefault(cat, {})[str(b)] = round(s.tau, 3)
         detail.setdefault(cat, {})[str(b)] = {"rounds": s.rounds, "tokens": s.tokens,
+                                             "ar_rounds": sum(1 for r in rs if not r.prefill and not r.drafted),
                                              "accept_per_position": [round(a, 3) for a in s.accept_per_position]}
     return {"target": str(target), "draft": str(draft), "device": dev, "dtype": str(dt).removeprefix("torch."),
             "block_sizes": sizes, "max_new_tokens": max_new_tokens, "prompts": done, "complete": sum(done.values()) == total,
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", required=True, help="target model folder")
     ap.add_argument("--draft", required=True, help="DFlash drafter folder")
     ap.add_argument("--heldout", help="held-out prompts JSON (default DRAFT/heldout.json)")
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16], help="block sizes B (default 8 16)")
+    ap.add_argument("--block-sizes", nargs="+", default=[8, 16], metavar="auto|B",
+                    help="block sizes B, and/or auto for the drafting policy (default 8 16: the drafter's own tau)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, help="at most N prompts per category")
     ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"], help="runtime (default torch)")

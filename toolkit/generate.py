@@ -2,7 +2,8 @@
 
 With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU.
 The --json output is a stable contract (docs/generate.md): tokens, text, rounds, tau, tok_s, and with
---compare-ar also ar_tokens, ar_tok_s, speedup, lossless.
+--compare-ar also ar_tokens, ar_tok_s, speedup, lossless. --block-size auto (the default) lets the drafting
+policy pick each round's verify width (0 = a plain AR round); a number N verifies N-1 drafts every round.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, syste
     toks = tokens_of(rounds)
     s = summarize(rounds, secs)
     result = {
-        "backend": be.name, "prompt_tokens": len(ids), "block_size": min(settings.block_size or be.block_size, be.block_size),
+        "backend": be.name, "prompt_tokens": len(ids),
+        "block_size": "auto" if settings.auto else settings.fixed_block(be.block_size),
         "tokens": toks, "text": be.decode(toks), "rounds": [r.to_json() for r in rounds],
         "tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "seconds": secs,
     }
@@ -61,7 +63,7 @@ def generate(
     target: str | None = None,
     draft: str | None = None,
     max_new_tokens: int = 64,
-    block_size: int | None = None,
+    block_size: int | str | None = "auto",
     temperature: float = 0.0,
     seed: int = 0,
     backend: str = "torch",
@@ -87,7 +89,10 @@ def generate(
         print(json.dumps(result))
     else:
         print(result["text"])
-        line = f"\n[{be.name}] {len(result['tokens'])} tokens, {s.rounds} rounds, tau {s.tau:.2f}, {s.tok_s:.1f} tok/s"
+        steps = sum(1 for r in result["rounds"] if not r["prefill"])
+        line = (f"\n[{be.name}] {len(result['tokens'])} tokens, {s.rounds} speculative rounds"
+                + (f" of {steps} (block auto; the rest plain AR)" if settings.auto else "")
+                + f", tau {s.tau:.2f}, {s.tok_s:.1f} tok/s")
         if compare_ar:
             line += f"; AR {result['ar_tok_s']:.1f} tok/s, speedup {result['speedup']:.2f}x, lossless {result['lossless']}"
         print(line, file=sys.stderr)
@@ -101,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", help="target model folder (default: the shipped tiny pair)")
     ap.add_argument("--draft", help="DFlash drafter folder in the upstream layout")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=None, help="verify width B (default: the drafter's); drafts are cut to B-1")
+    ap.add_argument("--block-size", default="auto", metavar="auto|N",
+                    help="auto (default): a measured policy picks each round's verify width, plain AR where drafting does "
+                         "not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"])
