@@ -276,7 +276,7 @@ def report(folder: Path = DATED, shape: list[Path] | None = None, pair: Path | N
         raise ToolkitError(f"--only: no table {unknown[0]!r} (have: {', '.join(tables)})")
     tables = {k: v for k, v in tables.items() if not only or k in only}
     if check is not None:
-        doc = read_json_text(check)
+        doc = read_doc(check)
         missing = [k for k, v in tables.items() if v not in doc]
         if missing:
             raise ToolkitError(f"--check {check}: table(s) {', '.join(missing)} differ from the rendered ones "
@@ -285,7 +285,7 @@ def report(folder: Path = DATED, shape: list[Path] | None = None, pair: Path | N
     return "\n\n".join(f"<!-- {k} -->\n{v}" for k, v in tables.items())
 
 
-def read_json_text(path: Path) -> str:
+def read_doc(path: Path) -> str:
     if not path.is_file():
         raise ToolkitError(f"--check {path}: no such file")
     return path.read_text()
