@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 from statistics import median
 
@@ -210,8 +209,8 @@ def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]
         out.append(("c=16 stock w=15 round / t_AR (raw medians)", f"{s16:.1f} / {a16:.1f} ms = {s16 / a16:.2f}", "call 6"))
         p16 = prj(c6, "stock", 16)
         tok = p16["policy_speedup"] * 16000 / p16["t_ar_ms"]
-        out.append(("c=16 DF-16 stock policy, projected tok/s vs AR tok/s at c=8", f"{tok:.0f} vs {8000 / a8:.0f} = "
-                    f"{tok / (8000 / a8):.2f}x", "call 6 projection"))
+        out.append(("c=16 DF-16 stock policy, projected tok/s vs AR tok/s at c=8", f"{tok:.0f} vs {8000 / a8:.0f} = {tok / (8000 / a8):.2f}x",
+                    "call 6 projection"))
     busy = [d["steps"]["profile"]["result"][v]["gpu_busy_ms"] for d in shapes if "profile" in d["steps"]
             for v in ("exllamav3", "recording", "policy")]
     if busy:
@@ -224,8 +223,8 @@ def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]
     if pair:
         spec = [x["speedup"] for x in pair["cells"] if x["concurrency"] > 1 and not x.get("lever")]
         lev = [x["speedup"] for x in pair["cells"] if x["concurrency"] > 1 and x.get("lever")]
-        out.append(("pair, c=4 and 8: speedup range without / with lever", f"{min(spec):.2f}-{max(spec):.2f}x / "
-                    f"{min(lev):.2f}-{max(lev):.2f}x", "pair_bench"))
+        ranges = f"{min(spec):.2f}-{max(spec):.2f}x / {min(lev):.2f}-{max(lev):.2f}x"
+        out.append(("pair, c=4 and 8: speedup range without / with lever", ranges, "pair_bench"))
         b16 = next(x for x in pair["cells"] if x["concurrency"] == 1 and x["block_size"] == 16 and not x.get("lever"))
         acc = b16.get("accept_per_position") or []
         if acc:
@@ -233,8 +232,8 @@ def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]
         ar1 = next(a for a in pair["ar"] if a["concurrency"] == 1)
         ar8 = next(a for a in pair["ar"] if a["concurrency"] == 8)
         out.append(("pair AR step c=1 vs c=8 (medians)", f"{ar1['round_ms']:.1f} vs {ar8['round_ms']:.1f} ms", "pair_bench"))
-        out.append(("pair, lossless over all cells (median, min)", f"{median(x['lossless'] for x in pair['cells']):.2f}, "
-                    f"{min(x['lossless'] for x in pair['cells']):.2f}", "pair_bench"))
+        lossless = [x["lossless"] for x in pair["cells"]]
+        out.append(("pair, lossless over all cells (median, min)", f"{median(lossless):.2f}, {min(lossless):.2f}", "pair_bench"))
         same = [(a, b) for a in pair["cells"] for b in pair["cells"] if a["concurrency"] == b["concurrency"] == 8
                 and a.get("lever") and b.get("lever") and a["block_size"] == 16 and b["block_size"] == "auto"
                 and a.get("width_histogram") == b.get("width_histogram")]

@@ -82,6 +82,6 @@ def test_bad_input_is_one_error_line(tmp_path):
     with pytest.raises(ToolkitError, match="not a `speed shape` result"):
         load_shapes([wrong])
     run = subprocess.run([sys.executable, "-m", "experiments.speed_report", "--shape", str(tmp_path / "missing.json")],
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=ROOT, check=False)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith("error: --shape ")
     assert "Traceback" not in run.stderr
