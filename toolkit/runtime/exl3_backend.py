@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..core.errors import ToolkitError
-from ..core.target import TargetInfo, read_optional
+from ..core.target import TargetInfo
 from .backend import Backend, GenSettings
 from .events import Round
 from .exl3_hook import (
@@ -41,11 +41,12 @@ from .exl3_hook import (
     exllamav3_version,
     recording_generator_class,
 )
+from .exl3_memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .exl3_options import Exl3Options, set_chunked_verify
 from .exl3_policy import PAGE, BatchPolicy, calibrate
+from .gpu_split import GpuSplit, device_count
 from .policy import CostTable, cached_costs, cost_key, device_name
 
-GIB = 1024**3
 MIN_CAPABILITY = (8, 0)
 
 
@@ -72,47 +73,20 @@ def import_exllamav3():
     return exllamav3
 
 
-def weight_bytes(folder: Path) -> int:
-    """Bytes the folder's weights take once loaded: EXL3 tensors as stored, unquantized ones as fp16."""
-    info = TargetInfo(read_optional(folder / "config.json"))
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    if info.exl3:
-        return size
-    dtype = str(info.config.get("torch_dtype") or info.config.get("dtype") or "bfloat16")
-    return size // 2 if "32" in dtype else size
-
-
-def cache_bytes(cfg: dict, tokens: int, slots: int) -> int:
-    """K/V bytes for `tokens` positions over the attention layers of a config, plus recurrent state for `slots` jobs."""
-    t = TargetInfo(cfg).text
-    layers = int(t.get("num_hidden_layers", 0))
-    types = t.get("layer_types") or ["full_attention"] * layers
-    heads = int(t.get("num_attention_heads", 1))
-    kv, hd = int(t.get("num_key_value_heads", heads)), int(t.get("head_dim") or t.get("hidden_size", 0) // heads)
-    attn = sum(1 for x in types if x in ("full_attention", "sliding_attention"))
-    total = attn * 2 * kv * hd * 2 * tokens
-    lin = len(types) - attn
-    if lin:
-        vh, kd, vd = (int(t.get(k, 0)) for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
-        total += lin * vh * kd * vd * 2 * 2 * slots
-    return total
-
-
-def check_memory(target: Path, draft: Path | None, tokens: int, slots: int, gpu: str) -> None:
-    """Refuse to load, in one line, when the weights and caches plainly do not fit the free GPU memory."""
-    import torch
-
-    free, _ = torch.cuda.mem_get_info()
-    w = weight_bytes(target) + (weight_bytes(draft) if draft else 0)
-    c = cache_bytes(read_optional(target / "config.json"), tokens, slots)
-    if draft:
-        c += cache_bytes(read_optional(draft / "config.json"), tokens, slots)
-    need = w + c + GIB // 2
-    if need > free:
-        raise ToolkitError(
-            f"not enough GPU memory on {gpu}: loading needs about {need / GIB:.1f} GiB (weights {w / GIB:.1f}, "
-            f"caches of {tokens} tokens {c / GIB:.1f}, reserve 0.5), {free / GIB:.1f} GiB is free"
-        )
+def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_concurrency: int, history: int,
+                split: GpuSplit, count: int) -> tuple:
+    """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
+    on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
+    drafter passed so the layer-split loader budgets for the states it taps)."""
+    model = exl.Model.from_config(exl.Config.from_directory(str(target)))
+    cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
+    dmodel = dcache = None
+    if draft is not None:
+        dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
+        dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
+        dmodel.load(progressbar=False, **split.draft_load_kwargs(count))
+    model.load(progressbar=False, **split.target_load_kwargs(count), **({"draft_model": dmodel} if dmodel is not None else {}))
+    return model, cache, dmodel, dcache
 
 
 class Exl3Backend(Backend):
@@ -124,7 +98,8 @@ class Exl3Backend(Backend):
     def __init__(self, exl, model, cache, tokenizer, hf_tokenizer, draft=None, draft_cache=None,
                  native_block: int = 1, max_context: int = 0, eos_ids: tuple[int, ...] = (), max_concurrency: int = 32,
                  *, options: Exl3Options | None = None, folders: Sequence[str | Path] = (), vocab_size: int = 32000,
-                 device: str = "cuda", moe_class: type | None = None, cost_cache: str | Path | None = None):
+                 device: str = "cuda", moe_class: type | None = None, cost_cache: str | Path | None = None,
+                 split: GpuSplit | None = None):
         self.exl, self.model, self.cache, self.tokenizer_exl = exl, model, cache, tokenizer
         self.tokenizer, self.draft, self.draft_cache = hf_tokenizer, draft, draft_cache
         self.block_size, self.max_context, self.eos_ids = native_block, max_context, eos_ids
@@ -132,6 +107,7 @@ class Exl3Backend(Backend):
         self.cache_tokens = cache.max_num_tokens
         self.folders, self.vocab_size, self.device = tuple(folders), vocab_size, device
         self.cost_cache, self._moe_class = cost_cache, moe_class
+        self.split = split or GpuSplit()
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
         self.options = Exl3Options()
@@ -141,11 +117,14 @@ class Exl3Backend(Backend):
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
-                  cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None) -> Exl3Backend:
-        """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU."""
+                  cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None,
+                  split: GpuSplit | None = None) -> Exl3Backend:
+        """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU(s):
+        the target on GPU 0, or placed by `split` (runtime/gpu_split.py), the drafter on split.draft_device."""
         from ..dflash import DFlashConfig
 
         target, draft = Path(target), Path(draft) if draft is not None else None
+        split = split or GpuSplit()
         info = TargetInfo.read(target)
         dconf = None
         if draft is not None:
@@ -158,20 +137,15 @@ class Exl3Backend(Backend):
         if block_size is not None and not 2 <= block_size <= max(native, 2):
             raise ToolkitError(f"block_size must be between 2 and the drafter's {native}, got {block_size}")
         gpu = check_cuda()
+        count = device_count()
+        split.check_devices(count)
         exl = import_exllamav3()
         if cache_tokens < PAGE or cache_tokens % PAGE:
             raise ToolkitError(f"cache_tokens must be a positive multiple of {PAGE}, got {cache_tokens}")
-        check_memory(target, draft, cache_tokens, max_concurrency, gpu)
-        history = max(native - 1, 1)
+        check_memory(target, draft, cache_tokens, max_concurrency, gpu, split)
         try:
-            model = exl.Model.from_config(exl.Config.from_directory(str(target)))
-            cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-            dmodel = dcache = None
-            if draft is not None:            # every cache before any load, the drafter before the target
-                dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
-                dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-                dmodel.load(progressbar=False)
-            model.load(progressbar=False, **({"draft_model": dmodel} if dmodel is not None else {}))
+            model, cache, dmodel, dcache = load_models(exl, target, draft, cache_tokens, max_concurrency,
+                                                       max(native - 1, 1), split, count)
             tok = exl.Tokenizer.from_config(model.config)
         except Exception as e:
             import torch
@@ -179,15 +153,17 @@ class Exl3Backend(Backend):
             if isinstance(e, torch.OutOfMemoryError):
                 free = torch.cuda.mem_get_info()[0] / GIB
                 raise ToolkitError(f"not enough GPU memory on {gpu}: ran out while loading {target} (+ drafter), {free:.1f} GiB free now") from None
-            if isinstance(e, (AssertionError, ValueError, KeyError, OSError)):
-                raise ToolkitError(f"exllamav3 cannot load {target} / {draft}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            known = isinstance(e, (AssertionError, ValueError, KeyError, OSError, NotImplementedError))
+            if known or (isinstance(e, RuntimeError) and "VRAM" in str(e)):    # "Insufficient VRAM in split ..."
+                where = "" if split.default else f" ({split.tag})"
+                raise ToolkitError(f"exllamav3 cannot load {target} / {draft}{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             raise
         from .torch_backend import load_hf_tokenizer
 
         folders = (target, draft) if draft is not None else (target,)
         return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,
                    info.eos_ids, max_concurrency, options=options, folders=folders,
-                   vocab_size=int(info.text.get("vocab_size") or 32000))
+                   vocab_size=int(info.text.get("vocab_size") or 32000), split=split)
 
     def close(self) -> None:
         """Retire the generator and unload both models (the GPU memory comes back)."""
@@ -248,8 +224,9 @@ class Exl3Backend(Backend):
     # -- the policy --------------------------------------------------------------------------------------
 
     def cost_file_key(self, concurrency: int) -> str:
-        """Cost cache key: model folders, GPU, block, options and concurrency."""
-        tag = hashlib.sha256(self.options.tag.encode()).hexdigest()[:8]
+        """Cost cache key: model folders, GPU, block, options (and the placement, when not one GPU) and concurrency."""
+        tag = self.options.tag + ("" if self.split.default else f"|{self.split.tag}")
+        tag = hashlib.sha256(tag.encode()).hexdigest()[:8]
         return f"{cost_key(self.folders, self.device, 'exl3', self.block_size)}-c{concurrency}-{tag}"
 
     def cost_table(self, concurrency: int) -> CostTable:

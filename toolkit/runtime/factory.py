@@ -10,23 +10,27 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from .backend import Backend
+from .gpu_split import check_for_backend
 
 BACKENDS = ("torch", "exllamav3")
 
 
 def load_backend(name: str, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu", dtype=None,
-                 cache_tokens: int = 32768, max_concurrency: int = 32, options=None) -> Backend:
+                 cache_tokens: int = 32768, max_concurrency: int = 32, options=None, split=None) -> Backend:
     """The named backend over a target folder and an optional DFlash drafter folder.
 
     torch takes `device` and `dtype` (a torch.dtype; None = float32); exllamav3 runs on the GPU and takes
     `cache_tokens` (its paged cache, a multiple of 256), `max_concurrency` (jobs decoded together) and `options`
-    (runtime.exl3_options.Exl3Options: its generator levers; None = all off).
+    (runtime.exl3_options.Exl3Options: its generator levers; None = all off) and `split`
+    (runtime.gpu_split.GpuSplit: the target across GPUs, the drafter's device; None = all on GPU 0). torch takes
+    no split: a non-default one is refused, never ignored.
     """
     if name not in BACKENDS:
         raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     for flag, p in (("--target", target), ("--draft", draft)):
         if p is not None and not Path(p).is_dir():
             raise ToolkitError(f"{flag}: {p} is not a folder")
+    check_for_backend(name, split)
     if name == "torch":
         import torch
 
@@ -38,4 +42,5 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
         return TorchBackend.from_dirs(target, draft, device=device, dtype=dtype or torch.float32)
     from .exl3_backend import Exl3Backend
 
-    return Exl3Backend.from_dirs(target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency, options=options)
+    return Exl3Backend.from_dirs(target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
+                                 options=options, split=split)
