@@ -188,3 +188,44 @@ def make_backend(monkeypatch, tmp_path, model=None, moe_class=None, cache_tokens
     return Exl3Backend(exl, FakeModel(model or []), cache, None, FakeTokenizer(), draft=FakeModel(),
                        draft_cache="dc", native_block=8, max_context=4096, eos_ids=(5,), max_concurrency=8,
                        device="cpu", cost_cache=tmp_path / "costs", moe_class=moe_class or type(None), **kw)
+
+
+# -- loading (Exl3Backend.from_dirs): exllamav3's Config / Model / Cache / Tokenizer, the calls recorded --------
+
+
+class LoadedModel(FakeModel):
+    """A model built from a folder; load(**kwargs) is recorded in `log` as (folder name, kwargs)."""
+
+    def __init__(self, folder, log):
+        super().__init__()
+        self.folder, self.log, self.config = folder, log, folder
+
+    def load(self, **kw):
+        self.log.append((self.folder, {k: v for k, v in kw.items() if k != "draft_model"},
+                         kw.get("draft_model") is not None))
+
+
+def fake_loader(log: list):
+    """An exllamav3 stand-in for from_dirs: models record their load arguments, caches keep their size."""
+    return types.SimpleNamespace(
+        Config=types.SimpleNamespace(from_directory=lambda d: d.rstrip("/").split("/")[-1]),
+        Model=types.SimpleNamespace(from_config=lambda name: LoadedModel(name, log)),
+        Cache=lambda model, max_num_tokens, **kw: types.SimpleNamespace(max_num_tokens=max_num_tokens, model=model),
+        Tokenizer=types.SimpleNamespace(from_config=lambda cfg: None),
+        Generator=FakeGenerator, Job=FakeJob)
+
+
+def install_loader(monkeypatch, devices: int, free_gib: float | list[float] = 80.0) -> list:
+    """from_dirs on `devices` fake GPUs with `free_gib` free each (or per device); returns the load log."""
+    from toolkit.runtime import exl3_backend, gpu_split
+
+    log: list = []
+    free = free_gib if isinstance(free_gib, list) else [free_gib] * max(devices, 1)
+    install_sampler_modules(monkeypatch)
+    monkeypatch.setattr(FakeGenerator, "built", [])
+    monkeypatch.setattr(exl3_backend, "check_cuda", lambda: "FakeGPU")
+    monkeypatch.setattr(exl3_backend, "import_exllamav3", lambda: fake_loader(log))
+    monkeypatch.setattr(exl3_backend, "device_count", lambda: devices)
+    monkeypatch.setattr(gpu_split, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(free[i] * 1024**3), 80 * 1024**3))
+    return log

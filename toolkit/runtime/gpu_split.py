@@ -163,4 +163,4 @@ def check_for_backend(backend: str, split: GpuSplit | None) -> None:
     """The torch backend takes no GPU split: refuse one instead of ignoring it."""
     if backend != "exllamav3" and split is not None and not split.default:
         raise OptionError("gpu_split" if split.gpu_split else "tensor_parallel" if split.tensor_parallel
-                          else "draft_device", f"({split.tag}) needs --backend exllamav3")
+                          else "draft_device", f"needs --backend exllamav3 (got {split.tag})")

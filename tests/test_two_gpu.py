@@ -1,0 +1,201 @@
+"""Two GPUs (issue 21) on CPU: --gpu-split / --tensor-parallel / --draft-device parsing, the per-device memory
+estimate and its refusals, the exllamav3 load arguments of each placement (through the fake loader of
+exl3_fakes), and a split onto one device decoding exactly as no split does."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from exl3_fakes import ar_reference, install_loader
+
+from toolkit.core.errors import OptionError, ToolkitError
+from toolkit.runtime.backend import GenSettings
+from toolkit.runtime.exl3_memory import GIB, check_memory, layer_weight_bytes, plan_devices, weight_bytes
+from toolkit.runtime.gpu_split import GpuSplit, add_split_args, from_env
+
+# -- parsing ----------------------------------------------------------------------------------------------
+
+
+def test_split_values_parse():
+    assert GpuSplit().default and GpuSplit.of(None, False, None).default
+    assert GpuSplit.of("auto").gpu_split == "auto" and GpuSplit.of(" AUTO ").gpu_split == "auto"
+    assert GpuSplit.of("16,16").gpu_split == (16.0, 16.0)
+    assert GpuSplit.of("12.5").gpu_split == (12.5,) and GpuSplit.of([8, 7.5]).gpu_split == (8.0, 7.5)
+    assert GpuSplit.of("16,16", True, 1).tag == "split 16,16, tensor-parallel, drafter cuda:1"
+    assert GpuSplit.of(tensor_parallel=True).tag == "tensor-parallel"
+
+
+@pytest.mark.parametrize("bad", ["0,16", "-1", "nan", "inf,8", "abc", "16,,16", "16;16", [True]])
+def test_bad_split_values_name_the_field(bad):
+    with pytest.raises(OptionError, match=r"^gpu_split must be auto or GB per device .*positive") as e:
+        GpuSplit.of(bad)
+    assert e.value.field == "gpu_split" and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [-1, "1", 1.0, True])
+def test_bad_draft_device_names_the_field(bad):
+    with pytest.raises(OptionError, match=r"^draft_device must be a GPU index >= 0") as e:
+        GpuSplit(draft_device=bad)
+    assert e.value.field == "draft_device"
+
+
+def test_command_line_and_environment():
+    ap = argparse.ArgumentParser()
+    add_split_args(ap)
+    a = vars(ap.parse_args(["--gpu-split", "16,16", "--tensor-parallel", "--draft-device", "1"]))
+    assert GpuSplit.of(**a) == GpuSplit((16.0, 16.0), True, 1)
+    assert GpuSplit.of(**vars(ap.parse_args([]))).default
+    assert from_env({}).default
+    env = {"DFLASH_GPU_SPLIT": "auto", "DFLASH_TENSOR_PARALLEL": "1", "DFLASH_DRAFT_DEVICE": "1"}
+    assert from_env(env) == GpuSplit("auto", True, 1)
+    with pytest.raises(OptionError, match="DFLASH_DRAFT_DEVICE.*'x'"):
+        from_env({"DFLASH_DRAFT_DEVICE": "x"})
+    with pytest.raises(OptionError, match="DFLASH_TENSOR_PARALLEL"):
+        from_env({"DFLASH_TENSOR_PARALLEL": "maybe"})
+    with pytest.raises(OptionError, match="gpu_split must be"):
+        from_env({"DFLASH_GPU_SPLIT": "16,x"})
+
+
+def test_devices_this_machine_lacks_are_one_line_errors():
+    with pytest.raises(OptionError, match=r"^gpu_split lists 2 devices, this machine has 1 GPU$"):
+        GpuSplit.of("16,16").check_devices(1)
+    with pytest.raises(OptionError, match=r"^draft_device is 1, this machine has 1 GPU \(devices 0 to 0\)$"):
+        GpuSplit.of(draft_device=1).check_devices(1)
+    with pytest.raises(OptionError, match=r"^tensor_parallel needs two or more GPUs"):
+        GpuSplit.of(tensor_parallel=True).check_devices(1)
+    with pytest.raises(OptionError, match=r"^tensor_parallel needs two or more GPUs"):
+        GpuSplit.of("20", True).check_devices(2)
+    for ok in (GpuSplit(), GpuSplit.of("20"), GpuSplit.of("auto")):
+        ok.check_devices(1)
+    GpuSplit.of("16,16", True, 1).check_devices(2)
+
+
+def test_the_torch_backend_refuses_a_split(pair):
+    from toolkit.runtime.factory import load_backend
+
+    with pytest.raises(OptionError, match=r"^gpu_split needs --backend exllamav3 \(got split 16,16\)$"):
+        load_backend("torch", *pair, split=GpuSplit.of("16,16"))
+    with pytest.raises(OptionError, match=r"^draft_device needs --backend exllamav3 \(got drafter cuda:1\)$"):
+        load_backend("torch", *pair, split=GpuSplit.of(draft_device=1))
+    assert load_backend("torch", *pair, split=GpuSplit()).name == "torch"
+
+
+# -- the per-device estimate -------------------------------------------------------------------------------
+
+G = GIB
+LAYERS, HEAD, DRAFT = [3 * G] * 8, 1 * G, 2 * G          # a target of 25 GiB (weights and caches), drafter 2 GiB
+
+
+def test_layers_go_to_the_devices_in_order_up_to_each_budget():
+    a, b = plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("16,16"), [80 * G, 80 * G])
+    assert (a.layers, a.target, a.draft, a.budget) == ((0, 4), 15 * G, 2 * G, 16 * G)
+    assert (b.layers, b.target, b.draft) == ((5, 7), 10 * G, 0)          # the LM head goes with the last layer
+    assert a.total == 17.5 * G and b.total == 10.5 * G
+    c, d = plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("16,16", draft_device=1), [80 * G, 80 * G])
+    assert (c.draft, d.draft, d.total) == (0, 2 * G, 12.5 * G)
+
+
+def test_one_gpu_default_and_a_split_onto_one_device():
+    (a,) = plan_devices(LAYERS, HEAD, DRAFT, GpuSplit(), [80 * G])
+    assert (a.target, a.draft, a.layers, a.total) == (25 * G, 2 * G, (0, 7), 27.5 * G)
+    (b,) = plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("30"), [80 * G])
+    assert (b.target, b.total) == (a.target, a.total)
+
+
+def test_auto_budgets_the_free_memory_less_the_drafter():
+    a, b = plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("auto"), [12.5 * G, 40 * G])
+    assert a.budget == 10 * G and a.layers == (0, 2) and b.layers == (3, 7)      # 12.5 - 0.5 reserve - 2 drafter
+
+
+def test_tensor_parallel_shares_in_proportion_to_the_split():
+    a, b = plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("16,16", True), [80 * G, 80 * G])
+    assert a.target == b.target == 12.5 * G and a.layers is None and a.draft == 2 * G
+    a, b = plan_devices(LAYERS, HEAD, 0, GpuSplit.of("10,40", True), [80 * G, 80 * G])
+    assert (a.target, b.target) == (5 * G, 20 * G)
+    with pytest.raises(ToolkitError, match=r"^the target does not fit split 10,10, tensor-parallel: .* about 25\.0 GiB"
+                                           r".*gives 20\.0 GiB \(cuda:0 10\.0, cuda:1 10\.0\)$"):
+        plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("10,10", True), [80 * G, 80 * G])
+
+
+def test_a_split_too_small_is_refused_with_what_each_device_got():
+    with pytest.raises(ToolkitError, match=r"^the target does not fit split 8,8: 25\.0 GiB of weights and caches, "
+                                           r"layer 4 has no room left \(cuda:0 6\.0 of 8\.0, cuda:1 6\.0 of 8\.0 GiB used\)$"):
+        plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("8,8"), [80 * G, 80 * G])
+    with pytest.raises(ToolkitError, match=r"its LM head has no room left"):
+        plan_devices(LAYERS, 4 * G, DRAFT, GpuSplit.of("12,12"), [80 * G, 80 * G])
+    with pytest.raises(OptionError, match="gpu_split lists 2 devices, this machine has 1 GPU"):
+        plan_devices(LAYERS, HEAD, DRAFT, GpuSplit.of("16,16"), [80 * G])
+
+
+def test_check_memory_refuses_per_device_against_free_memory(pair, monkeypatch):
+    t, d = pair
+    needs = check_memory(t, d, 4096, 4, "FakeGPU", GpuSplit.of("0.003,1"), free=[1 * G, 1 * G])
+    assert needs[0].layers == (0, 0) and needs[1].layers == (1, 2) and needs[0].draft > 0 == needs[1].draft
+    per, rest = layer_weight_bytes(t, 3)
+    assert abs(sum(per) + rest - weight_bytes(t)) < 8 * 1024            # the headers' sizes: the files less headers
+    assert sum(n.target for n in needs) == sum(per) + rest + 3 * 2 * 4 * 32 * 2 * 4096   # + K/V of 4096 tokens
+    with pytest.raises(ToolkitError, match=r"^not enough GPU memory for split 0\.003,1: cuda:0 needs about 0\.5 GiB "
+                                           r"\(target layers 0-0 0\.0, drafter 0\.0, reserve 0\.5\), 0\.2 free; "
+                                           r"cuda:1 needs about 0\.5 GiB \(target layers 1-2 0\.0, .*\), 1\.0 free$"):
+        check_memory(t, d, 4096, 4, "FakeGPU", GpuSplit.of("0.003,1"), free=[0.2 * G, 1 * G])
+    install_loader(monkeypatch, 2, [1.0, 0.25])                        # the devices' own free memory
+    with pytest.raises(ToolkitError, match=r"cuda:1 needs about 0\.5 GiB .* 0\.2 free$"):
+        check_memory(t, d, 4096, 4, "FakeGPU", GpuSplit.of("0.003,1"))
+
+
+# -- the load arguments, through the fake loader -----------------------------------------------------------
+
+
+def load(pair, monkeypatch, devices, split, free=80.0):
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    log = install_loader(monkeypatch, devices, free)
+    be = Exl3Backend.from_dirs(*pair, cache_tokens=4096, max_concurrency=4, split=split)
+    return be, log
+
+
+@pytest.mark.parametrize("devices,split,draft_kw,target_kw", [
+    (1, GpuSplit(), {}, {}),                                              # one GPU: the calls as they always were
+    (1, GpuSplit.of("20"), {}, {"use_per_device": [20.0]}),
+    (2, GpuSplit(), {"reserve_per_device": [0.5, -1]}, {"reserve_per_device": [0.5, -1]}),
+    (2, GpuSplit.of("16,16"), {"reserve_per_device": [0.5, -1]}, {"use_per_device": [16.0, 16.0]}),
+    (2, GpuSplit.of("auto"), {"reserve_per_device": [0.5, -1]}, {"reserve_per_device": [0.5, 0.5]}),
+    (2, GpuSplit.of("16,16", True), {"reserve_per_device": [0.5, -1]}, {"use_per_device": [16.0, 16.0], "tensor_p": True}),
+    (2, GpuSplit.of(tensor_parallel=True), {"reserve_per_device": [0.5, -1]}, {"reserve_per_device": [0.5, 0.5], "tensor_p": True}),
+    (2, GpuSplit.of("16,16", draft_device=1), {"reserve_per_device": [-1, 0.5]}, {"use_per_device": [16.0, 16.0]}),
+])
+def test_load_arguments_per_split(pair, monkeypatch, devices, split, draft_kw, target_kw):
+    be, log = load(pair, monkeypatch, devices, split)
+    assert log == [("draft", {"progressbar": False, **draft_kw}, False),    # the drafter first, on its device
+                   ("target", {"progressbar": False, **target_kw}, True)]   # the target told of the drafter
+    assert be.split == split and be.cache.max_num_tokens == be.draft_cache.max_num_tokens == 4096
+
+
+def test_from_dirs_refuses_before_loading(pair, monkeypatch):
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    log = install_loader(monkeypatch, 1)
+    with pytest.raises(OptionError, match="gpu_split lists 2 devices, this machine has 1 GPU"):
+        Exl3Backend.from_dirs(*pair, split=GpuSplit.of("16,16"))
+    with pytest.raises(OptionError, match="draft_device is 1, this machine has 1 GPU"):
+        Exl3Backend.from_dirs(*pair, split=GpuSplit.of(draft_device=1))
+    log = install_loader(monkeypatch, 2, [0.2, 80])
+    with pytest.raises(ToolkitError, match=r"not enough GPU memory for split 0\.003,1: cuda:0 .* 0\.2 free; cuda:1"):
+        Exl3Backend.from_dirs(*pair, cache_tokens=4096, max_concurrency=4, split=GpuSplit.of("0.003,1"))
+    assert log == []
+
+
+def test_a_split_onto_one_device_decodes_unchanged(pair, monkeypatch):
+    prompts = [[11, 12, 13], [40, 41], [60]]
+    streams = []
+    for split in (GpuSplit(), GpuSplit.of("20"), GpuSplit.of("auto")):
+        be, log = load(pair, monkeypatch, 1, split)
+        be.vocab_size = 97                                                # the fake generator's vocabulary
+        rounds = {i: [] for i in range(len(prompts))}
+        for i, r in be.generate_many(prompts, GenSettings(max_new_tokens=30, block_size=6)):
+            rounds[i].append(r)
+        streams.append({i: [(r.drafted, r.accepted, r.bonus, r.prefill, r.proposed) for r in rs]   # all but timings
+                        for i, rs in rounds.items()})
+        assert [sum((r.tokens for r in rounds[i]), []) for i in rounds] == [ar_reference(p, 30, be.eos_ids) for p in prompts]
+    assert streams[0] == streams[1] == streams[2]
