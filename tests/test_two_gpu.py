@@ -199,3 +199,45 @@ def test_a_split_onto_one_device_decodes_unchanged(pair, monkeypatch):
                         for i, rs in rounds.items()})
         assert [sum((r.tokens for r in rounds[i]), []) for i in rounds] == [ar_reference(p, 30, be.eos_ids) for p in prompts]
     assert streams[0] == streams[1] == streams[2]
+
+
+# -- the commands pass the split on ------------------------------------------------------------------------
+
+
+def test_bench_passes_the_split_and_refuses_it_on_torch(pair, monkeypatch, capsys):
+    from toolkit import bench
+
+    seen = {}
+
+    def fake_load(name, target, draft, **kw):
+        seen.update(kw, name=name)
+        raise ToolkitError("stop here")
+
+    monkeypatch.setattr(bench, "load_backend", fake_load)
+    with pytest.raises(ToolkitError, match="stop here"):
+        bench.main(["--backend", "exllamav3", "--gpu-split", "16,16", "--tensor-parallel", "--draft-device", "1"])
+    assert seen["name"] == "exllamav3" and seen["split"] == GpuSplit((16.0, 16.0), True, 1)
+    with pytest.raises(ToolkitError, match=r"^--gpu-split needs --backend exllamav3 \(got split 16,16\)$"):
+        bench.main(["--gpu-split", "16,16"])
+    with pytest.raises(ToolkitError, match=r"^--gpu-split must be auto or GB per device"):
+        bench.main(["--backend", "exllamav3", "--gpu-split", "16,-1"])
+
+
+def test_quantize_places_an_exl3_target_by_the_split(tmp_path, pair, monkeypatch):
+    import test_quantize_fakes as fakes
+    from test_quantize_exl3 import run
+
+    fakes.install(monkeypatch)
+    engine = fakes.install_engine(monkeypatch, pair[0])
+    splits = []
+    for name in ("open_target", "open_backend"):
+        inner = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, split=None, _f=inner: splits.append(split) or _f(*a))
+    monkeypatch.setattr(engine, "free_bytes", lambda split=None: splits.append(("free", split)) or engine.free)
+    exl3 = fakes.exl3_target(pair[0], tmp_path / "tiny-exl3", bits=4.0)
+    want = GpuSplit((16.0, 16.0), False, 1)
+    run(tmp_path, pair, exl3, bits="8", calibrate=False, gpu_split="16,16", draft_device=1)
+    assert ("free", want) in splits and [s for s in splits if s != ("free", want)] == [want] * 3   # target, bf16, 8bpw
+    with pytest.raises(OptionError, match=r"^gpu_split places an EXL3 target on exllamav3 \(got split 16,16\); "
+                                          r"this run loads a transformers target$"):
+        run(tmp_path, pair, pair[0], out="out-hf", bits="8", calibrate=False, gpu_split="16,16")

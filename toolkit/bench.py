@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .assets.prompts import load_prompts
-from .core.errors import ToolkitError, run_cli
+from .core.errors import OptionError, ToolkitError, run_cli
 from .runtime.backend import GenSettings
 from .runtime.benchgrid import (  # noqa: F401
     Cell,
@@ -38,6 +38,7 @@ from .runtime.benchgrid import (  # noqa: F401
 )
 from .runtime.exl3_options import LEVERS, parse_lever
 from .runtime.factory import load_backend
+from .runtime.gpu_split import GpuSplit, add_split_args, check_for_backend
 from .runtime.projection import ASSUMPTION, parse_taus
 
 PROMPT_BUDGET = 1024        # prompt tokens per job the exllamav3 cache is sized for (see --cache-tokens)
@@ -65,7 +66,8 @@ def print_table(result: dict, file=None) -> None:
     ar = {c["concurrency"]: c for c in result["ar"]}
     timing = result.get("timing_only")
     reps = result.get("reps", 1)
-    print(f"{result['backend']} | {result['target']} + {result['draft']} | {reps} repetition(s), median [min-max]"
+    where = f" | {result['gpu_split']}" if result.get("gpu_split", "one GPU") != "one GPU" else ""
+    print(f"{result['backend']}{where} | {result['target']} + {result['draft']} | {reps} repetition(s), median [min-max]"
           + (" | timing only (synthetic weights: no tau, no losslessness)" if timing else ""), file=file)
     print(f"{'B':>4} {'conc':>5} {'tau':>6} {'spec tok/s':>11} {'AR tok/s':>10} {'speedup':>8} {'lossless':>9}  "
           "t_round ms | t_AR ms | widths | accept per position", file=file)
@@ -185,6 +187,9 @@ def bench(
     levers: list[str] = (),
     project_tau: list[str] = (),
     timing_only: bool | None = None,
+    gpu_split: str | None = None,
+    tensor_parallel: bool = False,
+    draft_device: int = 0,
 ) -> dict:
     """Run the grid; returns the bench.json dict (also written, with bench.png, into `out`)."""
     if target is None and draft is None:
@@ -198,6 +203,8 @@ def bench(
     if lever_opts and backend != "exllamav3":
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
     taus = parse_taus(project_tau)
+    split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
+    check_for_backend(backend, split)
     try:
         settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     except ValueError as e:
@@ -212,7 +219,8 @@ def bench(
     concs = sorted(set(concurrency))
     per_job = -(-(PROMPT_BUDGET + max_new_tokens + 17) // 256) * 256
     cache_tokens = cache_tokens or max(concs) * per_job
-    be = load_backend(backend, target, draft, device=device or "cpu", cache_tokens=cache_tokens, max_concurrency=max(concs))
+    be = load_backend(backend, target, draft, device=device or "cpu", cache_tokens=cache_tokens, max_concurrency=max(concs),
+                      split=split)
     try:
         if be.block_size < 2:
             raise ToolkitError(f"{draft}: no drafter loaded, nothing to compare with AR")
@@ -229,7 +237,7 @@ def bench(
         "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
         "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": spec_cells,
         "best": best_per_concurrency(ar_cells, spec_cells), "reps": reps, "levers": [label for label, _ in lever_opts],
-        "timing_only": timing_only, "synthetic": synthetic,
+        "timing_only": timing_only, "synthetic": synthetic, "gpu_split": split.tag,
     }
     if taus:
         result["projection"] = {"assumption": ASSUMPTION, "taus": [{"name": n, "tau": t, "block_size": B} for n, t, B in taus],
@@ -318,7 +326,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="project the speedup at these tau from the measured costs: published (Qwen3.6-35B-A3B DF-16 7.63, DF-8 5.74) or e.g. 7.63@16")
     ap.add_argument("--timing-only", action="store_true", default=None,
                     help="record costs only, no tau or losslessness (implied for synthetic checkpoints)")
-    bench(**vars(ap.parse_args(argv)))
+    add_split_args(ap)
+    try:
+        bench(**vars(ap.parse_args(argv)))
+    except OptionError as e:
+        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
 
 
 if __name__ == "__main__":

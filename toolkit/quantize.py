@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 
-from .core.errors import run_cli
+from .core.errors import OptionError, ToolkitError, run_cli
 from .hub.push import push, write_cards
 from .hub.upstream import copy_upstream
 from .quant.pipeline import enforce, execute, start
+from .runtime.gpu_split import add_split_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,13 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--force", action="store_true", help="overwrite an existing output folder and redo every bitrate")
     ap.add_argument("--push", metavar="REPO", help="after a passing run, push the outputs to this Hub repo (toolkit.push)")
     ap.add_argument("--device", help="device: cuda, cuda:N or N for conversion, calibration and checks (default cuda); cpu runs calibration and checks on the CPU")
+    add_split_args(ap.add_argument_group("EXL3 target on several GPUs (its target and speed steps)"))
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     repo = args.pop("push")
-    run = execute(start(**args))      # the library: OUT's bitrate folders and report, thresholds not yet enforced
+    try:
+        run = execute(start(**args))  # the library: OUT's bitrate folders and report, thresholds not yet enforced
+    except OptionError as e:
+        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
     if run.dry_run:
         return 0
     copy_upstream(run.model_dir, run.out)   # the drafter's own card and license, credited by the model cards

@@ -38,23 +38,30 @@ class Exl3Engine:
             return f"--target: {target} is an EXL3 model: {e}"
         return None
 
-    def free_bytes(self) -> int:
+    def free_bytes(self, split=None) -> int:
+        """Free bytes of GPU 0, or (a runtime.gpu_split.GpuSplit) summed over the GPUs the split uses (the backend
+        checks each device on its own before it loads)."""
         import torch
 
-        return int(torch.cuda.mem_get_info()[0])
+        if split is None or split.default:
+            return int(torch.cuda.mem_get_info()[0])
+        split.check_devices(torch.cuda.device_count())
+        devices = set(split.devices(torch.cuda.device_count())) | {split.draft_device}
+        return sum(int(torch.cuda.mem_get_info(i)[0]) for i in devices)
 
-    def open_target(self, folder: Path, cache_tokens: int, max_concurrency: int):
+    def open_target(self, folder: Path, cache_tokens: int, max_concurrency: int, split=None):
         """The target alone: runtime.exl3_taps.Exl3Target (continue_greedy, forward, embedding_table,
-        head_weight, close)."""
+        head_weight, close); `split` places it across GPUs (None: GPU 0)."""
         from ..runtime.exl3_taps import open_target
 
-        return open_target(folder, cache_tokens, max_concurrency)
+        return open_target(folder, cache_tokens, max_concurrency, split=split)
 
-    def open_backend(self, target: Path, draft: Path, cache_tokens: int, max_concurrency: int):
-        """The target with one DFlash drafter on the exllamav3 backend (runtime.backend.Backend)."""
+    def open_backend(self, target: Path, draft: Path, cache_tokens: int, max_concurrency: int, split=None):
+        """The target with one DFlash drafter on the exllamav3 backend (runtime.backend.Backend), placed by `split`."""
         from ..runtime.factory import load_backend
 
-        return load_backend("exllamav3", target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency)
+        return load_backend("exllamav3", target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
+                            split=split)
 
 
 ENGINE = Exl3Engine()

@@ -26,6 +26,7 @@ from ..core.target import TargetInfo
 from ..dflash import load_drafter
 from ..runtime.backend import encode_chat
 from ..runtime.exl3_taps import free_gpu
+from ..runtime.gpu_split import GpuSplit
 from . import calibrate as cal
 from . import check as chk
 from . import convert as conv
@@ -104,6 +105,8 @@ def show_plan(run: Run) -> None:
         run.notes.append("no weights in the model folder: tensors not checked")
     print(format_plan(run.items, s.out))
     print(mem.format_memory(run.needs, run.kind == "none" or run.target_weights is not None))
+    if not run.split.default:
+        print(f"EXL3 target placement: {run.split.tag} (each device is checked when the target loads)")
     for n in run.notes:
         print(f"note: {n}")
 
@@ -118,6 +121,7 @@ def prepare(run: Run) -> None:
         raise ToolkitError("--target is needed to calibrate and check (or pass --no-calibrate --no-check)")
     if uses_target and run.kind == "exl3" and (why := engine.ENGINE.unavailable(s.target)):
         raise ToolkitError(why)
+    run.check_split(uses_target)
     if run.todo and (why := conv.converter_unavailable()):
         raise ToolkitError(why)
     if run.check:
@@ -144,13 +148,14 @@ def check_fits(run: Run) -> None:
     top = mem.peak(run.needs)
     if top is None or not (run.kind == "exl3" or run.dev.startswith("cuda")):
         return
-    free = engine.ENGINE.free_bytes()
+    free = engine.ENGINE.free_bytes(**run.split_kw()) if run.kind == "exl3" else engine.ENGINE.free_bytes()
     if top.total > free:
         parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in top.parts.items() if v)
         head = f"--target: {run.s.target} does not fit" if top.parts.get("target weights") else "this run does not fit"
         raise ToolkitError(f"{head} in GPU memory: step {top.step} needs about "
-                           f"{mem.gib(top.total)} ({parts}, reserve {mem.gib(mem.RESERVE)}), the GPU has "
-                           f"{mem.gib(free)} free")
+                           f"{mem.gib(top.total)} ({parts}, reserve {mem.gib(mem.RESERVE)}), "
+                           + (f"the GPU has {mem.gib(free)} free" if run.split.default or run.kind != "exl3"
+                              else f"the GPUs of {run.split.tag} have {mem.gib(free)} free together"))
 
 
 def check_prompts(recipe: Recipe) -> None:
@@ -203,7 +208,8 @@ def target(run: Run) -> None:
     if run.kind == "exl3":
         n = max(map(len, run.cal_ids + run.held_ids))
         batch = min(mem.BATCH, max(1, len(run.cal_ids + run.held_ids)))
-        t = engine.ENGINE.open_target(run.target_dir, batch * mem.job_tokens(n, r.max_new_tokens, 1), batch)
+        t = engine.ENGINE.open_target(run.target_dir, batch * mem.job_tokens(n, r.max_new_tokens, 1), batch,
+                                      **run.split_kw())
         try:
             run.cal_prompts = exl3_prompts(t, run.cal_ids, c, [c.tap_shift], r.max_new_tokens)
             run.held = exl3_prompts(t, run.held_ids, c, shifts, r.max_new_tokens)
@@ -295,7 +301,7 @@ def speed(run: Run) -> None:
     s, r, c = run.s, run.s.recipe, run.config
     n = max(map(len, run.held_ids))
     setup = spd.SpeedSetup(run.target_dir, s.target, target_bits(run.target_config), run.held_ids, r.max_new_tokens,
-                           mem.job_tokens(n, r.max_new_tokens, c.block_size))
+                           mem.job_tokens(n, r.max_new_tokens, c.block_size), run.split_kw())
     ref_dir = spd.shadow_reference(run.model_dir, run.work / "bf16-reference", run.tap_shift)
     sweep, ar = spd.measure(engine.ENGINE, setup, ref_dir, spd.widths_for(c.block_size, r.draft_tokens))
     run.exl3_widths = [sweep[w] for w in sorted(sweep)]
@@ -343,10 +349,13 @@ def report(run: Run) -> None:
 def start(recipe: str | None = None, model: str | None = None, revision: str | None = None, target: str | None = None,
           bits: str | list | None = None, out: str | None = None, work_dir: str | None = None, calibrate: bool = True,
           also_uncalibrated: bool = False, check: bool = True, dry_run: bool = False, force: bool = False,
-          device: str | None = None, progress: bool = True) -> Run:
-    """A Run from the recipe and the command line (flags win); nothing is read or written yet."""
+          device: str | None = None, progress: bool = True, gpu_split: str | None = None,
+          tensor_parallel: bool = False, draft_device: int = 0) -> Run:
+    """A Run from the recipe and the command line (flags win); nothing is read or written yet. gpu_split,
+    tensor_parallel and draft_device place an EXL3 target (and the drafter of the speed step) across GPUs."""
     s = merge(recipe, model, revision, target, bits, out, work_dir)
-    return Run(s, calibrate, also_uncalibrated, check, dry_run, force, device, progress)
+    split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
+    return Run(s, calibrate, also_uncalibrated, check, dry_run, force, device, progress, split=split)
 
 
 def execute(run: Run) -> Run:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import OptionError
 from ..dflash import DFlashConfig, DFlashDraft
+from ..runtime.gpu_split import GpuSplit
 from . import check as chk
 from .blocks import Prompt
 from .memory import Meter, Need
@@ -31,6 +33,7 @@ class Run:
     force: bool = False
     device: str | None = None           # as given: the converter's GPU (cpu still converts on GPU 0)
     progress: bool = True
+    split: GpuSplit = field(default_factory=GpuSplit)   # the EXL3 target's GPUs and the drafter's (exllamav3 steps)
     bar: Any = None                     # the steps' progress bar
     dest: Path | None = None            # where this run writes: OUT, or under --force the folder that replaces it
     model_dir: Path | None = None
@@ -97,6 +100,19 @@ class Run:
     @property
     def manifest(self) -> dict:
         return {"model": self.s.model_id, "revision": self.s.revision, "target": self.s.target}
+
+    def split_kw(self) -> dict:
+        """`split=` for the engine's loads, only when the target is not simply on GPU 0."""
+        return {} if self.split.default else {"split": self.split}
+
+    def check_split(self, uses_target: bool) -> None:
+        """A GPU split places an EXL3 target on exllamav3: refuse it, naming the option, for any other run."""
+        if self.split.default or (uses_target and self.kind == "exl3"):
+            return
+        sp = self.split
+        field = "gpu_split" if sp.gpu_split else "tensor_parallel" if sp.tensor_parallel else "draft_device"
+        raise OptionError(field, f"places an EXL3 target on exllamav3 (got {sp.tag}); this run loads "
+                                 + ("a transformers target" if self.kind == "hf" and uses_target else "no EXL3 target"))
 
     def estimate(self, name: str) -> int | None:
         return next((n.total for n in self.needs if n.step == name), None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.backend import Backend, GenSettings
@@ -31,6 +31,7 @@ class SpeedSetup:
     prompts: list[list[int]]     # the held-out check prompts, tokenized
     max_new_tokens: int
     cache_tokens: int
+    split_kw: dict = field(default_factory=dict)   # {"split": GpuSplit} when the target is not on GPU 0 alone
 
 
 def decode(backend: Backend, prompts: list[list[int]], settings: GenSettings,
@@ -67,7 +68,7 @@ def measure(engine, setup: SpeedSetup, draft: Path, widths: list[int],
             ar: Baseline | None = None) -> tuple[dict[int, dict], Baseline]:
     """Each draft width for one drafter folder, in one load of target + drafter: ({width: exl3 object}, the AR
     baseline). AR runs in this load unless `ar` (an earlier load's, same target and process) is given."""
-    be = engine.open_backend(setup.target, draft, setup.cache_tokens, 1)
+    be = engine.open_backend(setup.target, draft, setup.cache_tokens, 1, **setup.split_kw)
     try:
         base = GenSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, block_size=None)
         if ar is None:

@@ -100,10 +100,11 @@ class Exl3Target:
         free_gpu()
 
 
-def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int) -> Exl3Target:
-    """Load an EXL3 target folder alone (no drafter) through the exllamav3 backend."""
+def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int, split=None) -> Exl3Target:
+    """Load an EXL3 target folder alone (no drafter) through the exllamav3 backend (`split`: its GPUs, None = GPU 0)."""
     from .factory import load_backend
 
     check_pinned()
-    backend = load_backend("exllamav3", folder, None, cache_tokens=cache_tokens, max_concurrency=max_concurrency)
+    backend = load_backend("exllamav3", folder, None, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
+                           split=split)
     return Exl3Target(backend, batch=max_concurrency)
