@@ -12,14 +12,17 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
-from .core.errors import ToolkitError, run_cli
+from .core.errors import OptionError, ToolkitError, run_cli
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, Summary, summarize, tokens_of
 from .runtime.factory import load_backend
+from .runtime.gpu_split import GpuSplit, add_split_args
 
 
-def load(backend: str, target: str | None, draft: str | None, device: str | None = None) -> Backend:
+def load(backend: str, target: str | None, draft: str | None, device: str | None = None,
+         split: GpuSplit | None = None) -> Backend:
     """The named backend over the given folders, or over the shipped tiny pair when none are given."""
     if target is None and draft is None:
         from .assets.pairs import tiny_pair
@@ -27,7 +30,7 @@ def load(backend: str, target: str | None, draft: str | None, device: str | None
         target, draft = (str(p) for p in tiny_pair())
     elif target is None:
         raise ToolkitError("--draft needs --target (the drafter uses the target's embeddings and lm_head)")
-    return load_backend(backend, target, draft, device=device or "cpu")
+    return load_backend(backend, target, draft, device=device or "cpu", split=split)
 
 
 def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: bool) -> tuple[list[Round], float]:
@@ -36,10 +39,20 @@ def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: 
     return rounds, time.perf_counter() - t0
 
 
+def warm_up(be: Backend, ids: list[int], settings: GenSettings, compare_ar: bool) -> None:
+    """The policy's calibration and the first, slow forwards, outside the timed runs (the comparison stays fair)."""
+    be.prepare(settings)
+    short = replace(settings, max_new_tokens=min(4, settings.max_new_tokens))
+    for speculative in (True, False) if compare_ar else (True,):
+        for _ in be.generate(ids, short, speculative=speculative):
+            pass
+
+
 def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, system: str | None,
         raw: bool) -> tuple[dict, Summary]:
     """Decode the prompt speculatively (and with compare_ar plain AR too); the JSON-contract dict and its summary."""
     ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
+    warm_up(be, ids, settings, compare_ar)
     rounds, secs = timed(be, ids, settings, speculative=True)
     toks = tokens_of(rounds)
     s = summarize(rounds, secs)
@@ -72,6 +85,9 @@ def generate(
     raw: bool = False,
     device: str | None = None,
     json_out: bool = False,
+    gpu_split: str | None = None,
+    tensor_parallel: bool = False,
+    draft_device: int = 0,
 ) -> dict:
     """Run one prompt; returns the JSON-contract dict (and prints it, or a readable summary)."""
     if not prompt.strip():
@@ -80,7 +96,7 @@ def generate(
         settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=block_size)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
-    be = load(backend, target, draft, device)
+    be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
     try:
         result, s = run(be, prompt, settings, compare_ar, system, raw)
     finally:
@@ -117,7 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     ap.add_argument("--device", help="torch device for the torch backend (default cpu)")
     ap.add_argument("--json", dest="json_out", action="store_true", help="print one JSON object (the documented contract)")
-    generate(**vars(ap.parse_args(argv)))
+    add_split_args(ap)
+    try:
+        generate(**vars(ap.parse_args(argv)))
+    except OptionError as e:
+        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
 
 
 if __name__ == "__main__":

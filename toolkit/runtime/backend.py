@@ -138,6 +138,10 @@ class Backend(ABC):
             for r in self.generate(p, settings, speculative):
                 yield i, r
 
+    def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
+        """Do the one-time work `settings` needs (the auto policy's cost calibration) now, so a timed run that
+        follows measures decoding only; nothing to do by default."""
+
     def close(self) -> None:
         """Free what the backend holds (GPU memory); nothing to do by default."""
 

@@ -240,6 +240,10 @@ class Exl3Backend(Backend):
             table[concurrency] = got.ms.get(concurrency) or next(iter(got.ms.values()))
         return CostTable(table, device_name(self.device))
 
+    def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
+        if settings.auto and self.draft_width(settings, True):
+            self.cost_table(concurrency)
+
     def policy(self, settings: GenSettings, concurrency: int) -> BatchPolicy:
         """The policy of this pair, options and sampling mode (greedy or not), its costs covering `concurrency`."""
         table = self.cost_table(concurrency)

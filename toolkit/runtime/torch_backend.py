@@ -229,6 +229,10 @@ class TorchBackend(Backend):
             self.policies[greedy] = Policy.auto(self.block_size, costs, **probing(costs, self.block_size))
         return self.policies[greedy]
 
+    def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
+        if settings.auto and self.draft_width(settings, True):
+            self.policy(settings.temperature == 0)
+
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         self.check_prompts([prompt_ids], settings.max_new_tokens)
         width = self.draft_width(settings, speculative)
