@@ -241,3 +241,33 @@ def test_quantize_places_an_exl3_target_by_the_split(tmp_path, pair, monkeypatch
     with pytest.raises(OptionError, match=r"^gpu_split places an EXL3 target on exllamav3 \(got split 16,16\); "
                                           r"this run loads a transformers target$"):
         run(tmp_path, pair, pair[0], out="out-hf", bits="8", calibrate=False, gpu_split="16,16")
+
+
+def test_generate_and_eval_tau_pass_the_split(pair, monkeypatch, tmp_path):
+    from toolkit import eval_tau, generate
+    from toolkit.runtime import factory
+
+    seen = []
+
+    def fake_load(name, target, draft, **kw):
+        seen.append((name, kw["split"]))
+        raise ToolkitError("stop here")
+
+    monkeypatch.setattr(generate, "load_backend", fake_load)
+    monkeypatch.setattr(factory, "load_backend", fake_load)           # eval_tau imports it when it runs
+    args = ["--backend", "exllamav3", "--gpu-split", "auto", "--draft-device", "1"]
+    with pytest.raises(ToolkitError, match="stop here"):
+        generate.main(["--prompt", "hi", *args])
+    with pytest.raises(ToolkitError, match="stop here"):
+        eval_tau.main(["--target", str(pair[0]), "--draft", str(pair[1]), "--heldout", str(write_heldout(tmp_path)), *args])
+    assert seen == [("exllamav3", GpuSplit("auto", False, 1))] * 2
+    with pytest.raises(ToolkitError, match=r"^--draft-device must be a GPU index >= 0, got -1$"):
+        generate.main(["--prompt", "hi", "--draft-device", "-1"])
+
+
+def write_heldout(folder):
+    import json
+
+    p = folder / "heldout.json"
+    p.write_text(json.dumps({"chat": ["hello"]}))
+    return p

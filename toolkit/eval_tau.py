@@ -20,9 +20,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .core.errors import ToolkitError, run_cli
+from .core.errors import OptionError, ToolkitError, run_cli
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
+from .runtime.gpu_split import GpuSplit, add_split_args
 
 PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
 CARD_TAU = re.compile(r"<!-- tau -->.*?<!-- /tau -->", re.S)
@@ -57,7 +58,8 @@ def card_text(result: dict) -> str:
 def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int | str] = (8, 16), max_new_tokens: int = 128,
              limit: int | None = None, device: str = "auto", dtype: str = "auto", minutes: float | None = None,
              out: str | None = None, write_card: bool = False, quiet: bool = False, backend: str = "torch",
-             concurrency: int = 16) -> dict:
+             concurrency: int = 16, gpu_split: str | None = None, tensor_parallel: bool = False,
+             draft_device: int = 0) -> dict:
     """Run the held-out prompts at each block size; returns (and with `out`, writes after every prompt or wave) the result."""
     import torch
 
@@ -88,7 +90,8 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
         raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
     wave = concurrency if exl3 else 1
     be = load_backend(backend, target, draft, device=dev, dtype=dt, max_concurrency=wave,
-                      cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256)
+                      cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256,
+                      split=GpuSplit.of(gpu_split, tensor_parallel, draft_device))
     if exl3:
         dev = torch.cuda.get_device_name()
     sizes = sorted({min(b, be.block_size) for b in asked if b != "auto"}) + ["auto"] * ("auto" in asked)
@@ -158,7 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="also write the JSON here (rewritten after every prompt or wave)")
     ap.add_argument("--write-card", action="store_true", help="put the tau table into DRAFT/README.md")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    print(json.dumps(eval_tau(**vars(ap.parse_args(argv))), indent=1))
+    add_split_args(ap)
+    try:
+        print(json.dumps(eval_tau(**vars(ap.parse_args(argv))), indent=1))
+    except OptionError as e:
+        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
 
 
 if __name__ == "__main__":
