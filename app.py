@@ -2,7 +2,8 @@
 
 With no models it serves an embedded demo on tiny models (CPU, offline). On a GPU with exllamav3 installed:
 python app.py --target <EXL3 model or Hub id> --draft <DFlash drafter>. Env vars DFLASH_TARGET, DFLASH_DRAFT,
-DFLASH_BACKEND, DFLASH_DEVICE do the same (for Spaces). See docs/app.md and docs/space.md.
+DFLASH_BACKEND, DFLASH_DEVICE do the same (for Spaces); on several GPUs --gpu-split / --tensor-parallel /
+--draft-device, or DFLASH_GPU_SPLIT / DFLASH_TENSOR_PARALLEL / DFLASH_DRAFT_DEVICE, place the models. See docs/app.md and docs/space.md.
 """
 
 import os
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 from toolkit.core.errors import run_cli
+from toolkit.runtime.gpu_split import ENV, add_split_args
 
 
 def main(argv=None):
@@ -27,12 +29,18 @@ def main(argv=None):
     ap.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if os.environ.get("SPACE_ID") else "127.0.0.1"))
     ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     ap.add_argument("--share", action="store_true", help="also open a public gradio.live link")
-    args = ap.parse_args(argv)
+    add_split_args(ap)
+    ap.set_defaults(draft_device=None)              # not given: DFLASH_DRAFT_DEVICE, else space.json, else 0
+    args = vars(ap.parse_args(argv))
+    for key, var in ENV.items():                    # a split flag given wins over its env var (docs/app.md)
+        value = args.pop(key)
+        if value not in (None, False):
+            os.environ[var] = "1" if value is True else str(value)
 
     from toolkit.app import launch_app
 
     cfg = Path(__file__).with_name("space.json")        # written by `python -m toolkit.hub.space export`
-    launch_app(**vars(args), defaults=json.loads(cfg.read_text()) if cfg.is_file() else None)
+    launch_app(**args, defaults=json.loads(cfg.read_text()) if cfg.is_file() else None)
 
 
 if __name__ == "__main__":

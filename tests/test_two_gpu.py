@@ -271,3 +271,58 @@ def write_heldout(folder):
     p = folder / "heldout.json"
     p.write_text(json.dumps({"chat": ["hello"]}))
     return p
+
+
+# -- the app and the Space ---------------------------------------------------------------------------------
+
+
+def test_app_spec_takes_the_split_from_env_then_space_json():
+    from toolkit.app.models import ModelSpec
+
+    assert ModelSpec.resolve(env={}).split.default
+    d = {"gpu_split": "16,16", "tensor_parallel": True, "draft_device": 1}
+    assert ModelSpec.resolve(env={}, defaults=d).split == GpuSplit((16.0, 16.0), True, 1)
+    env = {"DFLASH_GPU_SPLIT": "auto", "DFLASH_TENSOR_PARALLEL": "0", "DFLASH_DRAFT_DEVICE": "0"}
+    assert ModelSpec.resolve(env=env, defaults=d).split == GpuSplit("auto")
+    with pytest.raises(OptionError, match="gpu_split must be auto"):
+        ModelSpec.resolve(env={"DFLASH_GPU_SPLIT": "lots"})
+
+
+def test_app_passes_the_split_to_exllamav3_and_refuses_it_on_torch(monkeypatch):
+    import toolkit.app.models as models
+    from toolkit.app.models import Hardware, ModelSpec, load
+
+    calls = []
+
+    def opener(name, target, draft, device, **kw):
+        calls.append((name, kw))
+        raise ToolkitError("stop here")
+
+    monkeypatch.setattr(models, "fetch_model", lambda ref, what: ref)
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())     # exllamav3 "installed"
+    hw = Hardware(cuda=True)
+    assert "stop here" in load(ModelSpec("t", "d", "exllamav3", split=GpuSplit.of("16,16")), hw, opener).error
+    assert calls == [("exllamav3", {"split": GpuSplit.of("16,16")})]
+    out = load(ModelSpec("t", "d", "torch", split=GpuSplit.of("16,16")), hw, opener)
+    assert out.error == ("Could not load the models: the GPU split (split 16,16) needs the exllamav3 backend; "
+                         "this runs torch") and len(calls) == 1
+    load(ModelSpec("t", "d", "torch"), hw, opener)
+    assert calls[-1] == ("torch", {})                                      # no split: the call as before
+
+
+def test_space_export_writes_the_split_and_checks_the_hardware(tmp_path):
+    import json
+
+    from toolkit.app.models import ModelSpec
+    from toolkit.hub import space
+
+    out = space.export(str(tmp_path / "sp"), hardware="l4x4", gpu_split="12,12", draft_device=1, exllamav3_jit=True)
+    cfg = json.loads((out / "space.json").read_text())
+    assert cfg == {"target": None, "draft": None, "backend": "auto", "gpu_split": "12,12", "draft_device": 1}
+    assert ModelSpec.resolve(env={}, defaults=cfg).split == GpuSplit((12.0, 12.0), False, 1)
+    assert "DFLASH_GPU_SPLIT" in (out / "README.md").read_text()
+    with pytest.raises(OptionError, match=r"^gpu_split lists 2 devices, hardware l4x1 has 1 GPU$"):
+        space.export(str(tmp_path / "sp2"), hardware="l4x1", gpu_split="12,12")
+    with pytest.raises(OptionError, match=r"^tensor_parallel needs --backend exllamav3"):
+        space.export(str(tmp_path / "sp3"), hardware="cpu-basic", tensor_parallel=True)
+    assert not (tmp_path / "sp2").exists() and not (tmp_path / "sp3").exists()

@@ -23,6 +23,11 @@ class ExportOptions:
                                         "the Space (needs nvcc; for hardware no wheel covers)")
     title: str = option("DFlash speculative decoding", "the Space's title")
     force: bool = option(False, "replace a non-empty DIR once the new one is complete")
+    gpu_split: str | None = option(None, "the app's default placement of the target on a multi-GPU Space: auto or GB per "
+                                         "GPU, e.g. 16,16 (exllamav3 backend; Space variable DFLASH_GPU_SPLIT)",
+                                   metavar="auto|GB,GB,...")
+    tensor_parallel: bool = option(False, "load the target tensor-parallel (DFLASH_TENSOR_PARALLEL)")
+    draft_device: int = option(0, "the GPU the drafter is loaded on (DFLASH_DRAFT_DEVICE)", metavar="N")
 
 
 def main(argv: list[str] | None = None):

@@ -2,7 +2,8 @@
 
 Env vars: DFLASH_TARGET, DFLASH_DRAFT (Hub ids or local folders), DFLASH_BACKEND (auto|torch|exllamav3),
 DFLASH_DEVICE, DFLASH_DEMO (smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls
-back to tiny when its target cannot be prepared offline). On a Space, SPACE_ID and ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
+back to tiny when its target cannot be prepared offline), and for the exllamav3 backend on several GPUs
+DFLASH_GPU_SPLIT (auto|GB,GB,...), DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (runtime/gpu_split.py). On a Space, SPACE_ID and ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
 Loading never raises: a failure is kept as a message that the page shows.
 """
 
@@ -18,6 +19,7 @@ from typing import Callable
 from ..core.errors import ToolkitError
 from ..runtime.backend import Backend
 from ..runtime.factory import load_backend
+from ..runtime.gpu_split import ENV, GpuSplit, from_env
 
 log = logging.getLogger("toolkit.app")
 BACKENDS = ("auto", "torch", "exllamav3")
@@ -63,6 +65,7 @@ class ModelSpec:
     draft: str | None = None
     backend: str = "auto"
     device: str | None = None
+    split: GpuSplit = field(default_factory=GpuSplit)     # exllamav3: the target across GPUs, the drafter's GPU
 
     @classmethod
     def resolve(cls, target=None, draft=None, backend=None, device=None, env: dict | None = None,
@@ -73,7 +76,7 @@ class ModelSpec:
         spec = cls(target or env.get("DFLASH_TARGET") or d.get("target") or None,
                    draft or env.get("DFLASH_DRAFT") or d.get("draft") or None,
                    (backend or env.get("DFLASH_BACKEND") or d.get("backend") or "auto").lower(),
-                   device or env.get("DFLASH_DEVICE") or None)
+                   device or env.get("DFLASH_DEVICE") or None, split_of(env, d))
         if spec.backend not in BACKENDS:
             raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {spec.backend!r}")
         return spec
@@ -81,6 +84,17 @@ class ModelSpec:
     @property
     def demo(self) -> bool:
         return self.target is None
+
+
+def split_of(env, defaults: dict) -> GpuSplit:
+    """The GPU split from DFLASH_GPU_SPLIT / DFLASH_TENSOR_PARALLEL / DFLASH_DRAFT_DEVICE, else space.json's
+    gpu_split / tensor_parallel / draft_device, else one GPU."""
+    vals = {}
+    for key, var in ENV.items():
+        v = env.get(var) if (env.get(var) or "").strip() else defaults.get(key)
+        if v is not None and v != "":
+            vals[var] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    return from_env(vals)
 
 
 @dataclass
@@ -145,9 +159,9 @@ def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
     return want, device, notes
 
 
-def open_backend(name: str, target: str, draft: str | None, device: str) -> Backend:
+def open_backend(name: str, target: str, draft: str | None, device: str, split: GpuSplit | None = None) -> Backend:
     """The named backend over local folders, built by the runtime's factory."""
-    return load_backend(name, target, draft, device=device)
+    return load_backend(name, target, draft, device=device, split=split)
 
 
 def warm_up(backend: Backend) -> None:
@@ -191,8 +205,11 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
                 raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
             target, draft = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
             out.target, out.draft = spec.target, spec.draft
+        if not spec.split.default and name != "exllamav3":
+            raise ToolkitError(f"the GPU split ({spec.split.tag}) needs the exllamav3 backend; this runs {name}"
+                               + (f" ({notes[-1].rstrip('.')})" if notes else ""))
         try:
-            out.backend = opener(name, target, draft, device)
+            out.backend = opener(name, target, draft, device, **({} if spec.split.default else {"split": spec.split}))
         except ToolkitError:
             raise
         except Exception as e:  # exllamav3's extension failed to build/load: try the torch backend once
@@ -200,7 +217,7 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
                 raise
             log.exception("exllamav3 backend failed")
             out.notes.append(f"exllamav3 failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
-                             "using the torch backend instead.")
+                             "using the torch backend instead" + (", on one device." if not spec.split.default else "."))
             out.backend_name, out.device = "torch", "cuda" if hw.cuda else "cpu"
             out.backend = opener("torch", target, draft, out.device)
         warm_up(out.backend)

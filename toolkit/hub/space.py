@@ -10,6 +10,7 @@ Push it with `hf upload <user>/<space> DIR . --repo-type space` (see docs/space.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import yaml
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_dir, claim
 from ..core.refs import parse_ref
+from ..runtime.gpu_split import GpuSplit, check_for_backend
 from .wheels import EXLLAMAV3_VERSION, pick_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +104,23 @@ def install_note(lines: list[str]) -> str:
     return "This hardware runs the app's torch backend; exllamav3 is not installed."
 
 
+def gpus_of(hardware: str) -> int:
+    """GPUs of a Space hardware name: l4x4 -> 4, a10g-largex2 -> 2, cpu-* -> 0, other GPU hardware -> 1."""
+    if hardware.startswith("cpu"):
+        return 0
+    m = re.search(r"x(\d+)$", hardware)
+    return int(m.group(1)) if m else 1
+
+
+def check_split(split: GpuSplit, hardware: str, backend: str) -> None:
+    """A Space's GPU split must fit its hardware and run on exllamav3 (one line naming the option otherwise)."""
+    if split.default:
+        return
+    if backend == "torch" or hardware.startswith(("cpu", "zero")):
+        check_for_backend("torch", split)
+    split.check_devices(gpus_of(hardware), f"hardware {hardware}")
+
+
 def readme(hardware: str, target: str | None, draft: str | None, title: str, python: str, lines: list[str]) -> str:
     what = (f"Target `{target}` with DFlash drafter `{draft}`." if target else
             "No models configured: the app serves its embedded demo on tiny models (CPU).")
@@ -112,10 +131,20 @@ def readme(hardware: str, target: str | None, draft: str | None, title: str, pyt
 A chat that answers with DFlash speculative decoding on ExLlamaV3, next to plain autoregressive decoding on the
 same target, with the measured speedup, tokens coloured by origin and live acceptance plots.
 
-{what} Change the models in `space.json` or with the Space variables `DFLASH_TARGET` / `DFLASH_DRAFT`.
+{what} Change the models in `space.json` or with the Space variables `DFLASH_TARGET` / `DFLASH_DRAFT`; on
+several GPUs, `DFLASH_GPU_SPLIT` (auto or GB per GPU, e.g. 16,16), `DFLASH_TENSOR_PARALLEL` (1) and
+`DFLASH_DRAFT_DEVICE` (N) place the target and the drafter (exllamav3 backend, docs/app.md).
 {note}
 Built by `python -m toolkit.space export` from the dflash-exl3-toolkit repository (docs/space.md).
 """
+
+
+def split_json(split: GpuSplit) -> dict:
+    """space.json's gpu_split / tensor_parallel / draft_device, only where they differ from one GPU."""
+    s = split.gpu_split
+    out = {"gpu_split": s if s is None or s == "auto" else ",".join(f"{x:g}" for x in s),
+           "tensor_parallel": split.tensor_parallel, "draft_device": split.draft_device}
+    return {k: v for k, v in out.items() if v != getattr(GpuSplit(), k)}
 
 
 def copy_package(dst: Path) -> None:
@@ -135,9 +164,11 @@ def plain_title(title: str) -> bool:
 def export(dir: str, target: str | None = None, draft: str | None = None, hardware: str = "l4x1",
            backend: str = "auto", title: str = "DFlash speculative decoding", force: bool = False,
            python: str = PYTHON_VERSION, torch: str = TORCH_VERSION, cuda: str = CUDA_VERSION,
-           exllamav3_jit: bool = False) -> Path:
+           exllamav3_jit: bool = False, gpu_split: str | None = None, tensor_parallel: bool = False,
+           draft_device: int = 0) -> Path:
     """Write the Space folder `dir` (via a temp folder renamed at the end: never half-written). On GPU hardware
-    the exllamav3 wheel for (python, torch, cuda) must exist, else nothing is written."""
+    the exllamav3 wheel for (python, torch, cuda) must exist, else nothing is written. gpu_split, tensor_parallel
+    and draft_device go into space.json (the app's defaults; the DFLASH_* Space variables override them)."""
     if hardware not in HARDWARE:
         raise ToolkitError(f"hardware must be one of {', '.join(HARDWARE)}, got {hardware!r}")
     if (target is None) != (draft is None):
@@ -151,6 +182,8 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
         raise ToolkitError(f"backend must be auto, torch or exllamav3, got {backend!r}")
     if backend == "exllamav3" and hardware.startswith(("cpu", "zero")):
         raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/space.md)")
+    split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
+    check_split(split, hardware, backend)
     try:
         out = claim(dir, "space", force, field="dir")     # before any work: docs/outputs.md
     except OptionError as e:
@@ -160,7 +193,8 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
         copy_package(tmp)
         (tmp / "requirements.txt").write_text(requirements_text(lines, hardware))
         (tmp / "README.md").write_text(readme(hardware, target, draft, title, python, lines))
-        (tmp / "space.json").write_text(json.dumps({"target": target, "draft": draft, "backend": backend}, indent=2) + "\n")
+        (tmp / "space.json").write_text(json.dumps({"target": target, "draft": draft, "backend": backend,
+                                                    **split_json(split)}, indent=2) + "\n")
         (tmp / ".gitattributes").write_text(GITATTRIBUTES)
     print(f"wrote {out} ({sum(1 for p in out.rglob('*') if p.is_file())} files); push with: "
           f"hf upload <user>/<space> {out} . --repo-type space")

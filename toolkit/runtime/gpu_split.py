@@ -76,9 +76,9 @@ class GpuSplit:
                  f"drafter cuda:{self.draft_device}" if self.draft_device else ""]
         return ", ".join(p for p in parts if p)
 
-    def check_devices(self, count: int) -> None:
-        """One line when this placement needs GPUs this machine does not have."""
-        have = f"this machine has {count} GPU{'s' if count != 1 else ''}"
+    def check_devices(self, count: int, where: str = "this machine") -> None:
+        """One line when this placement needs GPUs this machine (or `where`) does not have."""
+        have = f"{where} has {count} GPU{'s' if count != 1 else ''}"
         if isinstance(self.gpu_split, tuple) and len(self.gpu_split) > count:
             raise OptionError("gpu_split", f"lists {len(self.gpu_split)} devices, {have}")
         if self.tensor_parallel and len(self.devices(count)) < 2:
