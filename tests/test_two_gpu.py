@@ -11,7 +11,14 @@ from exl3_fakes import ar_reference, install_loader
 
 from toolkit.core.errors import OptionError, ToolkitError
 from toolkit.runtime.backend import GenSettings
-from toolkit.runtime.exl3_memory import GIB, check_memory, layer_weight_bytes, plan_devices, weight_bytes
+from toolkit.runtime.events import tokens_of
+from toolkit.runtime.exl3_memory import (
+    GIB,
+    check_memory,
+    layer_weight_bytes,
+    plan_devices,
+    weight_bytes,
+)
 from toolkit.runtime.gpu_split import GpuSplit, add_split_args, from_env
 
 # -- parsing ----------------------------------------------------------------------------------------------
@@ -191,13 +198,14 @@ def test_a_split_onto_one_device_decodes_unchanged(pair, monkeypatch):
     streams = []
     for split in (GpuSplit(), GpuSplit.of("20"), GpuSplit.of("auto")):
         be, log = load(pair, monkeypatch, 1, split)
+        assert [name for name, _, _ in log] == ["draft", "target"]
         be.vocab_size = 97                                                # the fake generator's vocabulary
         rounds = {i: [] for i in range(len(prompts))}
         for i, r in be.generate_many(prompts, GenSettings(max_new_tokens=30, block_size=6)):
             rounds[i].append(r)
         streams.append({i: [(r.drafted, r.accepted, r.bonus, r.prefill, r.proposed) for r in rs]   # all but timings
                         for i, rs in rounds.items()})
-        assert [sum((r.tokens for r in rounds[i]), []) for i in rounds] == [ar_reference(p, 30, be.eos_ids) for p in prompts]
+        assert [tokens_of(rounds[i]) for i in rounds] == [ar_reference(p, 30, be.eos_ids) for p in prompts]
     assert streams[0] == streams[1] == streams[2]
 
 
@@ -289,7 +297,7 @@ def test_app_spec_takes_the_split_from_env_then_space_json():
 
 
 def test_app_passes_the_split_to_exllamav3_and_refuses_it_on_torch(monkeypatch):
-    import toolkit.app.models as models
+    from toolkit.app import models
     from toolkit.app.models import Hardware, ModelSpec, load
 
     calls = []

@@ -57,7 +57,7 @@ class GpuSplit:
             raise OptionError("draft_device", f"must be a GPU index >= 0, got {d!r}")
 
     @classmethod
-    def of(cls, gpu_split=None, tensor_parallel: bool = False, draft_device: int | None = 0) -> "GpuSplit":
+    def of(cls, gpu_split=None, tensor_parallel: bool = False, draft_device: int | None = 0) -> GpuSplit:
         """From command-line or environment values (None = the default)."""
         return cls(gpu_split, bool(tensor_parallel), 0 if draft_device is None else draft_device)
 
