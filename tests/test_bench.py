@@ -250,7 +250,7 @@ def test_timing_only_keeps_costs_and_drops_auto_tau_and_losslessness(tmp_path):
 
 
 def test_bad_block_sizes_and_levers_are_one_line(tmp_path):
-    with pytest.raises(ToolkitError, match=r"--block-sizes must be auto or integers >= 2, got \[1\]"):
+    with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \[1\]"):
         bench(block_sizes=[1], out=str(tmp_path / "x"))
     with pytest.raises(ToolkitError, match="--levers are exllamav3 generator options"):
         bench(levers=["chunked_verify"], out=str(tmp_path / "x"))

@@ -152,11 +152,9 @@ def plot(result: dict, path: Path) -> None:
 
 def check_inputs(block_sizes, concurrency, limit, reps) -> list:
     try:
-        blocks = [GenSettings.parse_block(b) for b in block_sizes]
-    except ValueError:
-        blocks = []
-    if not blocks or None in blocks:
-        raise ToolkitError(f"--block-sizes must be auto or integers >= 2, got {list(block_sizes)}")
+        blocks = GenSettings.parse_blocks(block_sizes)
+    except OptionError as e:                       # bench() words its errors with the flags, also from Python
+        raise ToolkitError(f"--block-sizes{e.rest}") from None
     if not concurrency or any(c < 1 for c in concurrency):
         raise ToolkitError(f"--concurrency must be integers >= 1, got {list(concurrency)}")
     if limit is not None and limit < 1:

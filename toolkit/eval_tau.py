@@ -70,11 +70,9 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     if concurrency < 1:
         raise ToolkitError(f"--concurrency must be >= 1, got {concurrency}")
     try:
-        asked = [GenSettings.parse_block(b) for b in block_sizes]
-    except ValueError:
-        asked = []
-    if not asked or None in asked:
-        raise ToolkitError(f"--block-sizes must be integers >= 2 or auto, got {list(block_sizes)}")
+        asked = GenSettings.parse_blocks(block_sizes)
+    except OptionError as e:                       # eval_tau() words its errors with the flags, also from Python
+        raise ToolkitError(f"--block-sizes{e.rest}") from None
     if limit is not None and limit < 1:
         raise ToolkitError(f"--limit must be >= 1, got {limit}")
     for name, p in (("--target", target), ("--draft", draft)):

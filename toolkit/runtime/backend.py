@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator
 
-from ..core.errors import ToolkitError
+from ..core.errors import OptionError, ToolkitError
 from .events import Round
 
 
@@ -57,6 +57,17 @@ class GenSettings:
         if n < 2:
             raise ValueError(f"block_size must be >= 2, got {n}")
         return n
+
+    @staticmethod
+    def parse_blocks(values, field: str = "block_sizes") -> list[int | str]:
+        """A non-empty list of block sizes, each "auto" or an int >= 2 (also as strings), for bench and eval_tau."""
+        try:
+            blocks = [GenSettings.parse_block(b) for b in values or ()]
+        except ValueError:
+            blocks = []
+        if not blocks or None in blocks:
+            raise OptionError(field, f"must be integers >= 2 or auto, got {list(values or ())}")
+        return blocks
 
 
 def message_text(content) -> str:
