@@ -136,3 +136,27 @@ def test_connection_refused(hub, tmp_path):
         port = s.getsockname()[1]
     msg = one_line_error(lambda: get(hub, f"{REPO}@4.0bpw", tmp_path, endpoint=f"http://127.0.0.1:{port}"))
     assert f"cannot connect to http://127.0.0.1:{port}" in msg and "connection refused" in msg
+
+
+
+def test_the_factory_fetches_hub_refs_and_keeps_paths(tmp_path, monkeypatch):
+    """load_backend (generate, bench, eval_tau and the app build through it) takes USER/NAME@BRANCH, the EXL3
+    quants' layout: the ref goes through core.refs.fetch (tested against the loopback Hub above); paths stay paths."""
+    from toolkit.assets.pairs import tiny_pair
+    from toolkit.runtime import factory
+
+    t, d = tiny_pair()
+    asked = []
+
+    def fake_fetch(ref, what):
+        asked.append((str(ref), what))
+        return ({"target": t, "draft": d}[what], "0" * 40)
+
+    monkeypatch.setattr(factory, "fetch", fake_fetch)
+    be = factory.load_backend("torch", "alice/tiny@4.0bpw", "alice/tiny-dflash@4.0bpw")
+    assert asked == [("alice/tiny@4.0bpw", "target"), ("alice/tiny-dflash@4.0bpw", "draft")] and be.block_size == 16
+    asked.clear()
+    factory.load_backend("torch", str(t), str(d))
+    assert asked == []
+    with pytest.raises(ToolkitError, match="--target: ./nope is not a folder"):
+        factory.load_backend("torch", "./nope", str(d))

@@ -9,6 +9,7 @@ can be recorded. Each failure is one ToolkitError line that says which it was: n
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,7 @@ def fetch(ref: Ref | str, what: str = "", *, allow_patterns: list[str] | None = 
         return ref.path, None
     from huggingface_hub import HfApi, constants, snapshot_download
 
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None      # read now, not only at huggingface_hub's import
     host = (endpoint or constants.ENDPOINT).rstrip("/")
     revision = ref.revision or "main"
     try:

@@ -9,15 +9,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.errors import ToolkitError
+from ..core.refs import fetch
 from .backend import Backend
 from .gpu_split import check_for_backend
 
 BACKENDS = ("torch", "exllamav3")
 
 
+def local(model: str | Path | None, what: str) -> str | Path | None:
+    """A model as a local folder: a path as it is, a Hub ref `USER/NAME[@REVISION]` fetched at that revision."""
+    if model is None or Path(model).expanduser().exists() or str(model).startswith(("/", ".", "~")):
+        return model
+    return fetch(model, what)[0]
+
+
 def load_backend(name: str, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu", dtype=None,
                  cache_tokens: int = 32768, max_concurrency: int = 32, options=None, split=None) -> Backend:
-    """The named backend over a target folder and an optional DFlash drafter folder.
+    """The named backend over a target and an optional DFlash drafter: local folders, or Hub refs
+    `USER/NAME[@REVISION]` (a branch such as `4.0bpw`, a tag or a sha) fetched through core.refs.
 
     torch takes `device` and `dtype` (a torch.dtype; None = float32); exllamav3 runs on the GPU and takes
     `cache_tokens` (its paged cache, a multiple of 256), `max_concurrency` (jobs decoded together) and `options`
@@ -27,6 +36,7 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
     """
     if name not in BACKENDS:
         raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    target, draft = local(target, "target"), local(draft, "draft")
     for flag, p in (("--target", target), ("--draft", draft)):
         if p is not None and not Path(p).is_dir():
             raise ToolkitError(f"{flag}: {p} is not a folder")
