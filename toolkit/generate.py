@@ -8,17 +8,18 @@ policy pick each round's verify width (0 = a plain AR round); a number N verifie
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from .core.errors import OptionError, ToolkitError, run_cli
+from .core import checks
+from .core.cli import entry, option, run as run_cli_options
+from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, Summary, summarize, tokens_of
 from .runtime.factory import load_backend
-from .runtime.gpu_split import GpuSplit, add_split_args
+from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 
 def load(backend: str, target: str | None, draft: str | None, device: str | None = None,
@@ -96,6 +97,8 @@ def generate(
         settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=block_size)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
+    if device is not None:
+        checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
     try:
         result, s = run(be, prompt, settings, compare_ar, system, raw)
@@ -115,30 +118,32 @@ def generate(
     return result
 
 
+@dataclass
+class GenerateOptions:
+    prompt: str = option(help="user message (goes through the chat template when there is one)")
+    target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
+    draft: str | None = option(None, "DFlash drafter folder in the upstream layout")
+    max_new_tokens: int = option(64)
+    block_size: str = option("auto", "auto (default): a measured policy picks each round's verify width, plain AR where "
+                             "drafting does not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)",
+                             metavar="auto|N")
+    temperature: float = option(0.0, "0 = greedy (default)")
+    seed: int = option(0)
+    backend: str = option("torch", choices=["torch", "exllamav3"])
+    compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
+    system: str | None = option(None, "system prompt")
+    raw: bool = option(False, "tokenize the prompt as is, without the chat template")
+    device: str | None = option(None, "torch device for the torch backend (default cpu)")
+    json_out: bool = option(False, "print one JSON object (the documented contract)", flag="--json")
+    gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
+    tensor_parallel: bool = option(False, TP_HELP)
+    draft_device: int = option(0, DRAFT_HELP, metavar="N")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.generate", description=__doc__.split("\n\n")[0],
-                                 epilog="Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json")
-    ap.add_argument("--prompt", required=True, help="user message (goes through the chat template when there is one)")
-    ap.add_argument("--target", help="target model folder (default: the shipped tiny pair)")
-    ap.add_argument("--draft", help="DFlash drafter folder in the upstream layout")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--block-size", default="auto", metavar="auto|N",
-                    help="auto (default): a measured policy picks each round's verify width, plain AR where drafting does "
-                         "not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"])
-    ap.add_argument("--compare-ar", action="store_true", help="also decode plain AR on the same target; report speedup and lossless")
-    ap.add_argument("--system", help="system prompt")
-    ap.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
-    ap.add_argument("--device", help="torch device for the torch backend (default cpu)")
-    ap.add_argument("--json", dest="json_out", action="store_true", help="print one JSON object (the documented contract)")
-    add_split_args(ap)
-    try:
-        generate(**vars(ap.parse_args(argv)))
-    except OptionError as e:
-        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
+    run_cli_options(generate, GenerateOptions, argv, "python -m toolkit.generate", __doc__.split("\n\n")[0],
+                    "Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json")
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)
