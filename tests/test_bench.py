@@ -256,6 +256,6 @@ def test_bad_block_sizes_and_levers_are_one_line(tmp_path):
         bench(levers=["chunked_verify"], out=str(tmp_path / "x"))
     with pytest.raises(ToolkitError, match="--reps must be >= 1"):
         bench(reps=0, out=str(tmp_path / "x"))
-    with pytest.raises(SystemExit):
+    with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \['auto', 'x'\]"):
         main(["--block-sizes", "auto", "x"])
     assert not (tmp_path / "x").exists()

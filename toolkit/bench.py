@@ -14,17 +14,17 @@ after another (it has no batching): use it for small models.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .assets.prompts import load_prompts
-from .core.errors import OptionError, ToolkitError, run_cli
+from .core.cli import entry, option, run
+from .core.errors import OptionError, ToolkitError
+from .core.folders import atomic_dir, claim
 from .runtime.backend import GenSettings
 from .runtime.benchgrid import (  # noqa: F401
     Cell,
@@ -38,7 +38,13 @@ from .runtime.benchgrid import (  # noqa: F401
 )
 from .runtime.exl3_options import LEVERS, parse_lever
 from .runtime.factory import load_backend
-from .runtime.gpu_split import GpuSplit, add_split_args, check_for_backend
+from .runtime.gpu_split import (
+    DRAFT_HELP,
+    SPLIT_HELP,
+    TP_HELP,
+    GpuSplit,
+    check_for_backend,
+)
 from .runtime.projection import ASSUMPTION, parse_taus
 
 PROMPT_BUDGET = 1024        # prompt tokens per job the exllamav3 cache is sized for (see --cache-tokens)
@@ -176,6 +182,7 @@ def bench(
     seed: int = 0,
     limit: int | None = None,
     out: str = "bench-out",
+    force: bool = False,
     device: str | None = None,
     cache_tokens: int | None = None,
     warmup: bool = True,
@@ -208,7 +215,8 @@ def bench(
     except ValueError as e:
         raise ToolkitError(str(e)) from None
     synthetic = is_synthetic(target, draft)
-    timing_only = synthetic if timing_only is None else timing_only
+    timing_only = synthetic or bool(timing_only)   # synthetic weights: acceptance means nothing
+    claim(out, "bench", force)                     # --out checked before any model is loaded
     items = load_prompts(prompts)
     if limit:                                  # round-robin over categories so a short run still mixes them
         cats = sorted({p.category for p in items}, key=[p.category for p in items].index)
@@ -280,56 +288,49 @@ def device_name(backend: str, device: str | None) -> str:
 
 
 def write_outputs(result: dict, out: Path) -> None:
-    """bench.json and bench.png, written in a temp folder beside `out` and moved in only when both exist."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    """bench.json and bench.png, written in a temp folder beside `out` that replaces it only when both exist."""
+    with atomic_dir(out, command="bench") as tmp:
         (tmp / "bench.json").write_text(json.dumps(result, indent=1))
         plot(result, tmp / "bench.png")
-        out.mkdir(exist_ok=True)
-        for name in ("bench.json", "bench.png"):
-            os.replace(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def block_arg(text: str):
-    return text if text.strip().lower() == "auto" else int(text)
+@dataclass
+class BenchOptions:
+    target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
+    draft: str | None = option(None, "DFlash drafter folder (default: the shipped tiny pair)")
+    backend: str = option("torch", choices=["torch", "exllamav3"])
+    prompts: str | None = option(None, "prompt file: JSON lines with \"prompt\" (and \"category\"), or one prompt a line "
+                                 "(default: built-in chat/code/math set)")
+    block_sizes: list[str] = option(["auto", "8", "16"], "settings: auto (the drafting policy) and/or fixed verify widths B "
+                                    "(default auto 8 16); B is cut to the drafter's own", metavar="auto|B")
+    concurrency: list[int] = option([1, 4, 16, 32], "concurrent jobs (default 1 4 16 32)")
+    max_new_tokens: int = option(128)
+    temperature: float = option(0.0, "0 = greedy (default; also reports losslessness)")
+    seed: int = option(0)
+    limit: int | None = option(None, "use only the first N prompts (mixed across categories)")
+    out: str = option("bench-out", "folder for bench.json and bench.png (default bench-out)")
+    force: bool = option(False, "replace a non-empty --out that is not an earlier bench output")
+    device: str | None = option(None, "torch device for the torch backend (default cpu)")
+    cache_tokens: int | None = option(None, f"exllamav3 cache size (default: max concurrency x ({PROMPT_BUDGET} + new "
+                                      "tokens + 17), in pages of 256)")
+    warmup: bool = option(True, "an untimed warm-up wave before each cell; --no-warmup skips it")
+    raw: bool = option(False, "tokenize prompts as is, without the chat template")
+    quiet: bool = option(False, "no progress bar or table")
+    reps: int = option(1, "repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)")
+    levers: list[str] = option([], "exllamav3 levers as extra cells against stock settings: "
+                               + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()), metavar="NAME[=VALUE]")
+    project_tau: list[str] = option([], "project the speedup at these tau from the measured costs: published "
+                                    "(Qwen3.6-35B-A3B DF-16 7.63, DF-8 5.74) or e.g. 7.63@16", metavar="published|TAU@B")
+    timing_only: bool = option(False, "record costs only, no tau or losslessness (implied for synthetic checkpoints)")
+    gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
+    tensor_parallel: bool = option(False, TP_HELP)
+    draft_device: int = option(0, DRAFT_HELP, metavar="N")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.bench", description=__doc__.split("\n\n")[0],
-                                 epilog="Example (CPU, tiny pair): python -m toolkit.bench --concurrency 1 4 --max-new-tokens 32")
-    ap.add_argument("--target", help="target model folder (default: the shipped tiny pair)")
-    ap.add_argument("--draft", help="DFlash drafter folder (default: the shipped tiny pair)")
-    ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"])
-    ap.add_argument("--prompts", help="prompt file: JSON lines with \"prompt\" (and \"category\"), or one prompt a line (default: built-in chat/code/math set)")
-    ap.add_argument("--block-sizes", type=block_arg, nargs="+", default=["auto", 8, 16],
-                    help="settings: auto (the drafting policy) and/or fixed verify widths B (default auto 8 16); B is cut to the drafter's own")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32], help="concurrent jobs (default 1 4 16 32)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; also reports losslessness)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--limit", type=int, help="use only the first N prompts (mixed across categories)")
-    ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png (default bench-out)")
-    ap.add_argument("--device", help="torch device for the torch backend (default cpu)")
-    ap.add_argument("--cache-tokens", type=int, help=f"exllamav3 cache size (default: max concurrency x ({PROMPT_BUDGET} + new tokens + 17), in pages of 256)")
-    ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up wave before each cell")
-    ap.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar or table")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)")
-    ap.add_argument("--levers", nargs="+", default=[], metavar="NAME[=VALUE]",
-                    help="exllamav3 levers as extra cells against stock settings: " + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()))
-    ap.add_argument("--project-tau", nargs="+", default=[], metavar="published|TAU@B",
-                    help="project the speedup at these tau from the measured costs: published (Qwen3.6-35B-A3B DF-16 7.63, DF-8 5.74) or e.g. 7.63@16")
-    ap.add_argument("--timing-only", action="store_true", default=None,
-                    help="record costs only, no tau or losslessness (implied for synthetic checkpoints)")
-    add_split_args(ap)
-    try:
-        bench(**vars(ap.parse_args(argv)))
-    except OptionError as e:
-        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
+    run(bench, BenchOptions, argv, "python -m toolkit.bench", __doc__.split("\n\n")[0],
+        "Example (CPU, tiny pair): python -m toolkit.bench --concurrency 1 4 --max-new-tokens 32", output_policy=True)
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, replace
 
 from .core import checks
-from .core.cli import entry, option, run as run_cli_options
+from .core.cli import entry, option
+from .core.cli import run as run_cli_options
 from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, Summary, summarize, tokens_of
