@@ -10,20 +10,22 @@ chose to draft, and `ar_rounds` the plain AR ones). --write-card puts the number
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from .core.errors import OptionError, ToolkitError, run_cli
+from .core.cli import entry, option, run
+from .core.errors import OptionError, ToolkitError
+from .core.folders import atomic_file
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
-from .runtime.gpu_split import GpuSplit, add_split_args
+from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
 CARD_TAU = re.compile(r"<!-- tau -->.*?<!-- /tau -->", re.S)
@@ -37,6 +39,22 @@ def read_heldout(path: Path) -> dict[str, list[str]]:
     if not isinstance(d, dict) or not all(isinstance(v, list) and all(isinstance(p, str) for p in v) for v in d.values()):
         raise ToolkitError(f"--heldout: {path} must be {{\"chat\": [prompts], \"code\": [prompts]}}")
     return d
+
+
+def check_out_file(out: str) -> Path:
+    """Refuse, before any model is loaded, an --out that is a folder, lies under a file or in an unwritable place."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ToolkitError(f"--out: {out} is a folder: name a JSON file")
+    up = path.resolve().parent
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise ToolkitError(f"--out: {out} is under {up}, which is a file")
+    place = path if path.exists() else up
+    if not os.access(place, os.W_OK):
+        raise ToolkitError(f"--out: cannot write in {place} (permission denied)")
+    return path
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -78,6 +96,8 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     for name, p in (("--target", target), ("--draft", draft)):
         if not Path(p).is_dir():
             raise ToolkitError(f"{name}: {p} is not a folder")
+    if out:
+        check_out_file(out)
     held = read_heldout(Path(heldout) if heldout else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
     exl3 = backend == "exllamav3"                 # exllamav3 runs fp16 on the GPU, `concurrency` prompts a wave
@@ -110,7 +130,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
             done[cat] += len(ids)
             result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) | {"backend": be.name}
             if out:
-                write_atomic(Path(out), json.dumps(result, indent=1) + "\n")
+                atomic_file(Path(out).expanduser(), json.dumps(result, indent=1) + "\n")
     finally:
         be.close()                                 # exllamav3: free the GPU for the next model
     if not result:
@@ -141,30 +161,33 @@ def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) 
             "tau": tau, "detail": detail}
 
 
+@dataclass
+class EvalTauOptions:
+    target: str = option(help="target model folder")
+    draft: str = option(help="DFlash drafter folder")
+    heldout: str | None = option(None, "held-out prompts JSON (default DRAFT/heldout.json)")
+    block_sizes: list[str] = option(["8", "16"], "block sizes B, and/or auto for the drafting policy (default 8 16: the "
+                                    "drafter's own tau)", metavar="auto|B")
+    max_new_tokens: int = option(128)
+    limit: int | None = option(None, "at most N prompts per category")
+    backend: str = option("torch", "runtime (default torch)", choices=["torch", "exllamav3"])
+    concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)")
+    device: str = option("auto", "torch backend: auto (cuda when available), cpu or cuda")
+    dtype: str = option("auto", "torch backend: auto (float16 on cuda, float32 on cpu), float16, bfloat16 or float32")
+    minutes: float | None = option(None, "stop starting new prompts after this long (partial result, complete: false)")
+    out: str | None = option(None, "also write the JSON here (rewritten after every prompt or wave)")
+    write_card: bool = option(False, "put the tau table into DRAFT/README.md")
+    quiet: bool = option(False, "no progress bar")
+    gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
+    tensor_parallel: bool = option(False, TP_HELP)
+    draft_device: int = option(0, DRAFT_HELP, metavar="N")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toolkit.eval_tau", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n")[1])
-    ap.add_argument("--target", required=True, help="target model folder")
-    ap.add_argument("--draft", required=True, help="DFlash drafter folder")
-    ap.add_argument("--heldout", help="held-out prompts JSON (default DRAFT/heldout.json)")
-    ap.add_argument("--block-sizes", nargs="+", default=[8, 16], metavar="auto|B",
-                    help="block sizes B, and/or auto for the drafting policy (default 8 16: the drafter's own tau)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--limit", type=int, help="at most N prompts per category")
-    ap.add_argument("--backend", default="torch", choices=["torch", "exllamav3"], help="runtime (default torch)")
-    ap.add_argument("--concurrency", type=int, default=16, help="exllamav3: prompts decoded together as jobs (default 16)")
-    ap.add_argument("--device", default="auto", help="torch backend: auto (cuda when available), cpu or cuda")
-    ap.add_argument("--dtype", default="auto", help="torch backend: auto (float16 on cuda, float32 on cpu), float16, bfloat16 or float32")
-    ap.add_argument("--minutes", type=float, help="stop starting new prompts after this long (partial result, complete: false)")
-    ap.add_argument("--out", help="also write the JSON here (rewritten after every prompt or wave)")
-    ap.add_argument("--write-card", action="store_true", help="put the tau table into DRAFT/README.md")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_split_args(ap)
-    try:
-        print(json.dumps(eval_tau(**vars(ap.parse_args(argv))), indent=1))
-    except OptionError as e:
-        raise ToolkitError(f"--{e.field.replace('_', '-')}{e.rest}") from None
+    result = run(eval_tau, EvalTauOptions, argv, "python -m toolkit.eval_tau", __doc__.split("\n\n")[0],
+                 __doc__.split("\n\n")[1], output_policy=True)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry(main)
