@@ -1,0 +1,132 @@
+"""block_size auto against plain AR on the torch backend, on a CPU: the tiny pair and the SmolLM2 demo pair.
+
+Each comparison runs two decoders of the same prompt in lockstep, one round of each in turn, so that the load
+of a shared machine falls on both alike; the result is tokens/s of the mode over tokens/s of plain AR on the
+same answer (greedy, identical tokens checked). Modes:
+- `auto`: `TorchBackend.generate` with block_size "auto" (the drafting policy, its cost table timed once and
+  cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as the app's
+  first turn does, else one policy learns over all answers as a running app's does;
+- `aronly`: the policy's AR rounds alone (a policy that never drafts nor probes): the cost of the tap capture;
+- `eager`: the same with the capture of before issue 16 (all hidden states, the drafter's context extended every
+  round);
+- `fixedN`: every round verifies N-1 drafts.
+Runs here on the CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1`;
+writes `$OUT/auto_cpu.json` (default /tmp/out). Feeds docs/generate.md, "Measured on a CPU", and docs/app.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from experiments.harness import Run
+
+PROMPTS = {"tiny": ["pathlib.Path", "shutil.copy", "json.dumps", "textwrap.wrap"],             # the app's examples
+           "smollm2": ["Explain speculative decoding to a ten-year-old in three sentences.",
+                       "Write a Python function that checks whether a string is a palindrome.",
+                       "List five facts about the Moon."]}
+
+
+def load_pair(pair: str):
+    from toolkit.runtime.torch_backend import TorchBackend
+
+    if pair == "tiny":
+        from toolkit.assets.pairs import tiny_pair
+
+        return TorchBackend.from_dirs(*tiny_pair())
+    from toolkit.assets.smollm2 import default_pair
+
+    return TorchBackend.from_dirs(*default_pair())
+
+
+def decoder(be, mode: str, ids: list[int], max_new: int, cold: bool):
+    """The Round generator of one mode ("ar", "auto", "aronly", "eager" or "fixedN")."""
+    from toolkit.runtime import torch_backend as tb
+    from toolkit.runtime.backend import GenSettings
+    from toolkit.runtime.loop import decode
+    from toolkit.runtime.policy import CostTable, Policy
+    from toolkit.runtime.sampling import Sampler
+
+    s = GenSettings(max_new_tokens=max_new)
+    if mode == "ar":
+        return be.generate(ids, s, speculative=False)
+    if mode == "auto":
+        if cold:
+            be.policies.clear()
+            for _ in be.generate(be.encode("Hello"), GenSettings(max_new_tokens=4)):   # the app's warm-up
+                pass
+        return be.generate(ids, s)
+    if mode.startswith("fixed"):
+        return be.generate(ids, GenSettings(max_new_tokens=max_new, block_size=int(mode[5:])))
+    never = Policy.auto(be.block_size, CostTable({1: {0: 1.0, 1: 100.0}}))
+    never.min_probe_every = never.probe_every = never.gap = 1 << 30
+    steps = tb.TorchSteps(be.target, be.drafter)
+    if mode == "eager":
+        steps.hidden, keep = True, steps._keep
+        steps._keep = lambda taps: (keep(taps), steps.flush())
+    return decode(steps, list(ids), max_new, Sampler(), set(be.eos_ids), policy=never)
+
+
+def lockstep(be, mode: str, ids: list[int], max_new: int, cold: bool) -> dict:
+    """Both decoders one round each in turn; seconds spent inside each, their tokens, the mode's widths."""
+    from toolkit.runtime.events import tokens_of
+
+    gens = {"ar": decoder(be, "ar", ids, max_new, cold), mode: decoder(be, mode, ids, max_new, cold)}
+    secs, rounds, live = {k: 0.0 for k in gens}, {k: [] for k in gens}, list(gens)
+    while live:
+        for k in list(live):
+            t0 = time.perf_counter()
+            try:
+                rounds[k].append(next(gens[k]))
+            except StopIteration:
+                live.remove(k)
+            finally:
+                secs[k] += time.perf_counter() - t0
+    toks = tokens_of(rounds["ar"])
+    if tokens_of(rounds[mode]) != toks:
+        raise AssertionError(f"{mode} differs from AR under greedy")
+    return {"tokens": len(toks), "speed_vs_ar": secs["ar"] / secs[mode], "ar_tok_s": len(toks) / secs["ar"],
+            "widths": [len(r.drafted) for r in rounds[mode] if not r.prefill]}
+
+
+def compare(be, pair: str, modes: list[str], reps: int, max_new: int, cold: bool) -> dict:
+    out = {}
+    for p in PROMPTS[pair]:
+        ids = be.encode(p)
+        for m in modes:
+            runs = [lockstep(be, m, ids, max_new, cold) for _ in range(reps)]
+            ratios = [r["speed_vs_ar"] for r in runs]
+            out.setdefault(p, {})[m] = {"median": round(statistics.median(ratios), 3), "runs": [round(x, 3) for x in ratios],
+                                        "tokens": runs[-1]["tokens"], "last_widths": runs[-1]["widths"]}
+            print(f"{p[:36]!r:40s} {m:8s} x{statistics.median(ratios):.3f} vs AR (runs {', '.join(f'{x:.3f}' for x in ratios)})",
+                  flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.auto_cpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=sorted(PROMPTS), default="smollm2")
+    ap.add_argument("--modes", default="auto,aronly,eager,fixed16", help="comma-separated: auto, aronly, eager, fixedN")
+    ap.add_argument("--reps", type=int, default=3, help="lockstep runs per prompt and mode (median reported)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="the app's default")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the app runs)")
+    ap.add_argument("--cold", action="store_true", help="a fresh policy for every auto answer (the app's first turn)")
+    a = ap.parse_args(argv)
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    run = Run("auto_cpu.json", section="results")
+    run.results.update(pair=a.pair, threads=torch.get_num_threads(), cold=a.cold, max_new_tokens=a.max_new_tokens)
+    be = run.step("load", load_pair, a.pair, keep=False)
+    if be is None:
+        return run.finish()
+    run.step("cost_table", lambda: {str(w): round(t, 2) for w, t in be.cost_table().ms[1].items()})
+    run.step("compare", compare, be, a.pair, a.modes.split(","), a.reps, a.max_new_tokens, a.cold)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
