@@ -14,7 +14,7 @@ EXAMPLE = (" Example (GPU, SmolLM2): python -m toolkit.train_drafter --target ~/
 
 def main(argv: list[str] | None = None) -> None:
     info = run(train_drafter, TrainConfig, argv, "python -m toolkit.train_drafter", DOC.split("\n\n")[0],
-               DOC.split("\n\n")[1] + EXAMPLE)
+               DOC.split("\n\n")[1] + EXAMPLE, output_policy=True)
     keys = ("params", "sequences", "steps", "stopped", "seconds")
     print(json.dumps({k: info[k] for k in keys} | {"best": info["best"], "out": info["config"]["out"]}))
 

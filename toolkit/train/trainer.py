@@ -27,7 +27,7 @@ import torch
 
 from ..core.cli import option
 from ..core.errors import OptionError, ToolkitError
-from ..core.folders import read_config
+from ..core.folders import claim, read_config
 from ..core.target import text_config
 from ..dflash import DFlashConfig, DFlashDraft, save_drafter
 from ..dflash.shapes import drafter_config, spread_taps
@@ -88,6 +88,8 @@ class TrainConfig:
     resume: bool = option(False, "continue from the checkpoint folder's last checkpoint", group=RUN)
     log_every: int = option(50, "steps between logged losses", group=RUN)
     quiet: bool = option(False, "no progress bars or evaluation lines", group=RUN)
+    force: bool = option(False, "replace a non-empty --out that is not an earlier train_drafter output (once the new "
+                         "drafter is complete)", group=RUN)
 
     def check(self) -> None:
         for name, lo in (("layers", 1), ("block_size", 2), ("num_taps", 1), ("steps", 1), ("batch_seqs", 1), ("anchors", 1),
@@ -228,6 +230,9 @@ def train_drafter(target: str, out: str, **options) -> dict:
     training.json) atomically; returns training.json's content. `options`: the other TrainConfig fields."""
     cfg = TrainConfig(target, out, **options)
     cfg.check()
+    # --out and the checkpoint folder checked before any loading; an earlier drafter of ours (training.json) is replaced
+    claim(cfg.out, "train_drafter", cfg.force or (Path(cfg.out).expanduser() / "training.json").is_file())
+    ckdir = claim(cfg.checkpoint_dir or f"{cfg.out}.ckpt", "train_drafter", True, field="checkpoint_dir")
     t0 = time.time()
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
@@ -235,7 +240,6 @@ def train_drafter(target: str, out: str, **options) -> dict:
     dcfg = build_config(cfg, tcfg, tok)
     conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
     dev = pick_device(cfg.device)
-    ckdir = Path(cfg.checkpoint_dir or f"{cfg.out}.ckpt")
     if cfg.resume and not (ckdir / "ckpt.pt").is_file():
         raise OptionError("resume", f": no checkpoint in {ckdir}")
     ckdir.mkdir(parents=True, exist_ok=True)
