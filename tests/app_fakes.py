@@ -56,7 +56,7 @@ class FakeBackend(Backend):
         if not prompt_ids:
             raise ToolkitError("prompt is empty")
         self.calls.append(("generate", speculative, settings))
-        width = min(settings.block_size or self.block_size, self.block_size) - 1 if speculative else 0
+        width = settings.fixed_block(self.block_size) - 1 if speculative else 0      # "auto" drafts the native block
         time.sleep(self.step_s)
         yield Round((), 0, self.truth(0), prefill=True)
         n, k = 1, 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_fakes import FakeBackend  # noqa: E402
+from app_fakes import EOS, FakeBackend  # noqa: E402
 
 from toolkit.app import render  # noqa: E402
 from toolkit.app.handlers import ChatHandler  # noqa: E402
@@ -282,3 +282,64 @@ def test_a_failing_chat_template_is_a_message():
     outs = [dict(zip(OUT, o)) for o in h.respond("again", [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}], 16, 8, 0.0, 0, "", False)]
     assert len(outs) == 1 and "TypeError" in outs[0]["message"] and "keeps serving" in outs[0]["message"]
+
+
+class AutoFake(FakeBackend):
+    """The scripted backend under block_size "auto": widths per round follow a script, 0 being a plain AR round;
+    the drafter proposes B-1 ids whenever the width is > 0, as the torch backend's policy does."""
+
+    widths = (0, 0, 0, 5, 15, 0, 0, 3)
+
+    def generate(self, prompt_ids, settings, speculative=True):
+        if not (speculative and settings.auto):
+            yield from super().generate(prompt_ids, settings, speculative)
+            return
+        self.calls.append(("generate", speculative, settings))
+        yield Round((), 0, self.truth(0), prefill=True)
+        n, k = 1, 0
+        while n < settings.max_new_tokens and self.truth(n - 1) != EOS:
+            w = self.widths[k % len(self.widths)]
+            acc = min(2, w)
+            drafted = [self.truth(n + i) for i in range(acc)] + [self.wrong(self.truth(n + i)) for i in range(acc, w)]
+            out = [self.truth(n + i) for i in range(acc + 1)][: settings.max_new_tokens - n]
+            n, k = n + len(out), k + 1
+            yield Round(tuple(drafted), len(out) - 1, out[-1], proposed=self.block_size - 1 if w else 0)
+
+
+def test_auto_block_shows_the_width_of_every_round():
+    be = AutoFake(step_s=0)
+    outs = run(ChatHandler(Loaded(be)), block="auto", max_new=60)
+    last = outs[-1]
+    res = last["result"]
+    assert res["block_size"] == "auto" and be.calls[1][2].auto and res["lossless"]
+    ws = [len(r["drafted"]) for r in res["rounds"] if not r["prefill"]]
+    assert set(ws) == {0, 3, 5, 15} and all(r["proposed"] == (15 if r["drafted"] else 0) for r in res["rounds"])
+    blocks = html.unescape(last["blocks"])
+    assert "width chosen per round: 0 (AR) × " in blocks and "width 5 of 15 proposed: 2/5 drafted accepted" in blocks
+    assert "width 15: 2/15 drafted accepted" in blocks
+    assert "rounds 1–3: width 0, plain AR (the policy found drafting not worth it) → 3 tokens" in blocks
+    n_ar = ws.count(0)
+    assert f"{n_ar} plain AR rounds (width 0)" in html.unescape(last["tau"])
+    assert f"block auto: {len(ws) - n_ar} of {len(ws)} rounds speculative (width 3, 5, 15), {n_ar} plain AR" in html.unescape(last["banner"])
+    assert "faster" in last["banner"] or "slower" in last["banner"]            # the measured speedup stays
+    assert text_of(last["spec"]) == text_of(last["ar"]) == res["text"]
+
+
+def test_block_control_offers_auto_first_then_fixed_sizes():
+    from toolkit.app.ui import block_choices
+
+    values = [v for _, v in block_choices(16)]
+    assert values == ["auto"] + list(range(16, 1, -1))
+    be = FakeBackend(step_s=0)
+    assert run(ChatHandler(Loaded(be)), block="8")[-1]["result"]["block_size"] == 8 and be.calls[-1][2].block_size == 8
+    assert run(ChatHandler(Loaded(be)), block=None)[-1]["result"]["block_size"] == "auto"
+    bad = run(ChatHandler(Loaded(be)), block="fast")
+    assert len(bad) == 1 and "block_size must be auto or an integer" in html.unescape(bad[0]["message"])
+
+
+def test_all_ar_auto_run_says_so():
+    be = AutoFake(step_s=0)
+    be.widths = (0,)
+    last = run(ChatHandler(Loaded(be)), block="auto", max_new=20)[-1]
+    assert "block auto: all 19 rounds plain AR" in html.unescape(last["banner"])
+    assert "rounds 1–19: width 0" in html.unescape(last["blocks"])

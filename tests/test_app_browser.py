@@ -1,4 +1,5 @@
-"""Real browser: Debian chromium driven by Playwright against the app on the tiny pair, plus a screenshot.
+"""Real browser: Debian chromium driven by Playwright against the app on the tiny pair: a turn at the default block
+size auto (the screenshot), then one at a fixed B = 16 (coloured tokens, popups).
 
 Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/screenshot.png to refresh
 the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
@@ -44,9 +45,29 @@ def test_browser_chat_round(url, tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(url)
             page.get_by_text("Demo on tiny models" if TINY else "SmolLM2").first.wait_for()
+            block = page.locator("#dfl-block input")
+            assert "auto" in block.input_value()                              # the drafting policy is the default
             page.locator("#dfl-input textarea").fill(PROMPT)
             page.locator("#dfl-send").click()
-            page.locator(".dfl-banner.done").wait_for(timeout=120_000)      # both panels finished
+            page.locator(".dfl-banner.done").wait_for(timeout=300_000)      # both panels finished
+            banner = page.locator(".dfl-banner.done").inner_text()
+            assert "×" in banner and "tok/s" in banner and "outputs identical" in banner and "block auto:" in banner
+            page.get_by_text("Every round: its width").click()                 # open the round view
+            assert "width chosen per round" in page.locator("#dfl-blocks").inner_text()
+            assert page.locator("#dfl-spec .dfl-stream").inner_text().strip()
+            page.wait_for_timeout(500)   # let the plots draw
+            shot = tmp_path / "app.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 20_000
+            if os.environ.get("DFLASH_SCREENSHOT"):
+                shutil.copy(shot, os.environ["DFLASH_SCREENSHOT"])
+
+            block.click()                                                     # a fixed block: every round drafts
+            page.get_by_role("option", name="16", exact=True).click()
+            assert block.input_value() == "16"
+            page.locator("#dfl-input textarea").fill(PROMPT)
+            page.locator("#dfl-send").click()
+            page.locator(".dfl-banner.done", has_not_text="block auto").wait_for(timeout=300_000)
             banner = page.locator(".dfl-banner.done").inner_text()
             assert "×" in banner and "tok/s" in banner and "outputs identical" in banner
             coloured = page.locator("#dfl-spec .tok.accepted, #dfl-spec .tok.correction, #dfl-spec .tok.bonus")
@@ -58,11 +79,5 @@ def test_browser_chat_round(url, tmp_path):
             if rounds.count():
                 rounds.nth(min(1, rounds.count() - 1)).hover()
                 assert page.locator("#dfl-spec .rnd .pop:visible").count() == 1
-            page.wait_for_timeout(500)   # let the plots draw
-            shot = tmp_path / "app.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 20_000
-            if os.environ.get("DFLASH_SCREENSHOT"):
-                shutil.copy(shot, os.environ["DFLASH_SCREENSHOT"])
         finally:
             browser.close()

@@ -67,6 +67,16 @@ def test_chat_round_on_the_tiny_pair(real_app):
     assert 'class="tok ' in out["spec"] and "tok/s" in out["spec"] and "tok/s" in out["ar"]
 
 
+def test_block_auto_on_the_tiny_pair(real_app):
+    out = ask(Client(real_app.local_url, verbose=False), "json.dumps", max_new=24, block="auto")
+    res = out["result"]
+    assert res["block_size"] == "auto" and res["lossless"] and res["text"] == res["ar_text"]
+    steps = [r for r in res["rounds"] if not r["prefill"]]
+    assert all(r["proposed"] in (0, 15) and len(r["drafted"]) <= r["proposed"] for r in steps)
+    assert "block auto:" in html.unescape(out["banner"]) and "×" in out["banner"]
+    assert "width chosen per round" in out["blocks"]
+
+
 def test_second_turn_sees_the_first_on_the_tiny_pair(real_app):
     be = real_app.handler.loaded.backend
     seen: list[tuple[bool, list[int]]] = []

@@ -103,7 +103,7 @@ def friendly(e: BaseException) -> str:
     return f"Generation failed ({name}: {text}). The app keeps serving; try again or change the settings."
 
 
-def result_json(spec: Run, ar: Run, block: int, thinking: bool | None) -> dict:
+def result_json(spec: Run, ar: Run, block: int | str, thinking: bool | None) -> dict:
     """The turn as data (same keys as `python -m toolkit.generate --compare-ar --json` where they overlap)."""
     s = spec.summary()
     ar_tok_s = len(ar.tokens) / ar.seconds if ar.seconds > 0 else 0.0
@@ -114,6 +114,20 @@ def result_json(spec: Run, ar: Run, block: int, thinking: bool | None) -> dict:
         "seconds": spec.seconds, "ar_seconds": ar.seconds, "speedup": s.tok_s / ar_tok_s if ar_tok_s else 0.0,
         "lossless": spec.tokens == ar.tokens, "block_size": block, "thinking": thinking, "stopped": ar.stopped,
     }
+
+
+def policy_note(rounds: list[Round]) -> str:
+    """What the drafting policy chose over a run: AR rounds and the widths of the speculative ones."""
+    steps = [r for r in rounds if not r.prefill]
+    spec = [len(r.drafted) for r in steps if r.drafted]
+    if not steps:
+        return ""
+    if not spec:
+        return f"block auto: all {len(steps)} rounds plain AR (drafting does not pay on this model and hardware)"
+    widths = sorted(set(spec))
+    shown = ", ".join(map(str, widths)) if len(widths) <= 4 else f"{widths[0]}–{widths[-1]}"
+    return (f"block auto: {len(spec)} of {len(steps)} rounds speculative (width {shown}), "
+            f"{len(steps) - len(spec)} plain AR")
 
 
 def history_messages(history) -> list[dict]:
@@ -170,18 +184,20 @@ class ChatHandler:
 
     def _view(self, chat, spec: Run, ar: Run | None, state: str, plots: bool, block: int, mode: str, message: str = "") -> View:
         s = spec.summary()
+        n_ar = sum(1 for r in spec.rounds if not r.prefill and not r.drafted)      # rounds the policy decoded as AR
         spec_rate = render.rate_html(len(spec.tokens), spec.seconds, s.rounds, s.tau if s.rounds else None)
         ar_rate = render.rate_html(len(ar.tokens), ar.seconds) if ar else "runs after the speculative pass"
         done_spec = state != "spec"
         banner = render.banner_html(
             state, (len(spec.tokens), spec.seconds), (len(ar.tokens), ar.seconds) if ar else None,
-            identical=(ar is not None and spec.tokens == ar.tokens), greedy=spec.settings.temperature == 0, mode=mode)
+            identical=(ar is not None and spec.tokens == ar.tokens), greedy=spec.settings.temperature == 0, mode=mode,
+            widths=policy_note(spec.rounds) if spec.settings.auto else "")
         return View(
             chat, banner,
             render.stream_html(spec.transcript, "DFlash speculative", spec_rate, not done_spec, True),
             render.stream_html(ar.transcript if ar else render.Transcript(str), "Plain autoregressive (same target)", ar_rate,
                                state == "ar", False),
-            render.tau_html(s, block), render.rounds_table_html(spec.transcript),
+            render.tau_html(s, block, n_ar), render.rounds_table_html(spec.transcript),
             render.acceptance_frame(s, block - 1) if plots else None, render.histogram_frame(s, block) if plots else None,
             message)
 
@@ -200,9 +216,11 @@ class ChatHandler:
             yield self._idle(chat, "Type a message first: the prompt is empty.", "warn").values()
             return
         try:
-            block = min(int(block_size or be.block_size), be.block_size)
+            choice = GenSettings.parse_block(block_size or "auto")
+            choice = choice if choice == "auto" else min(choice, be.block_size)
             settings = GenSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature or 0),
-                                   seed=int(seed or 0), block_size=block)
+                                   seed=int(seed or 0), block_size=choice)
+            block = settings.fixed_block(be.block_size)          # the widest block a round may verify: the plots' axes
             think = bool(thinking) if self.loaded.thinking else None
             turns = history_messages(chat) + [{"role": "user", "content": text}]
             # the whole conversation through the chat template; a first turn is passed as the plain message
@@ -248,7 +266,7 @@ class ChatHandler:
             state = "stopped" if ar.stopped else "done"
             note = render.message_html("info", "Stopped.") if ar.stopped else ""
             view = self._view(chat, spec, ar, state, True, block, mode, note)
-            view.result = result_json(spec, ar, block, think)
+            view.result = result_json(spec, ar, choice, think)
             yield view.values()
         except Exception as e:  # OOM, backend errors: a visible message, never a traceback
             log.exception("generation failed")

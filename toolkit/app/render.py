@@ -52,9 +52,15 @@ class RoundView:
 
     index: int
     pieces: list[Piece]
-    drafted: list[str]     # text of every drafted id
+    drafted: list[str]     # text of every verified drafted id: the round's width w = len(drafted)
     accepted: int          # leading drafted ids that were emitted
     prefill: bool = False
+    proposed: int = 0      # ids the drafter proposed (B-1 under the auto policy, whatever w; 0 in AR rounds)
+
+    @property
+    def ar(self) -> bool:
+        """A plain AR round of a speculative run (the policy chose width 0)."""
+        return not self.prefill and not self.drafted
 
 
 @dataclass
@@ -82,7 +88,7 @@ class Transcript:
             kinds.append("bonus" if r.full else "correction")
         pieces = [Piece(self.texts.push(t), k) for t, k in zip(toks, kinds)]
         drafted = [self.decode([t]) for t in r.drafted]
-        view = RoundView(len(self.rounds), pieces, drafted, n_acc, r.prefill)
+        view = RoundView(len(self.rounds), pieces, drafted, n_acc, r.prefill, r.proposed or 0)
         self.rounds.append(view)
         return view
 
@@ -123,12 +129,20 @@ def block_html(v: RoundView) -> str:
     return f"{kept}{rej}{fix}"
 
 
+def width_text(v: RoundView) -> str:
+    """The verify width of a round, and what the drafter proposed when that was more (the auto policy)."""
+    w = len(v.drafted)
+    return f"width {w} of {v.proposed} proposed" if v.proposed > w else f"width {w}"
+
+
 def round_caption(v: RoundView) -> str:
-    if v.prefill or not v.drafted:
+    if v.prefill:
         return f"round {v.index}: prefill"
+    if not v.drafted:
+        return f"round {v.index}: width 0, plain AR step (no draft) → {len(v.pieces)} token"
     last = v.pieces[-1].kind
     how = {"bonus": "all accepted + bonus", "correction": "then corrected", "accepted": "cut at stop/budget"}[last]
-    return f"round {v.index}: {v.accepted}/{len(v.drafted)} drafted accepted, {how} → {len(v.pieces)} tokens"
+    return f"round {v.index}: {width_text(v)}: {v.accepted}/{len(v.drafted)} drafted accepted, {how} → {len(v.pieces)} tokens"
 
 
 def stream_html(t: Transcript, title: str, rate: str, live: bool, speculative: bool) -> str:
@@ -148,13 +162,46 @@ def stream_html(t: Transcript, title: str, rate: str, live: bool, speculative: b
             f'<span class="dfl-rate">{rate}</span></div><div class="dfl-stream">{body}{cursor}</div></div>')
 
 
+def ar_run_caption(run: list[RoundView]) -> str:
+    """Consecutive AR rounds of a speculative run, as one row."""
+    a, b = run[0].index, run[-1].index
+    where = f"round {a}" if a == b else f"rounds {a}–{b}"
+    return f"{where}: width 0, plain AR (the policy found drafting not worth it) → {sum(len(v.pieces) for v in run)} tokens"
+
+
+def widths_html(t: Transcript) -> str:
+    """How often each verify width was chosen: one line over the rounds of a speculative run."""
+    counts: dict[int, int] = {}
+    for v in t.rounds:
+        if not v.prefill:
+            counts[len(v.drafted)] = counts.get(len(v.drafted), 0) + 1
+    if not counts:
+        return ""
+    parts = [f"{w}{' (AR)' if w == 0 else ''} × {n}" for w, n in sorted(counts.items())]
+    return f'<div class="blk-widths">width chosen per round: {esc(", ".join(parts))}</div>'
+
+
 def rounds_table_html(t: Transcript, limit: int = 400) -> str:
-    """Every round's drafted block, for the 'every round' accordion."""
-    rows = [f'<div class="blk-row"><span class="blk-cap">{esc(round_caption(v))}</span>'
-            f'<span class="blk">{block_html(v)}</span></div>' for v in t.rounds[-limit:] if v.drafted]
+    """Every round's verify width and drafted block, for the 'every round' accordion (AR runs as one row)."""
+    rows, run = [], []
+
+    def close_run() -> None:
+        if run:
+            rows.append(f'<div class="blk-row ar"><span class="blk-cap">{esc(ar_run_caption(run))}</span></div>')
+            run.clear()
+
+    for v in t.rounds[-limit:]:
+        if v.ar:
+            run.append(v)
+            continue
+        close_run()
+        if v.drafted:
+            rows.append(f'<div class="blk-row"><span class="blk-cap">{esc(round_caption(v))}</span>'
+                        f'<span class="blk">{block_html(v)}</span></div>')
+    close_run()
     if not rows:
         return '<div class="placeholder">The drafted blocks appear here after a speculative run.</div>'
-    return '<div class="blk-list">' + "".join(rows) + "</div>"
+    return widths_html(t) + '<div class="blk-list">' + "".join(rows) + "</div>"
 
 
 def rate_html(tokens: int, seconds: float, rounds: int | None = None, tau: float | None = None) -> str:
@@ -170,8 +217,8 @@ def legend_html() -> str:
 
 
 def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int, float] | None = None,
-                identical: bool | None = None, greedy: bool = True, mode: str = "") -> str:
-    """The speedup banner. state: idle | spec | ar | done | stopped | failed."""
+                identical: bool | None = None, greedy: bool = True, mode: str = "", widths: str = "") -> str:
+    """The speedup banner. state: idle | spec | ar | done | stopped | failed; `widths` says what the policy chose."""
     def rate(x):
         return x[0] / x[1] if x and x[1] > 0 else 0.0
 
@@ -200,15 +247,18 @@ def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int
         same += " · on this model and hardware drafting costs more than it saves"
     return (f'<div class="dfl-banner done{"" if x >= 1 else " slow"}"><span class="dfl-x">{head}</span>'
             f'<span class="dfl-detail">DFlash speculative <b>{s:.1f} tok/s</b> ({spec[0]} tokens, {spec[1]:.2f} s) vs '
-            f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}</span></div>')
+            f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}'
+            f'{"<br>" + esc(widths) if widths else ""}</span></div>')
 
 
-def tau_html(s: Summary | None, block: int) -> str:
+def tau_html(s: Summary | None, block: int, ar_rounds: int = 0) -> str:
+    """τ over the speculative rounds; `ar_rounds`: rounds the policy decoded as plain AR (not in τ)."""
+    ar = f" · {ar_rounds} plain AR rounds (width 0)" if ar_rounds else ""
     if s is None or not s.rounds:
         return ('<div class="dfl-tau"><div class="dfl-tau-v">τ –</div><div class="dfl-tau-l">mean tokens per target '
-                'forward (acceptance length)</div></div>')
+                f'forward (acceptance length){esc(ar)}</div></div>')
     return (f'<div class="dfl-tau"><div class="dfl-tau-v">τ {s.tau:.2f}</div><div class="dfl-tau-l">mean tokens per '
-            f'target forward, out of {block} possible · {s.rounds} rounds</div></div>')
+            f'target forward, out of {block} possible · {s.rounds} speculative rounds{esc(ar)}</div></div>')
 
 
 def acceptance_frame(s: Summary | None, width: int):

@@ -16,6 +16,11 @@ REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three senten
                  "List five facts about the Moon."]
 
 
+def block_choices(native: int) -> list[tuple[str, str | int]]:
+    """The block-size control: "auto" (the default, the drafting policy) and every fixed size 2..native."""
+    return [("auto (policy picks the width per round)", "auto")] + [(str(n), n) for n in range(max(native, 2), 1, -1)]
+
+
 def header_html(loaded: Loaded) -> str:
     intro = ("A small <b>drafter</b> proposes a block of tokens in one pass; the <b>target</b> model checks the whole block "
              "in a single forward and keeps the longest prefix it agrees with, plus one token of its own. The text is "
@@ -24,15 +29,17 @@ def header_html(loaded: Loaded) -> str:
     if loaded.demo and loaded.demo_kind == "smollm2":
         demo = ('<div class="dfl-demo"><b>Demo on a small real model.</b> This page runs SmolLM2-135M-Instruct (a 135M-parameter '
                 "chat model) with a DFlash drafter trained for it here, on CPU. Answers are those of a very small model; "
-                "on a CPU at this size the drafter costs a good part of a target forward, so look at the colours, τ and the "
-                "measured speedup rather than absolute speed. For real models start it with "
+                "on a CPU at this size the drafter and a 16-token verify cost several target steps, so with block size "
+                "<i>auto</i> the drafting policy decodes mostly plain AR (the speedup stays near 1×, never far below); "
+                "pick a fixed block size to watch every round draft. For real models start it with "
                 "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
     elif loaded.demo:
         demo = ('<div class="dfl-demo"><b>Demo on tiny models.</b> This page runs a 3-layer toy target (trained to answer a '
                 "Python stdlib name such as <code>json.dumps</code> with its docstring) and a trained tiny DFlash drafter, on CPU. "
                 "Expect docstring-like text, not a useful assistant; at this size drafting costs about as much as verifying, "
-                "so the speedup stays below 1 on CPU: "
-                "what to look at is the colours, τ and the measured speedup. For real models start it with "
+                "so with block size <i>auto</i> the policy drafts only where the drafter is right often enough and decodes "
+                "the rest as plain AR; a fixed block size drafts every round. Look at the colours, τ and the measured "
+                "speedup. For real models start it with "
                 "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
     notes = "".join(f'<div class="dfl-msg info">ℹ️ {render.esc(n)}</div>' for n in loaded.notes)
     models = (f'<div class="dfl-models">Backend <b>{render.esc(loaded.backend_name)}</b> on {render.esc(loaded.device)} · '
@@ -61,8 +68,9 @@ def build_app(loaded: Loaded) -> gr.Blocks:
                 gr.Examples(DEMO_EXAMPLES if loaded.demo_kind == "tiny" else REAL_EXAMPLES, inputs=box, label="Try one")
             with gr.Column(scale=3):
                 with gr.Accordion("Settings", open=True):
-                    block = gr.Slider(2, max(B, 2), value=B, step=1, label=f"Block size B (drafter's native: {B})",
-                                      info="the target verifies up to B tokens per forward: the last one plus B-1 drafts")
+                    block = gr.Dropdown(block_choices(B), value="auto", label=f"Block size B (drafter's native: {B})", elem_id="dfl-block",
+                                        info="auto: a measured policy picks each round's width, plain AR where drafting "
+                                             "does not pay; a number N: every round verifies the last token plus N-1 drafts")
                     max_new = gr.Slider(1, max(1, min(1024, loaded.max_context // 2)), value=min(128, loaded.max_context // 4),
                                         step=1, label="Max new tokens")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature",
@@ -88,7 +96,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             hist = gr.BarPlot(render.histogram_frame(None, B), x="tokens", y="rounds", scale=2, height=220,
                               title="τ histogram: tokens per target forward", x_title="tokens emitted in the round",
                               y_title="rounds", sort=[str(i) for i in range(1, B + 1)], elem_id="dfl-hist")
-        with gr.Accordion("Every round: the drafted block, rejected tail struck through", open=False):
+        with gr.Accordion("Every round: its width and drafted block, rejected tail struck through", open=False):
             blocks = gr.HTML(render.rounds_table_html(render.Transcript(str)), elem_id="dfl-blocks")
         result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
         gr.Markdown("Requests run one at a time on the model (speculative, then AR, never both at once, so neither "
