@@ -47,10 +47,11 @@ def probing(costs: CostTable, block_size: int) -> dict:
     return dict(probe_budget=PROBE_BUDGET, min_probe_every=max(8, math.ceil(extra / FIRST_PROBE_COST)))
 
 
-def tap_selection(model, drafter: DFlashDraft) -> list[int] | bool:
-    """output_hidden_states for the drafter's taps: their indices where transformers selects by index, else True."""
+def tap_selection(drafter: DFlashDraft) -> list[int] | bool:
+    """output_hidden_states for the drafter's taps: their indices where transformers selects hidden states by
+    index (the others come back as None, so gather_taps indexes as before), else True (all of them)."""
     try:
-        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401  (transformers >= 5.2x)
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401  (recent 5.x)
     except ImportError:
         return True
     cfg = drafter.config
@@ -69,7 +70,7 @@ class TorchSteps:
         types = getattr(target.config, "layer_types", None) or []
         self.recurrent = any(t not in ("full_attention", "sliding_attention") for t in types)
         self.draft_cache = DraftCache(drafter) if drafter is not None else None
-        self.hidden = tap_selection(target, drafter) if drafter is not None else False
+        self.hidden = tap_selection(drafter) if drafter is not None else False
         self.backlog: list[torch.Tensor] = []      # taps of accepted tokens not yet in the drafter's context
         self.backlog_len = 0
         self.pos = 0
