@@ -176,6 +176,33 @@ def others_cases() -> list[Case]:
             Case("bits-out-of-range", "quantize", ["--model", d, "--bits", "9", "--out", "{out}"], "outside exllamav3's range")]
 
 
+def before_work_cases() -> list[Case]:
+    """Output locations and devices refused before any model is loaded (issue 20, class 3)."""
+    t, d = str(PAIR / "target"), str(PAIR / "draft")
+    ev = ["--target", t, "--draft", d, "--out", "{out}"]
+    tr = ["--target", t, "--out", "{out}", "--steps", "1"]
+    q = ["--model", d, "--bits", "4", "--out", "{out}"]
+    c = [Case("out-unowned", "bench", ["--out", "{out}"], "is not an earlier output of bench", "unowned"),
+         Case("out-file", "bench", ["--out", "{out}"], "exists and is not a folder", "file"),
+         Case("out-under-file", "bench", ["--out", "{out}"], "which is a file", "under_file"),
+         Case("out-cwd", "bench", ["--out", "{out}"], "is the current folder", "cwd"),
+         Case("block-sizes-one", "bench", ["--out", "{out}", "--block-sizes", "auto", "1"], "--block-sizes must be integers >= 2"),
+         Case("out-folder", "eval_tau", ev, "is a folder: name a JSON file", "unowned"),
+         Case("out-under-file", "eval_tau", ev, "which is a file", "under_file"),
+         Case("out-unwritable", "eval_tau", ev, "cannot write in", "unwritable"),
+         Case("block-sizes-text", "eval_tau", [*ev, "--block-sizes", "8", "x"], "--block-sizes must be integers >= 2"),
+         Case("out-unowned", "train_drafter", tr, "is not an earlier output of train_drafter", "unowned"),
+         Case("out-file", "train_drafter", tr, "exists and is not a folder", "file"),
+         Case("out-unwritable", "train_drafter", tr, "cannot write in", "unwritable"),
+         Case("checkpoint-dir-file", "train_drafter", ["--target", t, "--out", "{case}/new", "--checkpoint-dir", "{out}"],
+              "--checkpoint-dir", "file"),
+         Case("out-file", "quantize", q, "exists and is not a folder", "file"),
+         Case("out-under-file", "quantize", q, "which is a file", "under_file")]
+    if not HAS_CUDA:
+        c.append(Case("device-cuda-without-gpu", "generate", ["--prompt", "hi", "--device", "cuda"], "no CUDA GPU is available"))
+    return c
+
+
 def _watch_inputs(case: Case) -> Case:
     names = {a[1:-1] for a in case.argv if a.startswith("{") and a.endswith("}")}
     case.watch = tuple(sorted(names - {"out", "case"}))
@@ -183,7 +210,8 @@ def _watch_inputs(case: Case) -> Case:
 
 
 CASES = [(f"{c.cmd}-{c.id}", c) for group in (pad_cases, tiny_pair_cases, fixtures_cases, space_cases, synth_cases,
-                                                 demo_cases, push_cases, card_cases, others_cases) for c in group()]
+                                                 demo_cases, push_cases, card_cases, others_cases, before_work_cases)
+         for c in group()]
 
 
 # --- fixture folders, built once ---------------------------------------------------------------------------------
@@ -366,7 +394,8 @@ def results(inputs, tmp_path_factory):
 
 def test_the_suite_covers_every_command_it_can_reach():
     cmds = {c.cmd for _, c in CASES}
-    assert cmds >= {"pad", "tiny_pair", "fixtures", "space", "synth", "demo", "push", "card"}
+    assert cmds >= {"pad", "tiny_pair", "fixtures", "space", "synth", "demo", "push", "card", "bench", "eval_tau",
+                    "train_drafter", "quantize", "generate"}
     assert len(CASES) >= 80 and len({name for name, _ in CASES}) == len(CASES)
 
 
@@ -385,7 +414,8 @@ def test_bad_input(results, name, case):
 
 
 @pytest.mark.parametrize("argv", [["pad"], ["tiny_pair"], ["fixtures"], ["space", "export"], ["synth"],
-                                  ["demo", "prepare"], ["demo"], ["push"], ["card"]], ids=" ".join)
+                                  ["demo", "prepare"], ["demo"], ["push"], ["card"], ["bench"], ["eval_tau"],
+                                  ["train_drafter"], ["quantize"]], ids=" ".join)
 def test_help_points_to_the_output_policy(argv):
     proc = subprocess.run([sys.executable, "-m", f"toolkit.{argv[0]}", *argv[1:], "--help"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
