@@ -36,6 +36,8 @@ class FakeBackend(Backend):
     eos_ids: tuple[int, ...] = (EOS,)
     tokenizer: object = field(default_factory=FakeTokenizer)
     calls: list = field(default_factory=list)
+    produced: int = 0                # rounds yielded by all generate() calls
+    closed: int = 0                  # generate() generators closed before their end (GeneratorExit)
 
     def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
         self.calls.append(("encode", prompt, system, thinking))
@@ -56,6 +58,15 @@ class FakeBackend(Backend):
         if not prompt_ids:
             raise ToolkitError("prompt is empty")
         self.calls.append(("generate", speculative, settings))
+        try:
+            for r in self._rounds(settings, speculative):
+                self.produced += 1
+                yield r
+        except GeneratorExit:
+            self.closed += 1
+            raise
+
+    def _rounds(self, settings: GenSettings, speculative: bool) -> Iterator[Round]:
         width = settings.fixed_block(self.block_size) - 1 if speculative else 0      # "auto" drafts the native block
         time.sleep(self.step_s)
         yield Round((), 0, self.truth(0), prefill=True)

@@ -130,11 +130,42 @@ def test_stop_flag_ends_the_turn():
     be = FakeBackend(step_s=0)
     h = ChatHandler(Loaded(be))
     gen = h.respond("hello", [], 16, 200, 0.0, 0, "", False)
-    next(gen)
+    next(gen)                # the prefilling status
+    next(gen)                # the first round
     h.stop(None)
     rest = [dict(zip(OUT, o)) for o in gen]
     assert "Stopped" in rest[-1]["banner"] and "Stopped" in rest[-1]["message"]
     assert [c[1] for c in be.calls if c[0] == "generate"] == [True]      # AR never started
+
+
+def test_long_prompt_shows_the_message_and_the_prefill_status_first():
+    be = FakeBackend(step_s=0)
+    h = ChatHandler(Loaded(be))
+    prompt = "a long prompt " * 40
+    n = len(be.encode(prompt.strip()))
+    first = dict(zip(OUT, next(h.respond(prompt, [], 16, 20, 0.0, 0, "", False))))
+    assert first["chat"][0] == {"role": "user", "content": prompt.strip()}
+    assert f"Prefilling {n} prompt tokens" in first["banner"] and f"Prefilling {n} prompt tokens" in first["message"]
+    assert first["box"] == ""                                   # the message leaves the box at once
+    assert be.produced == 0                                     # shown before the backend decodes anything
+
+
+@pytest.mark.parametrize("updates", [1, 3])
+def test_closing_the_turn_closes_the_backend_within_one_round(updates, monkeypatch):
+    """A client that left (or a cancelled event): Gradio closes the handler's generator at its next update."""
+    from toolkit.app import handlers
+
+    monkeypatch.setattr(handlers, "UI_INTERVAL", 0.0)          # an update per round: deterministic, no timing
+    be = FakeBackend(step_s=0)
+    h = ChatHandler(Loaded(be))
+    gen = h.respond("hello", [], 16, 380, 0.0, 0, "", False)
+    for _ in range(updates):
+        next(gen)
+    produced = be.produced
+    gen.close()
+    assert be.closed == (1 if updates > 1 else 0)               # no backend generator is left running
+    assert be.produced <= produced + 1
+    assert [c[1] for c in be.calls if c[0] == "generate"] == ([True] if updates > 1 else [])
 
 
 def test_thinking_switch_only_where_the_template_has_it():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -59,6 +60,9 @@ class Run:
                 self.rounds.append(r)
                 self.transcript.add(r)
                 yield r
+        except GeneratorExit:       # the turn was cancelled (Stop, or the client left): no more rounds
+            self.stopped = True
+            raise
         finally:
             it.close()              # a stopped run ends the backend's generator (exllamav3 frees its jobs' pages)
 
@@ -201,6 +205,13 @@ class ChatHandler:
             render.acceptance_frame(s, block - 1) if plots else None, render.histogram_frame(s, block) if plots else None,
             message)
 
+    def prefilling(self, chat, spec: Run, block: int, mode: str, n: int) -> View:
+        """The first update of a turn: the user's message in the chat and what the model is doing."""
+        view = self._view(chat, spec, None, "spec", True, block, mode,
+                          render.message_html("info", f"Prefilling {n} prompt tokens…"))
+        view.banner = f'<div class="dfl-banner run">⏳ Prefilling {n} prompt tokens{mode}…</div>'
+        return view
+
     def respond(self, message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
                 request: gr.Request = None):
         """Stream one chat turn: speculative first, then plain AR on the same prompt (the whole conversation)."""
@@ -242,15 +253,19 @@ class ChatHandler:
         chat += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
         spec = Run(be, ids, settings, True)
         ar: Run | None = None
+        # the user's message shows at once: a long prompt's prefill comes before the first round
+        yield self.prefilling(chat, spec, block, mode, len(ids)).values(clear_box=True)
         try:
             last = last_plot = 0.0
-            for _ in spec.stream(stop):
-                now = time.perf_counter()
-                if now - last >= UI_INTERVAL:
-                    chat[-1] = {"role": "assistant", "content": spec.transcript.text}
-                    plots = now - last_plot >= PLOT_INTERVAL
-                    yield self._view(chat, spec, None, "spec", plots, block, mode).values(clear_box=not last)
-                    last, last_plot = now, (now if plots else last_plot)
+            # closing(): when Gradio closes this generator (Stop, or the client left) the backend's is closed too
+            with closing(spec.stream(stop)) as rounds:
+                for _ in rounds:
+                    now = time.perf_counter()
+                    if now - last >= UI_INTERVAL:
+                        chat[-1] = {"role": "assistant", "content": spec.transcript.text}
+                        plots = now - last_plot >= PLOT_INTERVAL
+                        yield self._view(chat, spec, None, "spec", plots, block, mode).values()
+                        last, last_plot = now, (now if plots else last_plot)
             chat[-1] = {"role": "assistant", "content": spec.transcript.text}
             if spec.stopped:
                 yield self._view(chat, spec, None, "stopped", True, block, mode, render.message_html("info", "Stopped.")).values()
@@ -258,11 +273,12 @@ class ChatHandler:
             ar = Run(be, ids, settings, False)
             yield self._view(chat, spec, ar, "ar", True, block, mode).values()
             last = time.perf_counter()
-            for _ in ar.stream(stop):
-                now = time.perf_counter()
-                if now - last >= UI_INTERVAL:
-                    yield self._view(chat, spec, ar, "ar", False, block, mode).values()
-                    last = now
+            with closing(ar.stream(stop)) as rounds:
+                for _ in rounds:
+                    now = time.perf_counter()
+                    if now - last >= UI_INTERVAL:
+                        yield self._view(chat, spec, ar, "ar", False, block, mode).values()
+                        last = now
             state = "stopped" if ar.stopped else "done"
             note = render.message_html("info", "Stopped.") if ar.stopped else ""
             view = self._view(chat, spec, ar, state, True, block, mode, note)
