@@ -374,3 +374,21 @@ def test_all_ar_auto_run_says_so():
     last = run(ChatHandler(Loaded(be)), block="auto", max_new=20)[-1]
     assert "block auto: all 19 rounds plain AR" in html.unescape(last["banner"])
     assert "rounds 1–19: width 0" in html.unescape(last["blocks"])
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_first_start_says_it_prepares_the_demo_target(cached, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from toolkit.app.models import prepare_demo
+
+    calls = []
+    fake = SimpleNamespace(TARGET_NAME="t", cache_root=lambda: tmp_path, complete=lambda f: {"files": {}} if cached else None,
+                           default_pair=lambda: calls.append(1) or (tmp_path / "t", tmp_path / "d"))
+    assert prepare_demo(fake) == (tmp_path / "t", tmp_path / "d") and calls == [1]
+    err = capsys.readouterr().err.splitlines()
+    if cached:
+        assert err == []                                        # a reused conversion: nothing to announce
+    else:
+        assert len(err) == 2 and "preparing the demo target SmolLM2-135M-Instruct" in err[0] and "60-90 s" in err[0]
+        assert re.search(r"demo target ready in \d+ s", err[1]) and str(tmp_path / "t") in err[1]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -174,15 +176,32 @@ def warm_up(backend: Backend) -> None:
             pass
 
 
+def say(line: str) -> None:
+    """A console line for whoever started the app (before the page serves, logging is not configured yet)."""
+    print(f"[app] {line}", file=sys.stderr, flush=True)
+
+
+def prepare_demo(smollm2) -> tuple[Path, Path]:
+    """The SmolLM2 pair; the first start converts the target (~60-90 s), so say so before and after."""
+    first = smollm2.complete(smollm2.cache_root() / smollm2.TARGET_NAME) is None
+    if first:
+        say("first start: preparing the demo target SmolLM2-135M-Instruct (converting it once, ~60-90 s)…")
+    t0 = time.perf_counter()
+    pair = smollm2.default_pair()
+    if first:
+        say(f"demo target ready in {time.perf_counter() - t0:.0f} s ({pair[0]}); loading the models")
+    return pair
+
+
 def demo_pair(out: Loaded) -> tuple[str, str]:
     """The embedded pair: SmolLM2-135M-Instruct + its trained drafter, else (or with DFLASH_DEMO=tiny) the tiny pair."""
     from ..assets.pairs import tiny_pair
 
     if os.environ.get("DFLASH_DEMO", "smollm2").lower() != "tiny":
         try:
-            from ..assets.smollm2 import default_pair
+            from ..assets import smollm2
 
-            t, d = default_pair()
+            t, d = prepare_demo(smollm2)
             out.demo_kind, out.target, out.draft = "smollm2", "SmolLM2-135M-Instruct (embedded demo)", "DFlash drafter trained for it (toolkit/data/smollm2_dflash)"
             return str(t), str(d)
         except ToolkitError as e:
