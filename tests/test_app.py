@@ -132,8 +132,10 @@ def test_stop_flag_ends_the_turn():
     gen = h.respond("hello", [], 16, 200, 0.0, 0, "", False)
     next(gen)                # the prefilling status
     next(gen)                # the first round
+    produced = be.produced
     h.stop(None)
     rest = [dict(zip(OUT, o)) for o in gen]
+    assert be.produced <= produced + 1 and be.closed == 1       # within one round; the backend's generator closed
     assert "Stopped" in rest[-1]["banner"] and "Stopped" in rest[-1]["message"]
     assert [c[1] for c in be.calls if c[0] == "generate"] == [True]      # AR never started
 
