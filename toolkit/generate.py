@@ -143,7 +143,8 @@ class GenerateOptions:
 
 def main(argv: list[str] | None = None) -> None:
     run_cli_options(generate, GenerateOptions, argv, "python -m toolkit.generate", __doc__.split("\n\n")[0],
-                    "Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json")
+                    "Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json\n\n"
+                    "Outputs: none; it prints to stdout (the output policy of the commands that write: docs/outputs.md).")
 
 
 if __name__ == "__main__":
