@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .core import checks
 from .core.cli import entry, option
@@ -41,20 +41,11 @@ def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: 
     return rounds, time.perf_counter() - t0
 
 
-def warm_up(be: Backend, ids: list[int], settings: GenSettings, compare_ar: bool) -> None:
-    """The policy's calibration and the first, slow forwards, outside the timed runs (the comparison stays fair)."""
-    be.prepare(settings)
-    short = replace(settings, max_new_tokens=min(4, settings.max_new_tokens))
-    for speculative in (True, False) if compare_ar else (True,):
-        for _ in be.generate(ids, short, speculative=speculative):
-            pass
-
-
 def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, system: str | None,
         raw: bool) -> tuple[dict, Summary]:
     """Decode the prompt speculatively (and with compare_ar plain AR too); the JSON-contract dict and its summary."""
     ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
-    warm_up(be, ids, settings, compare_ar)
+    be.warm_up(ids, settings, (True, False) if compare_ar else (True,))   # outside the clock: a fair comparison
     rounds, secs = timed(be, ids, settings, speculative=True)
     toks = tokens_of(rounds)
     s = summarize(rounds, secs)

@@ -166,16 +166,6 @@ def open_backend(name: str, target: str, draft: str | None, device: str, split: 
     return load_backend(name, target, draft, device=device, split=split)
 
 
-def warm_up(backend: Backend) -> None:
-    """One short decode each way, so lazy initialisation does not skew the first measured run."""
-    from ..runtime.backend import GenSettings
-
-    ids = backend.encode("Hello")
-    for spec in (True, False):
-        for _ in backend.generate(ids, GenSettings(max_new_tokens=4), speculative=spec):
-            pass
-
-
 def say(line: str) -> None:
     """A console line for whoever started the app (before the page serves, logging is not configured yet)."""
     print(f"[app] {line}", file=sys.stderr, flush=True)
@@ -239,7 +229,7 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
                              "using the torch backend instead" + (", on one device." if not spec.split.default else "."))
             out.backend_name, out.device = "torch", "cuda" if hw.cuda else "cpu"
             out.backend = opener("torch", target, draft, out.device)
-        warm_up(out.backend)
+        out.backend.warm_up(out.backend.encode("Hello"))
     except ToolkitError as e:
         out.backend, out.error = None, f"Could not load the models: {e}"
     except Exception as e:  # OOM, a broken checkpoint, a CUDA error: the page says so and keeps serving

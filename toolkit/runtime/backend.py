@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generator, Iterator
 
 from ..core.errors import OptionError, ToolkitError
@@ -152,6 +152,17 @@ class Backend(ABC):
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
         """Do the one-time work `settings` needs (the auto policy's cost calibration) now, so a timed run that
         follows measures decoding only; nothing to do by default."""
+
+    def warm_up(self, prompt_ids: list[int], settings: GenSettings | None = None,
+                modes: tuple[bool, ...] = (True, False)) -> None:
+        """prepare(), then a 4-token decode in each mode (speculative, AR): lazy initialisation and the first slow
+        forwards happen here, not in the first measured run."""
+        settings = settings or GenSettings()
+        self.prepare(settings)
+        short = replace(settings, max_new_tokens=min(4, settings.max_new_tokens))
+        for speculative in modes:
+            for _ in self.generate(prompt_ids, short, speculative=speculative):
+                pass
 
     def close(self) -> None:
         """Free what the backend holds (GPU memory); nothing to do by default."""
