@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .core.cli import entry, option, run
 from .core.errors import OptionError, ToolkitError
-from .core.folders import atomic_file
+from .core.folders import atomic_file, claim_file
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
@@ -39,22 +39,6 @@ def read_heldout(path: Path) -> dict[str, list[str]]:
     if not isinstance(d, dict) or not all(isinstance(v, list) and all(isinstance(p, str) for p in v) for v in d.values()):
         raise ToolkitError(f"--heldout: {path} must be {{\"chat\": [prompts], \"code\": [prompts]}}")
     return d
-
-
-def check_out_file(out: str) -> Path:
-    """Refuse, before any model is loaded, an --out that is a folder, lies under a file or in an unwritable place."""
-    path = Path(out).expanduser()
-    if path.is_dir():
-        raise ToolkitError(f"--out: {out} is a folder: name a JSON file")
-    up = path.resolve().parent
-    while not up.exists():
-        up = up.parent
-    if not up.is_dir():
-        raise ToolkitError(f"--out: {out} is under {up}, which is a file")
-    place = path if path.exists() else up
-    if not os.access(place, os.W_OK):
-        raise ToolkitError(f"--out: cannot write in {place} (permission denied)")
-    return path
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -97,7 +81,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
         if not Path(p).is_dir():
             raise ToolkitError(f"{name}: {p} is not a folder")
     if out:
-        check_out_file(out)
+        claim_file(out)
     held = read_heldout(Path(heldout) if heldout else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
     exl3 = backend == "exllamav3"                 # exllamav3 runs fp16 on the GPU, `concurrency` prompts a wave

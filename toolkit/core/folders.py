@@ -83,16 +83,32 @@ def claim(out: str | Path, command: str, force: bool, field: str = "out", force_
         raise OptionError(field, f"{out} is the current folder, one above it or the home folder: name a new folder for the output")
     if out.exists() and not out.is_dir():
         raise OptionError(field, f"{out} exists and is not a folder")
+    check_place(out, field)
+    if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
+        raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} "
+                                 f"(pass {force_flag} to replace it once the new output is complete)")
+    return out
+
+
+def check_place(out: Path, field: str = "out") -> None:
+    """Refuse a path under a file or in a place that cannot be written: one OptionError naming `field`."""
+    full = out.expanduser().resolve()
     up = full.parent
     while not up.exists():
         up = up.parent
     if not up.is_dir():
         raise OptionError(field, f"{out} is under {up}, which is a file")
-    if not os.access(up if not out.exists() else full, os.W_OK):
-        raise OptionError(field, f"cannot write in {up if not out.exists() else full} (permission denied)")
-    if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
-        raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} "
-                                 f"(pass {force_flag} to replace it once the new output is complete)")
+    place = full if full.exists() else up
+    if not os.access(place, os.W_OK):
+        raise OptionError(field, f"cannot write in {place} (permission denied)")
+
+
+def claim_file(out: str | Path, field: str = "out") -> Path:
+    """Check an output *file* before any work: refuse a folder, a path under a file, an unwritable place."""
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise OptionError(field, f"{out} is a folder: name a JSON file")
+    check_place(out, field)
     return out
 
 
