@@ -138,6 +138,15 @@ def test_connection_refused(hub, tmp_path):
     assert f"cannot connect to http://127.0.0.1:{port}" in msg and "connection refused" in msg
 
 
+def test_hf_endpoint_is_read_at_call_time(hub, tmp_path, monkeypatch):
+    """huggingface_hub reads HF_ENDPOINT once, at import; fetch reads it when called, so setting it later works."""
+    assert constants.ENDPOINT != hub.url
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    path, sha = fetch(f"{REPO}@4.0bpw", "target", cache_dir=tmp_path / "cache")
+    assert sha == hub.repos[REPO].branches["4.0bpw"] and (path / "config.json").read_bytes() == b'{"bits": 4.0}'
+    monkeypatch.delenv("HF_ENDPOINT")
+    assert get(hub, f"{REPO}@v1", tmp_path)[1] == sha          # an explicit endpoint= needs no env var
+
 
 def test_the_factory_fetches_hub_refs_and_keeps_paths(tmp_path, monkeypatch):
     """load_backend (generate, bench, eval_tau and the app build through it) takes USER/NAME@BRANCH, the EXL3

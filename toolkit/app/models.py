@@ -1,9 +1,11 @@
 """Which backend and models the app runs: flags > env vars > the embedded demo pair; Space hardware aware.
 
-Env vars: DFLASH_TARGET, DFLASH_DRAFT (Hub ids or local folders), DFLASH_BACKEND (auto|torch|exllamav3),
-DFLASH_DEVICE, DFLASH_DEMO (smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls
-back to tiny when its target cannot be prepared offline), and for the exllamav3 backend on several GPUs
-DFLASH_GPU_SPLIT (auto|GB,GB,...), DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (runtime/gpu_split.py). On a Space, SPACE_ID and ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
+Env vars: DFLASH_TARGET, DFLASH_DRAFT (local folders or Hub refs USER/NAME[@REVISION], e.g. a quant branch
+@4.0bpw, fetched through core.refs), DFLASH_BACKEND (auto|torch|exllamav3), DFLASH_DEVICE, DFLASH_DEMO
+(smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls back to tiny when its target
+cannot be prepared offline), and for the exllamav3 backend on several GPUs DFLASH_GPU_SPLIT (auto|GB,GB,...),
+DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (runtime/gpu_split.py). On a Space, SPACE_ID and
+ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
 Loading never raises: a failure is kept as a message that the page shows.
 """
 
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..core.errors import ToolkitError
+from ..core.refs import fetch, parse_ref
 from ..runtime.backend import Backend
 from ..runtime.factory import load_backend
 from ..runtime.gpu_split import ENV, GpuSplit, from_env
@@ -129,18 +132,19 @@ class Loaded:
         return self.backend is not None and self.backend.supports_thinking
 
 
-def fetch_model(ref: str, what: str) -> str:
-    """A local folder as is; otherwise a Hub id fetched with snapshot_download into the normal HF cache."""
-    if Path(ref).expanduser().is_dir():
-        return str(Path(ref).expanduser())
-    if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
-        raise ToolkitError(f"{what}: {ref} is neither a local folder nor a Hub id (owner/name)")
+def fetch_model(ref: str, what: str) -> tuple[str, str]:
+    """(local folder, how the page names it): a folder as is; a Hub ref `USER/NAME[@REVISION]` fetched at that
+    revision through core.refs (HF_ENDPOINT read now), named with the branch and the commit sha it resolved to."""
     try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id=ref)
-    except Exception as e:  # offline, gated, missing: one line for the page
-        raise ToolkitError(f"{what}: cannot download {ref} from the Hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        parsed = parse_ref(ref)
+        path, sha = fetch(parsed)
+    except ToolkitError as e:                    # one line for the page, naming the model it is about
+        raise ToolkitError(f"{what}: {e}") from None
+    if sha is None:
+        return str(path), ref
+    named = f"{parsed.repo}@{parsed.revision or 'main'} (commit {sha[:12]})"
+    say(f"{what} {named}: {path}")
+    return str(path), named
 
 
 def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
@@ -212,8 +216,7 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
         else:
             if spec.draft is None:
                 raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
-            target, draft = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
-            out.target, out.draft = spec.target, spec.draft
+            (target, out.target), (draft, out.draft) = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
         if not spec.split.default and name != "exllamav3":
             raise ToolkitError(f"the GPU split ({spec.split.tag}) needs the exllamav3 backend; this runs {name}"
                                + (f" ({notes[-1].rstrip('.')})" if notes else ""))
