@@ -169,7 +169,8 @@ def chunk_logits(model: DFlashDraft, ids: torch.Tensor, taps: torch.Tensor, leng
         blocks, labels, ok = make_blocks(ids[r_dev], a_dev, v_dev, lengths[rows], conf.block_size, conf.mask_token_id)
         embeds = F.embedding(blocks, embed).float() * conf.input_embedding_scale     # fp32 residual under autocast
         hidden = anchor_forward(model, embeds, taps[r_dev, :n], a_dev)[:, :, 1:]      # no block sees past its anchor
-        yield rows, c0, F.linear(hidden, head), labels, ok
+        flat = hidden.reshape(-1, hidden.shape[-1])       # a copy: on the strided 4D slice F.linear runs a batched
+        yield rows, c0, F.linear(flat, head).view(*hidden.shape[:-1], -1), labels, ok    # GEMM of 15 rows each (3x slower)
 
 
 def label_weight(anchors: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
