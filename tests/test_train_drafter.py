@@ -81,6 +81,18 @@ def test_same_seed_same_drafter_and_resume_matches(setup, monkeypatch):
     assert r == a and info["steps"] == 12 and len(info["losses"]) == 12
 
 
+def test_init_continues_from_an_earlier_drafter(setup):
+    root = setup[0]
+    first, _ = run(setup, "i1", steps=20)
+    cont, _ = run(setup, "i2", steps=4, warmup=1, init=str(root / "i1"))
+    fresh, _ = run(setup, "i3", steps=4, warmup=1)
+    start = lambda info: info["losses"][0][1]
+    assert start(cont) < start(fresh) - 0.5 and abs(start(cont) - first["losses"][-1][1]) < 1.0
+    with pytest.raises(ToolkitError, match=r"init: .*another shape \(.*num_hidden_layers"):
+        run(setup, "i4", layers=1, init=str(root / "i1"))
+    assert not (root / "i4").exists()
+
+
 def test_bad_inputs_are_one_line_errors(setup, tmp_path):
     root, target, pool = setup
     cases = [(dict(target=str(tmp_path / "nope")), "has no config.json"),

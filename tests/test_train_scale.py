@@ -299,3 +299,15 @@ def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
     assert res["stages"]["train"]["result"]["steps"] == 6 and set(res["tau"]) == {"chat", "code"}
     names = sorted(p.name for p in out.iterdir())
     assert len(names) <= 8 and "curve.png" in names and "tau.json" in names and "model-00001-of-00002.safetensors" in names
+
+    # the store comes back as parts, is kept here, and a later session's train unpacks it and continues the drafter
+    assert [p.name for p in (tmp_path / "out1").glob("store.tar.xz.*")] == ["store.tar.xz.00"]
+    smol_scale.keep_store(tmp_path / "out1", tmp_path / "kept")
+    monkeypatch.setenv("OUT", str(tmp_path / "out3"))
+    later = ["--quick", "--target", target, "--work", str(tmp_path / "work2")]
+    assert smol_scale.main(["train", *later, "--store-parts", str(tmp_path / "kept"), "--init", str(out)]) == 0
+    res3 = json.loads((tmp_path / "out3" / "results.json").read_text())
+    assert res3["stages"]["unpack_store"]["result"] == {"parts": 1, "index": True}
+    assert res3["train_options"]["init"] == str(out) and res3["stages"]["train"]["result"]["steps"] == 6
+    first = lambda r: r["stages"]["train"]["result"]["losses"][0][1]
+    assert first(res3) < first(res)                  # it starts where the first run ended

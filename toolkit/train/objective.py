@@ -147,7 +147,8 @@ def anchor_forward(model: DFlashDraft, embeds: torch.Tensor, taps: torch.Tensor,
         rep = att.heads // att.kv_heads
         k = torch.cat([kc, kb], 1).transpose(1, 2).repeat_interleave(rep, 1)
         v = torch.cat([vc, vb], 1).transpose(1, 2).repeat_interleave(rep, 1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=masks[key])
+        dt = v.dtype                                     # bf16 under autocast (rope leaves q, k in fp32)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k.to(dt), v, attn_mask=masks[key])
         x = x + att.o_proj(out.transpose(1, 2).reshape(S, A * B, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.norm(x).view(S, A, B, h)

@@ -29,7 +29,7 @@ from ..core.cli import option
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import claim, read_config
 from ..core.target import text_config
-from ..dflash import DFlashConfig, DFlashDraft, save_drafter
+from ..dflash import DFlashConfig, DFlashDraft, load_drafter, save_drafter
 from ..dflash.shapes import drafter_config, spread_taps
 from ..runtime.torch_backend import load_hf_model, load_hf_tokenizer
 from . import curve as curves
@@ -76,6 +76,7 @@ class TrainConfig:
     lr: float = option(1e-3, "peak AdamW learning rate", group=OPT)
     warmup: int = option(100, "warm-up steps", group=OPT)
     seed: int = option(0, group=OPT)
+    init: str | None = option(None, "start from this drafter's weights (a drafter folder of the same shape, e.g. an earlier run's output); the schedule starts afresh", group=OPT)
     device: str = option("auto", "auto (cuda when available), cpu or cuda; bf16 autocast on cuda", group=OPT)
     minutes: float | None = option(None, "wall-clock budget for the whole run; the schedule is fitted to it and it "
                                    "saves at the end", group=OPT)
@@ -147,6 +148,15 @@ def build_config(cfg: TrainConfig, tcfg: dict, tok) -> dict:
              max_position_embeddings=t.get("max_position_embeddings", 4096))
     DFlashConfig.from_dict(d).validate_against(tcfg)
     return d
+
+
+def initial_weights(folder: str, dcfg: dict) -> dict:
+    """--init: the state dict of a drafter folder whose config is this run's drafter config (same shape and taps)."""
+    have = read_config(folder, "init")
+    diff = sorted(k for k in set(dcfg) | set(have) if k not in ("torch_dtype", "transformers_version") and dcfg.get(k) != have.get(k))
+    if diff:
+        raise OptionError("init", f": {folder} is a drafter of another shape ({', '.join(diff[:4])} differ)")
+    return {k: v.float() for k, v in load_drafter(folder, what="--init").state_dict().items()}
 
 
 def load_target(path: str, device: str):
@@ -239,6 +249,7 @@ def train_drafter(target: str, out: str, **options) -> dict:
     tok = load_hf_tokenizer(cfg.target, "--target")
     dcfg = build_config(cfg, tcfg, tok)
     conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
+    init = initial_weights(cfg.init, dcfg) if cfg.init and not cfg.resume else None   # refused before any loading
     dev = pick_device(cfg.device)
     if cfg.resume and not (ckdir / "ckpt.pt").is_file():
         raise OptionError("resume", f": no checkpoint in {ckdir}")
@@ -256,6 +267,8 @@ def train_drafter(target: str, out: str, **options) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = DFlashDraft(conf).to(dev)
+    if init is not None:
+        model.load_state_dict(init)
     batches = Batches(corpus.lengths, cfg.batch_seqs, cfg.seed)
     planned = math.ceil(cfg.epochs * batches.steps_per_epoch) if cfg.epochs else cfg.steps
     st = OptimState(steps=planned)
