@@ -70,3 +70,22 @@ def test_block_size_auto_is_the_default_and_reports_its_widths(capsys, tmp_path,
     fixed = generate(prompt="Return the list of", max_new_tokens=32, raw=True, block_size="8")
     assert fixed["block_size"] == 8 and fixed["tokens"] == res["tokens"]
     assert all(len(r["drafted"]) == r["proposed"] == 7 for r in fixed["rounds"][1:])
+
+
+def test_a_run_decoded_as_plain_ar_says_why_in_one_sentence(capsys, pair, monkeypatch):
+    from toolkit import generate as gen
+    from toolkit.dflash import load_drafter
+    from toolkit.runtime.policy import CostTable
+    from toolkit.runtime.torch_backend import TorchBackend, load_hf_model, load_hf_tokenizer
+
+    losing = CostTable({1: {0: 10.0, **{w: 20.0 + 11 * w for w in range(1, 16)}}})    # no acceptance pays for a draft
+    be = TorchBackend(load_hf_model(pair[0]), load_hf_tokenizer(pair[0]), load_drafter(pair[1]), costs=losing)
+    monkeypatch.setattr(gen, "load", lambda *a, **k: be)
+    res = generate(prompt="Return the list of", max_new_tokens=24, raw=True)
+    steps = [r for r in res["rounds"] if not r["prefill"]]
+    assert not any(r["drafted"] for r in steps)                 # the first probe would come much later
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"[torch] Drafting does not pay here: the policy decoded {len(steps)} of {len(steps)} rounds as "
+                       "plain AR, as its measured round costs and the drafter's acceptance advise.")
+    generate(prompt="Return the list of", max_new_tokens=24, raw=True, block_size="8")
+    assert "Drafting does not pay" not in capsys.readouterr().err      # a fixed block says nothing of the kind

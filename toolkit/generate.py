@@ -18,7 +18,7 @@ from .core.cli import entry, option
 from .core.cli import run as run_cli_options
 from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
-from .runtime.events import Round, Summary, summarize, tokens_of
+from .runtime.events import Round, Summary, ar_verdict, summarize, tokens_of
 from .runtime.factory import load_backend
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
@@ -106,7 +106,8 @@ def generate(
                 + f", tau {s.tau:.2f}, {s.tok_s:.1f} tok/s")
         if compare_ar:
             line += f"; AR {result['ar_tok_s']:.1f} tok/s, speedup {result['speedup']:.2f}x, lossless {result['lossless']}"
-        print(line, file=sys.stderr)
+        verdict = ar_verdict(steps - s.rounds, s.rounds) if settings.auto else ""
+        print(line + (f"\n[{be.name}] {verdict}" if verdict else ""), file=sys.stderr)
     return result
 
 

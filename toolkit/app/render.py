@@ -10,7 +10,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..runtime.events import Round, Summary
+from ..runtime.events import Round, Summary, ar_verdict
 
 # Token origins, in the order of the legend.
 KINDS = {
@@ -252,8 +252,10 @@ def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int
 
 
 def tau_html(s: Summary | None, block: int, ar_rounds: int = 0) -> str:
-    """τ over the speculative rounds; `ar_rounds`: rounds the policy decoded as plain AR (not in τ)."""
-    ar = f" · {ar_rounds} plain AR rounds (width 0)" if ar_rounds else ""
+    """τ over the speculative rounds; `ar_rounds`: rounds the policy decoded as plain AR (not in τ), with the
+    policy's verdict when they are (almost) all of them."""
+    verdict = ar_verdict(ar_rounds, s.rounds if s else 0)
+    ar = (f" · {ar_rounds} plain AR rounds (width 0)" if ar_rounds else "") + (f". {verdict}" if verdict else "")
     if s is None or not s.rounds:
         return ('<div class="dfl-tau"><div class="dfl-tau-v">τ –</div><div class="dfl-tau-l">mean tokens per target '
                 f'forward (acceptance length){esc(ar)}</div></div>')

@@ -117,3 +117,13 @@ def summarize(rounds: list[Round], seconds: float | None = None) -> Summary:
         tok_s=tokens / seconds if seconds > 0 else 0.0,
         tau_histogram=dict(sorted(hist.items())),
     )
+
+
+def ar_verdict(ar_rounds: int, spec_rounds: int, share: float = 0.9) -> str:
+    """One sentence when a drafting policy decoded at least `share` of a run's rounds as plain AR, else ""."""
+    total = ar_rounds + spec_rounds
+    if not total or ar_rounds < share * total:
+        return ""
+    probes = f" ({spec_rounds} probe{'s' if spec_rounds != 1 else ''})" if spec_rounds else ""
+    return (f"Drafting does not pay here: the policy decoded {ar_rounds} of {total} rounds as plain AR{probes}, "
+            "as its measured round costs and the drafter's acceptance advise.")

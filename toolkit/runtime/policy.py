@@ -10,7 +10,12 @@ verified, so each proposal is kept and compared with the tokens the target emits
 its full-width accepted length L, and a_i = P(L >= i) for every position, verified or not. AR rounds propose
 nothing, so while the policy decodes AR it probes with one full-width round every N AR rounds; N doubles while
 probes leave the estimates on AR, up to a cap that keeps probing within ~3 % of AR, and starts small again once
-speculation wins (a probe that alone beats AR brings the next one forward, so a comeback is seen quickly). Costs are timed once per model pair and device and cached as JSON (`cached_costs`).
+speculation wins (a probe that alone beats AR brings the next one forward, so a comeback is seen quickly). A
+probe's cost is counted net of the tokens it is expected to emit, and no probe comes before `min_probe_every` AR
+rounds of the current sequence (with `first_probe_cost`, the rounds a probe needs to cost at most that share of
+them), so a short answer never pays a whole probe. Costs are timed once per model pair and device
+and cached as JSON (`cached_costs`); with `learn_costs` the policy also rescales the drafting rounds' costs by what
+it observes (drafting rounds against AR rounds), so a stale or noisy table cannot keep it drafting at a loss.
 """
 
 from __future__ import annotations
@@ -223,6 +228,12 @@ class Acceptance:
         self.sums = [self.decay * s + (i < length) for i, s in enumerate(self.sums)]
         self.count += 1
 
+    def forget(self, weight: float) -> None:
+        """Keep the estimates but let them weigh at most `weight` observations (a new sequence may differ)."""
+        if self.weight > weight:
+            k = weight / self.weight
+            self.sums, self.weight = [s * k for s in self.sums], weight
+
     @property
     def rates(self) -> list[float]:
         return [s / self.weight for s in self.sums]
@@ -246,7 +257,8 @@ class Policy:
 
     def __init__(self, block_size: int, costs: CostTable | None = None, fixed_width: int | None = None,
                  concurrency: int = 1, prior: float = 0.6, decay: float = 0.95, probe_budget: float = 0.03,
-                 min_probe_every: int = 4):
+                 min_probe_every: int = 4, first_probe_cost: float | None = None, learn_costs: bool = False,
+                 carry_weight: float | None = None):
         if fixed_width is None and (costs is None or block_size < 2):
             raise ValueError("an auto policy needs a cost table and a block size >= 2")
         if not 0 <= (fixed_width or 0) < max(block_size, 1):
@@ -254,8 +266,14 @@ class Policy:
         self.block_size, self.costs, self.fixed_width = block_size, costs, fixed_width
         self.acceptance = Acceptance(block_size - 1, prior, decay=decay)
         self.hindsight: Hindsight | None = None
-        self.min_probe_every = self.probe_every = self.gap = min_probe_every   # gap: AR rounds before the next probe
-        self.probe_budget, self.ar_rounds, self.probing = probe_budget, 0, False
+        self.floor = self.min_probe_every = self.probe_every = self.gap = min_probe_every   # gap: AR rounds before the next probe
+        self.probe_budget, self.first_probe_cost, self.ar_rounds, self.probing = probe_budget, first_probe_cost, 0, False
+        self.seq_ar = 1 << 30                    # AR rounds of this sequence since its start or its last draft
+        self.learn_costs, self.seen = learn_costs, [None, None]   # observed/table ms of AR and of drafting rounds
+        self.carry_weight = carry_weight                          # what earlier sequences weigh at a new one's start
+        self.drift = 1.0                                          # the drafting rounds' cost factor in use
+        self._best: tuple | None = None                           # (acceptance count, version, best width)
+        self.version = 0
         self.set_concurrency(concurrency)
 
     @classmethod
@@ -270,12 +288,31 @@ class Policy:
 
     def set_concurrency(self, concurrency: int) -> None:
         """Use the cost curve of `concurrency` sequences per round (batching engines)."""
+        self.table = [1.0] * self.block_size if self.costs is None else self.costs.curve(self.block_size, concurrency)
+        self.rescale(self.drift)
+
+    def rescale(self, drift: float) -> None:
+        """Charge drafting rounds `drift` times their tabled cost (1 = the table) and re-derive the probe spacing."""
+        self.drift, self.version = drift, self.version + 1
+        self.t = [self.table[0]] + [x * drift for x in self.table[1:]]
+        self.space_probes()
+
+    def probe_extra(self) -> float:
+        """What a full-width probe costs beyond the AR rounds it replaces, in AR rounds: its round time less an AR
+        step per token it is expected to emit (at the current acceptance estimates), at least 1 % of a step."""
+        return max((self.t[-1] - self.t[0] * self.acceptance.expected_tokens()[-1]) / self.t[0], 0.01)
+
+    def space_probes(self) -> None:
+        """Probe cap (steady state: probes cost `probe_budget` of AR time) and, with `first_probe_cost`, the first
+        gap after speculation: the first probe waits until it costs at most that share of the AR rounds before it."""
         if self.costs is None:
-            self.t = [1.0] * self.block_size
             return
-        self.t = self.costs.curve(self.block_size, concurrency)
-        extra = (self.t[-1] - self.t[0]) / (self.probe_budget * self.t[0])
-        self.probe_cap = max(self.min_probe_every, min(math.ceil(extra), 1 << 16))
+        extra = self.probe_extra()
+        if self.first_probe_cost is not None:
+            self.min_probe_every = max(self.floor, min(math.ceil(extra / self.first_probe_cost), 1 << 16))
+        self.probe_cap = max(self.min_probe_every, min(math.ceil(extra / self.probe_budget), 1 << 16))
+        self.probe_every = min(max(self.probe_every, self.min_probe_every), self.probe_cap)
+        self.gap = min(max(self.gap, self.min_probe_every), self.probe_cap)
 
     @property
     def draft_len(self) -> int:
@@ -287,12 +324,19 @@ class Policy:
         return [n / t for n, t in zip(self.acceptance.expected_tokens(), self.t)]
 
     def best(self) -> int:
-        s = self.scores()
-        return max(range(len(s)), key=lambda w: (s[w], -w))     # ties go to the narrower width
+        """The width with the most expected tokens per ms; recomputed only when acceptance or costs changed."""
+        key = (self.acceptance.count, self.version)
+        if self._best is None or self._best[:2] != key:
+            s = self.scores()
+            self._best = (*key, max(range(len(s)), key=lambda w: (s[w], -w)))     # ties go to the narrower width
+        return self._best[2]
 
     def begin(self, first_token: int) -> None:
-        """A new sequence starts after `first_token`; its pending proposals are dropped (censored)."""
-        self.hindsight, self.probing = Hindsight(first_token), False
+        """A new sequence starts after `first_token`; its pending proposals are dropped (censored), and with
+        `carry_weight` what earlier sequences taught weighs that many rounds, so a new prompt's acceptance shows fast."""
+        self.hindsight, self.probing, self.seq_ar = Hindsight(first_token), False, 0
+        if self.carry_weight is not None:
+            self.acceptance.forget(self.carry_weight)
 
     def width(self) -> int:
         """The verify width of the next round."""
@@ -302,7 +346,7 @@ class Policy:
         if w > 0:                                               # speculation wins: probe soon once AR takes over
             self.probe_every = self.gap = self.min_probe_every
             return w
-        if self.ar_rounds >= self.gap:
+        if self.ar_rounds >= self.gap and self.seq_ar >= self.min_probe_every:     # never early in an answer
             self.probing = True
             return self.block_size - 1
         return 0
@@ -316,14 +360,32 @@ class Policy:
             self.acceptance.update(length)
         if self.fixed_width is not None:
             return
+        if self.learn_costs:
+            self.learn(len(rnd.drafted), rnd.t_draft_ms + rnd.t_verify_ms)
         self.ar_rounds = 0 if rnd.drafted else self.ar_rounds + 1
+        self.seq_ar = 0 if rnd.drafted else self.seq_ar + 1
         if self.probing and self.best() == 0:
             self.back_off(rnd.accepted)
         self.probing = False
 
+    def learn(self, width: int, ms: float) -> None:
+        """Fold a round's observed time into the drafting rounds' cost factor: (observed / tabled ms of drafting
+        rounds) over (the same of AR rounds), running means with outliers clipped, within 1/8..8 of the table."""
+        if ms <= 0:
+            return
+        k, r = int(width > 0), ms / self.table[width]
+        old = self.seen[k]
+        self.seen[k] = r if old is None else old + (0.3 if k else 0.1) * (min(max(r, old / 3), 3 * old) - old)
+        if None not in self.seen:
+            drift = min(max(self.seen[1] / self.seen[0], 1 / 8), 8.0)
+            if abs(drift / self.drift - 1) > 0.1:
+                self.rescale(drift)
+
     def back_off(self, accepted: int) -> None:
         """After a probe that left the estimate on AR: probe again soon if this one alone beat AR (acceptance may
-        have come back; a few more probes confirm it), else wait twice as long, up to the cap."""
+        have come back; a few more probes confirm it), else wait twice as long, up to the cap (re-derived from the
+        acceptance the probes have taught)."""
+        self.space_probes()
         if any((1 + w) / self.t[w] > 1 / self.t[0] for w in range(1, accepted + 1)):
             self.gap = self.min_probe_every
         else:

@@ -6,15 +6,16 @@ so its cache is snapshotted before each verify and the accepted tokens are repla
 
 With block_size "auto" (the default) a drafting policy (runtime/policy.py) picks each round's width; it may
 pick 0, a plain AR round. Such a round still keeps the target's tap hidden states (the drafter needs them
-later as context), but only those layers' (where transformers can select them), and it does not run the
-drafter: the taps wait in a backlog that is added to the drafter's context in one call before the next draft.
+later as context), taken by forward hooks on the tap layers only (`TapHooks`; transformers' output_hidden_states
+where the layout is not the usual one), and it does not run the drafter: the taps wait in a backlog that is
+added to the drafter's context in one call before the next draft.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import math
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -31,20 +32,22 @@ from .sampling import Sampler
 
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
 PROBE_BUDGET = 0.02     # share of AR time that probing may cost in steady state (the policy's default is 3 %)
-FIRST_PROBE_COST = 0.05   # the most one probe may cost against the AR rounds before it
+FIRST_PROBE_COST = 0.03   # the most the first probe may cost against the AR rounds before it
+CARRY_WEIGHT = 1.0      # earlier answers' acceptance weighs one round at a new answer's start
 
 
 def probing(costs: CostTable, block_size: int) -> dict:
-    """Probe spacing for the torch backend's policy, from its costs.
+    """The torch backend's policy settings beside its costs (the same for every table).
 
-    While the policy decodes AR it probes with full-width rounds. On a CPU such a round costs ~3 AR steps and the
-    capture of AR rounds ~2 % on a tiny model, so probing gets 2 % in steady state, and the first probe waits until
-    it costs at most 5 % of the AR rounds before it (the policy's default of 4 would make a short answer pay a
-    whole probe): together they keep auto within 5 % of plain AR (docs/generate.md has the measurements).
-    """
-    t = costs.curve(block_size)
-    extra = (t[-1] - t[0]) / t[0]                 # a probe's cost over an AR round's, in AR rounds
-    return dict(probe_budget=PROBE_BUDGET, min_probe_every=max(8, math.ceil(extra / FIRST_PROBE_COST)))
+    While the policy decodes AR it probes with full-width rounds; a probe costs its round less the tokens it is
+    expected to emit (on a CPU ~1-2 AR steps). Probing gets 2 % of AR time in steady state, the first probe waits
+    until it costs at most 3 % of the answer's AR rounds before it (a short answer never pays a whole probe), the
+    costs are corrected by the rounds' observed times (`Policy.learn`: a table timed on a busy machine, or stale,
+    does not keep the policy drafting at a loss), and what earlier answers taught about acceptance weighs as one
+    round when a new answer starts, so drafting stops within a few rounds on a prompt where it fails
+    (docs/performance.md has the CPU measurements)."""
+    return dict(probe_budget=PROBE_BUDGET, min_probe_every=8, first_probe_cost=FIRST_PROBE_COST, learn_costs=True,
+                carry_weight=CARRY_WEIGHT)
 
 
 def tap_selection(drafter: DFlashDraft) -> list[int] | bool:
@@ -54,8 +57,57 @@ def tap_selection(drafter: DFlashDraft) -> list[int] | bool:
         from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401  (recent 5.x)
     except ImportError:
         return True
+    return sorted(set(tap_indices(drafter)))
+
+
+def tap_indices(drafter: DFlashDraft) -> list[int]:
+    """The drafter's taps as indices into transformers' hidden_states, in gather_taps' order."""
     cfg = drafter.config
-    return sorted({L + cfg.tap_shift + 1 for L in cfg.target_layer_ids})
+    return [L + cfg.tap_shift + 1 for L in cfg.target_layer_ids]
+
+
+class TapHooks:
+    """Forward hooks that keep the outputs of the target's tap layers during `forward`, idle otherwise.
+
+    hidden_states[i] of transformers is decoder layer i-1's output and, for i = num_layers, the final norm's
+    (the last hidden state is tied to the normed output). The hooks sit on those modules only and stay installed
+    on the target (one set per tap list, shared by all steps on it): an AR round then costs a plain step plus one
+    Python call per tap, not the output_hidden_states machinery on every layer (tests check both agree).
+    """
+
+    def __init__(self, modules: dict[int, torch.nn.Module]):
+        self.local = threading.local()
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in modules.items()]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            sink = getattr(self.local, "sink", None)
+            if sink is not None:
+                sink[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @classmethod
+    def of(cls, target, indices: Sequence[int]) -> "TapHooks | None":
+        """The hooks for `indices` on `target` (installed at first use), or None where its layout is not the
+        usual decoder (`layers` and a final `norm`) or an index is the embedding output."""
+        cache = target.__dict__.setdefault("_dflash_tap_hooks", {})
+        key = tuple(sorted(set(indices)))
+        if key not in cache:
+            base = target.get_decoder() if hasattr(target, "get_decoder") else None
+            layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+            n = len(layers) if isinstance(layers, torch.nn.ModuleList) else 0
+            ok = n and isinstance(norm, torch.nn.Module) and all(1 <= i <= n for i in key)
+            cache[key] = cls({i: (norm if i == n else layers[i - 1]) for i in key}) if ok else None
+        return cache[key]
+
+    def forward(self, fn, indices: Sequence[int]):
+        """fn()'s output and the captured hidden states at `indices`, in that order."""
+        self.local.sink = sink = {}
+        try:
+            out = fn()
+        finally:
+            self.local.sink = None
+        return out, [sink[i] for i in indices]
 
 
 class TorchSteps:
@@ -70,41 +122,48 @@ class TorchSteps:
         types = getattr(target.config, "layer_types", None) or []
         self.recurrent = any(t not in ("full_attention", "sliding_attention") for t in types)
         self.draft_cache = DraftCache(drafter) if drafter is not None else None
-        self.hidden = tap_selection(drafter) if drafter is not None else False
-        self.backlog: list[torch.Tensor] = []      # taps of accepted tokens not yet in the drafter's context
+        self.taps = tap_indices(drafter) if drafter is not None else []
+        self.hooks = TapHooks.of(target, self.taps) if drafter is not None else None
+        self.hidden = tap_selection(drafter) if drafter is not None and self.hooks is None else False
+        self.backlog: list[list[torch.Tensor]] = []   # taps of accepted tokens not yet in the drafter's context
         self.backlog_len = 0
         self.pos = 0
-        self._pending: tuple[list[int], torch.Tensor | None] | None = None
+        self._pending: tuple[list[int], list[torch.Tensor] | None] | None = None
         self._snapshot = None
 
-    def _forward(self, ids: list[int]):
+    def _forward(self, ids: list[int], capture: bool = False):
+        """The target's output over `ids` and, with `capture` and a drafter, the tap hidden states [1, len, h] each
+        (one tensor of all taps where transformers collects them)."""
         x = torch.tensor([ids], dtype=torch.long, device=self.target.device)
-        return self.target(input_ids=x, use_cache=True, output_hidden_states=self.hidden, **{self.cache_arg: self.cache})
+        kw = {self.cache_arg: self.cache}
+        if not capture or self.drafter is None:
+            return self.target(input_ids=x, use_cache=True, **kw), None
+        if self.hooks is not None:
+            return self.hooks.forward(lambda: self.target(input_ids=x, use_cache=True, **kw), self.taps)
+        out = self.target(input_ids=x, use_cache=True, output_hidden_states=self.hidden, **kw)
+        return out, [gather_taps(out.hidden_states, self.drafter.config)]
 
-    def _taps(self, out) -> torch.Tensor | None:
-        return gather_taps(out.hidden_states, self.drafter.config) if self.drafter is not None else None
-
-    def _keep(self, taps: torch.Tensor | None) -> None:
+    def _keep(self, taps: list[torch.Tensor] | None) -> None:
         """Queue the taps of accepted tokens for the drafter's context (added at the next draft)."""
-        if taps is None or taps.shape[1] == 0:
+        if taps is None or taps[0].shape[1] == 0:
             return
         self.backlog.append(taps)
-        self.backlog_len += taps.shape[1]
+        self.backlog_len += taps[0].shape[1]
         if self.backlog_len >= BACKLOG_MAX:
             self.flush()
 
     def flush(self) -> None:
         """Extend the drafter's context by every queued token, in one call."""
         if self.backlog:
-            taps = self.backlog[0] if len(self.backlog) == 1 else torch.cat(self.backlog, 1)
-            self.drafter.extend(self.draft_cache, taps)
+            cols = [col[0] if len(col) == 1 else torch.cat(col, 1) for col in zip(*self.backlog)]
+            self.drafter.extend(self.draft_cache, cols[0] if len(cols) == 1 else torch.cat(cols, -1))
             self.backlog, self.backlog_len = [], 0
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        out = self._forward(prompt_ids)
+        out, taps = self._forward(prompt_ids, capture=True)
         self.pos = len(prompt_ids)
-        self._keep(self._taps(out))
+        self._keep(taps)
         return out.logits[0, -1]
 
     @torch.no_grad()
@@ -118,8 +177,8 @@ class TorchSteps:
     @torch.no_grad()
     def verify(self, block: list[int]) -> torch.Tensor:
         self._snapshot = copy.deepcopy(self.cache) if self.recurrent and len(block) > 1 else None
-        out = self._forward(block)
-        self._pending = (block, self._taps(out))
+        out, taps = self._forward(block, capture=True)
+        self._pending = (block, taps)
         return out.logits[0]
 
     @torch.no_grad()
@@ -131,8 +190,9 @@ class TorchSteps:
                 self._forward(block[:n])
             else:
                 self.cache.crop(-(len(block) - n))   # negative = tokens to drop, in transformers 4.x and 5.x
+            taps = [t[:, :n] for t in taps] if taps is not None else None
         self.pos += n
-        self._keep(taps[:, :n] if taps is not None else None)
+        self._keep(taps)
         self._pending = self._snapshot = None
 
 
@@ -183,8 +243,9 @@ class TorchBackend(Backend):
 
     With block_size "auto" it decodes under a drafting policy built once per backend: the cost table is timed
     at first use (`measure_torch_costs`, cached on disk per model folders, device and dtype when the folders are
-    known) unless `costs` is given, and one policy learns greedy acceptance, another sampled acceptance, across
-    generate calls. speculative=False is always the plain AR loop, without drafter or hidden states.
+    known; the policy then corrects it by the rounds' observed times) unless `costs` is given (taken as is), and
+    one policy learns greedy acceptance, another sampled acceptance, across generate calls. speculative=False is
+    always the plain AR loop, without drafter or hidden states.
     """
 
     name = "torch"
@@ -196,6 +257,7 @@ class TorchBackend(Backend):
         self.block_size = drafter.config.block_size if drafter is not None else 1
         self.max_context, self.eos_ids = info.max_context, info.eos_ids
         self.costs, self.folders = costs, tuple(folders)
+        self.learn_costs = costs is None           # a measured table is corrected by observed rounds, a given one not
         self.policies: dict[bool, Policy] = {}     # greedy -> its policy
 
     @classmethod
@@ -227,7 +289,8 @@ class TorchBackend(Backend):
         """The auto policy of greedy or sampled decoding (acceptance differs), made at first use."""
         if greedy not in self.policies:
             costs = self.cost_table()
-            self.policies[greedy] = Policy.auto(self.block_size, costs, **probing(costs, self.block_size))
+            kw = {**probing(costs, self.block_size), "learn_costs": self.learn_costs}
+            self.policies[greedy] = Policy.auto(self.block_size, costs, **kw)
         return self.policies[greedy]
 
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:

@@ -1,0 +1,216 @@
+"""The policy on a CPU: costs corrected by observed rounds, the cached best width, tap hooks instead of
+output_hidden_states, a long AR stretch then probes (lossless), and the one-sentence AR verdict."""
+
+import html
+import math
+
+import pytest
+import torch
+
+from toolkit.dflash import gather_taps
+from toolkit.runtime.events import Round, ar_verdict, tokens_of
+from toolkit.runtime.loop import decode
+from toolkit.runtime.policy import CostTable, Policy
+from toolkit.runtime.sampling import Sampler
+
+B = 16
+
+
+def linear(t0: float, base: float, per: float) -> CostTable:
+    return CostTable({1: {0: t0, **{w: base + per * w for w in range(1, B)}}})
+
+
+def feed(p: Policy, width: int, ms: float, accepted: int = 0, n: int = 1) -> None:
+    """n rounds of `width` verified drafts, each taking `ms`, `accepted` of them accepted."""
+    for _ in range(n):
+        drafted = tuple(range(1, width + 1))
+        p.observe(list(range(1, B)) if width else [], Round(drafted, min(accepted, width), 0, 0.0, ms, proposed=B - 1 if width else 0))
+
+
+# -- costs learnt from the rounds ---------------------------------------------------------------------------------
+
+def test_observed_rounds_correct_a_table_that_makes_drafting_look_cheap():
+    p = Policy.auto(B, linear(10, 12, 0.1), learn_costs=True)     # tabled: a full round costs 1.35 AR steps
+    p.begin(0)
+    assert p.width() > 0
+    feed(p, 0, 10.0, n=20)                                        # AR steps take what the table says...
+    feed(p, 15, 50.0, accepted=2, n=4)                            # ...drafting rounds 3.7x the tabled cost
+    assert p.drift == pytest.approx(p.seen[1] / p.seen[0]) and 2.5 < p.drift < 4.0
+    assert p.t[0] == 10 and p.t[15] == pytest.approx(13.5 * p.drift)
+    assert p.best() == 0                                          # 3 tokens per round no longer pay for ~4 steps
+
+
+def test_observed_rounds_correct_a_table_timed_on_a_busy_machine():
+    p = Policy.auto(B, linear(10, 60, 1), learn_costs=True)       # tabled: drafting 6-7.5 AR steps (noise)
+    p.begin(0)
+    feed(p, 0, 10.0, n=10)
+    feed(p, 15, 15.0, accepted=15, n=6)                           # really 1.5 steps, and everything is accepted
+    assert p.drift < 0.3 and p.best() > 0
+    extreme = Policy.auto(B, linear(10, 60, 1), learn_costs=True)
+    extreme.begin(0)
+    feed(extreme, 0, 10.0, n=10)
+    feed(extreme, 15, 0.01, n=20)
+    assert extreme.drift == pytest.approx(1 / 8)                  # within 1/8..8 of the table
+
+
+def test_a_given_table_is_taken_as_is_and_spikes_are_clipped():
+    p = Policy.auto(B, linear(10, 12, 0.1))
+    p.begin(0)
+    feed(p, 0, 10.0, n=5)
+    feed(p, 15, 500.0, n=3)
+    assert p.seen == [None, None] and p.drift == 1.0
+    q = Policy.auto(B, linear(10, 12, 0.1), learn_costs=True)
+    q.begin(0)
+    feed(q, 0, 10.0, n=30)
+    feed(q, 0, 1000.0)                                            # one AR round 100x slow (another process)
+    assert q.seen[0] == pytest.approx(1.2)                        # moved by a tenth of 3x, not of 100x
+
+
+def test_the_cached_best_width_follows_acceptance_and_costs():
+    p = Policy.auto(B, linear(10, 14, 0.2), learn_costs=True)
+    p.begin(0)
+
+    def fresh():
+        s = p.scores()
+        return max(range(len(s)), key=lambda w: (s[w], -w))
+
+    seen = set()
+    for width, ms, acc in [(0, 10, 0)] * 5 + [(15, 16, 15)] * 3 + [(15, 40, 0)] * 20 + [(0, 10, 0)] * 40:
+        feed(p, width, ms, acc)
+        assert p.best() == fresh()
+        seen.add(p.best())
+    assert 0 in seen and len(seen) >= 2
+
+
+def test_probe_spacing_is_net_of_expected_tokens_and_follows_learnt_costs():
+    p = Policy.auto(B, linear(10, 40, 1), probe_budget=0.02, min_probe_every=8, first_probe_cost=0.03, learn_costs=True)
+    expected = p.acceptance.expected_tokens()[-1]
+    assert p.probe_extra() == pytest.approx((55 - 10 * expected) / 10)
+    assert p.min_probe_every == max(8, -(-p.probe_extra() // 0.03)) and p.probe_cap >= p.min_probe_every
+    p.begin(0)
+    feed(p, 0, 10.0, n=10)
+    cap = p.probe_cap
+    feed(p, 15, 110.0, n=3)                                       # drafting rounds cost twice the table
+    assert p.drift > 1.5 and p.probe_cap > 1.5 * cap              # so probes come less often
+
+
+def test_no_probe_comes_early_in_an_answer():
+    from test_policy import Scripted
+
+    p = Policy.auto(B, linear(10, 40, 1), min_probe_every=8, first_probe_cost=0.03)
+    g = p.min_probe_every
+    assert g == math.ceil((55 - 10 * p.acceptance.expected_tokens()[-1]) / 10 / 0.03) == 101   # ~2.5 prior tokens
+    for _ in range(6):                                            # 360 AR rounds in all: the gap is long past
+        rounds = list(decode(Scripted(lambda n: 0), [1, 2], 60, Sampler(), set(), policy=p))
+        assert not any(r.drafted for r in rounds)                 # but each answer is shorter than g rounds
+    rounds = list(decode(Scripted(lambda n: 0), [1, 2], 250, Sampler(), set(), policy=p))[1:]
+    at = [i for i, r in enumerate(rounds) if r.drafted]
+    assert at[0] == g and all(b - a > g for a, b in zip(at, at[1:]))    # at 3 % of this answer, then no closer
+
+
+def test_a_new_answer_unlearns_the_last_answers_acceptance_within_a_few_rounds():
+    from test_policy import Scripted
+
+    drafting = {}
+    for carry in (None, 2.0):
+        p = Policy.auto(B, linear(10, 20, 0.5), carry_weight=carry)    # a full round costs 2.75 AR steps
+        for _ in range(3):                                        # answers where the drafter is always right
+            list(decode(Scripted(lambda n: B), [1], 200, Sampler(), set(), policy=p))
+        assert p.acceptance.rates[-1] > 0.9
+        rounds = list(decode(Scripted(lambda n: 0), [1], 60, Sampler(), set(), policy=p))[1:]   # now always wrong
+        drafting[carry] = sum(1 for r in rounds[:30] if r.drafted)
+        if carry:
+            p.begin(0)
+            assert p.acceptance.weight == carry
+    assert drafting[None] == 30 and drafting[2.0] <= 13      # the estimate must fall from ~1 to ~0.12: ~12 rounds
+
+
+# -- tap hooks ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5_moe"])
+def test_tap_hooks_capture_what_output_hidden_states_gives(models, arch):
+    from toolkit.dflash import load_drafter
+    from toolkit.runtime.torch_backend import TapHooks, TorchSteps, load_hf_model
+
+    target_dir, draft_dir = models[arch]
+    target, drafter = load_hf_model(target_dir), load_drafter(draft_dir)
+    n = target.config.get_text_config().num_hidden_layers
+    steps = TorchSteps(target, drafter)
+    assert steps.hooks is not None and steps.hidden is False
+    assert TapHooks.of(target, steps.taps) is steps.hooks                   # installed once per target
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    for idx in ([1], [n], [1, n], sorted({1, (n + 1) // 2, n}, reverse=True)):
+        hooks = TapHooks.of(target, idx)
+        with torch.no_grad():
+            out, got = hooks.forward(lambda: target(input_ids=ids, output_hidden_states=True), idx)
+        for i, g in zip(idx, got):
+            torch.testing.assert_close(g, out.hidden_states[i], rtol=0, atol=0)
+        assert getattr(hooks.local, "sink", None) is None                   # idle outside a capture
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([[3, 5, 7]]), output_hidden_states=True)
+        _, taps = steps._forward([3, 5, 7], capture=True)
+    torch.testing.assert_close(torch.cat(taps, -1), gather_taps(out.hidden_states, drafter.config), rtol=0, atol=0)
+
+
+def test_tap_hooks_refuse_an_embedding_tap_and_an_unusual_layout(pair_backend):
+    from toolkit.runtime.torch_backend import TapHooks
+
+    assert TapHooks.of(pair_backend.target, [0]) is None
+    assert TapHooks.of(pair_backend.target, [99]) is None
+    assert TapHooks.of(torch.nn.Linear(2, 2), [1]) is None
+
+
+def test_a_long_ar_stretch_then_probes_is_lossless_and_gives_the_eager_context(pair_backend, monkeypatch):
+    from toolkit.runtime import torch_backend as tb
+
+    class Script(Policy):
+        def __init__(self, widths):
+            super().__init__(B, linear(10, 20, 1))
+            self.widths, self.k = widths, 0
+
+        def width(self):
+            self.k += 1
+            return self.widths[min(self.k - 1, len(self.widths) - 1)]
+
+    ids = pair_backend.tokenizer.encode("Write a function")
+    widths = [0] * 300 + [15, 0, 0, 3, 15, 15]                    # > BACKLOG_MAX AR tokens, then probes
+    n = len(widths) + 40
+    ar = list(decode(tb.TorchSteps(pair_backend.target, None), ids, n, Sampler(), set(), 0))
+    lazy = tb.TorchSteps(pair_backend.target, pair_backend.drafter)
+    extends = []
+    extend = pair_backend.drafter.extend
+    monkeypatch.setattr(pair_backend.drafter, "extend", lambda c, taps: (extends.append(taps.shape[1]), extend(c, taps)))
+    got = list(decode(lazy, ids, n, Sampler(), set(), policy=Script(widths)))
+    assert tokens_of(got) == tokens_of(ar)
+    assert [len(r.drafted) for r in got[1:len(widths) + 1]] == widths
+    assert extends[0] == tb.BACKLOG_MAX and sum(extends[:2]) == len(ids) + 300   # one flush at the cap, one at the probe
+    monkeypatch.setattr(tb, "BACKLOG_MAX", 1)
+    eager = tb.TorchSteps(pair_backend.target, pair_backend.drafter)
+    eager.hooks, eager.hidden = None, True                        # transformers' output_hidden_states, every round
+    want = list(decode(eager, ids, n, Sampler(), set(), policy=Script(widths)))
+    assert [(r.drafted, r.accepted, r.bonus) for r in got] == [(r.drafted, r.accepted, r.bonus) for r in want]
+    lazy.flush()
+    for a, b in zip(lazy.draft_cache.k + lazy.draft_cache.v, eager.draft_cache.k + eager.draft_cache.v):
+        torch.testing.assert_close(a, b)
+
+
+# -- the policy says so -------------------------------------------------------------------------------------------
+
+def test_ar_verdict_is_one_sentence_only_when_almost_all_rounds_are_ar():
+    assert ar_verdict(0, 0) == "" and ar_verdict(8, 2) == "" and ar_verdict(0, 12) == ""
+    one = ar_verdict(122, 1)
+    assert one.startswith("Drafting does not pay here: the policy decoded 122 of 123 rounds as plain AR (1 probe)")
+    assert one.count(".") == 1 and one.endswith(".")
+    assert "(3 probes)" in ar_verdict(60, 3) and "probe" not in ar_verdict(40, 0)
+
+
+def test_the_app_stat_line_states_the_verdict():
+    from toolkit.app import render
+    from toolkit.runtime.events import summarize
+
+    probe = Round((1, 2, 3), 1, 9, proposed=15)
+    mostly_ar = render.tau_html(summarize([probe]), 16, ar_rounds=40)
+    assert "40 plain AR rounds (width 0). Drafting does not pay here" in html.unescape(mostly_ar)
+    mixed = render.tau_html(summarize([probe] * 10), 16, ar_rounds=5)
+    assert "Drafting does not pay" not in html.unescape(mixed)
+    assert "Drafting does not pay" not in render.tau_html(None, 16)
