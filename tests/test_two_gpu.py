@@ -306,7 +306,7 @@ def test_app_passes_the_split_to_exllamav3_and_refuses_it_on_torch(monkeypatch):
         calls.append((name, kw))
         raise ToolkitError("stop here")
 
-    monkeypatch.setattr(models, "fetch_model", lambda ref, what: ref)
+    monkeypatch.setattr(models, "fetch_model", lambda ref, what: (ref, ref))
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())     # exllamav3 "installed"
     hw = Hardware(cuda=True)
     assert "stop here" in load(ModelSpec("t", "d", "exllamav3", split=GpuSplit.of("16,16")), hw, opener).error
