@@ -297,11 +297,13 @@ def run_pair(run: Run, a) -> None:
     def measure() -> dict:
         r = bench(str(pt), str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=a.block_sizes,
                   concurrency=a.concurrency, max_new_tokens=a.max_new_tokens, limit=a.limit, reps=a.reps,
-                  levers=a.levers, out=str(run.path.parent / "pair"), quiet=True)
+                  levers=a.levers, out=str(run.path.parent / "pair"), quiet=True,
+                  minutes=max(0.5, (run.left() - 150) / 60))     # loading (~25-90 s) comes first: a margin
         keep = ("block_size", "concurrency", "lever", "tok_s", "speedup", "lossless", "tau", "round_ms", "t_ar_ms",
                 "width_histogram", "spread")
         return {"ar": [{k: c[k] for k in ("concurrency", "tok_s", "round_ms", "spread")} for c in r["ar"]],
-                "cells": [{k: c[k] for k in keep if k in c} for c in r["cells"]], "targets": pair_targets(r)}
+                "cells": [{k: c[k] for k in keep if k in c} for c in r["cells"]], "targets": pair_targets(r),
+                "reps": r["reps"], "reps_planned": r["reps_planned"]}
 
     run.step("bench", measure, need_s=60)
 

@@ -259,3 +259,20 @@ def test_bad_block_sizes_and_levers_are_one_line(tmp_path):
     with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \['auto', 'x'\]"):
         main(["--block-sizes", "auto", "x"])
     assert not (tmp_path / "x").exists()
+
+
+def test_minutes_stops_after_the_last_repetition_that_fits(tmp_path, capsys):
+    r = bench(backend="torch", block_sizes=[4], concurrency=[1], max_new_tokens=6, limit=1, reps=500, minutes=1e-4,
+              out=str(tmp_path / "o"), warmup=False, quiet=True)
+    assert r["reps"] == 1 and r["reps_planned"] == 500          # the first repetition always runs, then the budget ends
+    assert all(c["reps"] == 1 for c in r["ar"] + r["cells"])
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["reps"] == 1
+    from toolkit.bench import print_table
+
+    print_table(r)
+    assert "1 repetition(s) (of 500: --minutes ran out)" in capsys.readouterr().out
+    full = bench(backend="torch", block_sizes=[4], concurrency=[1], max_new_tokens=6, limit=1, reps=2, minutes=10,
+                 out=str(tmp_path / "p"), warmup=False, quiet=True)
+    assert full["reps"] == full["reps_planned"] == 2
+    with pytest.raises(ToolkitError, match="--minutes must be > 0"):
+        bench(minutes=0, out=str(tmp_path / "q"))

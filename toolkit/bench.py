@@ -3,7 +3,8 @@
 Settings are plain AR, fixed block sizes B and `auto` (the drafting policy), and with --levers each named
 exllamav3 lever as extra cells against stock settings, all in one process on the same jobs, so the speedup
 compares like with like. With --reps N every cell runs once per repetition, repetition after repetition, and
-each cell reports the median and spread (min/max, quartiles) of tok/s, t_round and t_AR. It reports tau (mean
+each cell reports the median and spread (min/max, quartiles) of tok/s, t_round and t_AR (--minutes stops after the
+last repetition that fits a time budget, so a long run on a rented GPU ends with a result). It reports tau (mean
 accepted + 1 per verification round), per-position acceptance and losslessness (greedy output identical to AR);
 with --timing-only (implied for synthetic checkpoints, whose acceptance means nothing) only the costs. With
 --project-tau it projects, from the measured t_AR and t_round(w, c), the speedup at a given tau for exllamav3's
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,7 +75,8 @@ def print_table(result: dict, file=None) -> None:
     timing = result.get("timing_only")
     reps = result.get("reps", 1)
     where = f" | {result['gpu_split']}" if result.get("gpu_split", "one GPU") != "one GPU" else ""
-    print(f"{result['backend']}{where} | {result['target']} + {result['draft']} | {reps} repetition(s), median [min-max]"
+    cut = f" (of {result['reps_planned']}: --minutes ran out)" if result.get("reps_planned", reps) > reps else ""
+    print(f"{result['backend']}{where} | {result['target']} + {result['draft']} | {reps} repetition(s){cut}, median [min-max]"
           + (" | timing only (synthetic weights: no tau, no losslessness)" if timing else ""), file=file)
     print(f"{'B':>4} {'conc':>5} {'tau':>6} {'spec tok/s':>11} {'AR tok/s':>10} {'speedup':>8} {'lossless':>9}  "
           "t_round ms | t_AR ms | widths | accept per position", file=file)
@@ -195,6 +198,7 @@ def bench(
     gpu_split: str | None = None,
     tensor_parallel: bool = False,
     draft_device: int = 0,
+    minutes: float | None = None,
 ) -> dict:
     """Run the grid; returns the bench.json dict (also written, with bench.png, into `out`)."""
     if target is None and draft is None:
@@ -204,6 +208,8 @@ def bench(
     if target is None or draft is None:
         raise ToolkitError("--target and --draft go together (the benchmark compares a drafter against AR)")
     blocks = check_inputs(block_sizes, concurrency, limit, reps)
+    if minutes is not None and minutes <= 0:
+        raise ToolkitError(f"--minutes must be > 0, got {minutes}")
     lever_opts = [parse_lever(x) for x in levers]
     if lever_opts and backend != "exllamav3":
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
@@ -233,7 +239,8 @@ def bench(
         blocks = cut_blocks(blocks, be.block_size, timing_only)
         ids = [be.raw_encode(p.text) if raw else be.encode(p.text) for p in items]
         cells = grid_cells(blocks, concs, lever_opts)
-        ar_cells, spec_cells = run_grid(be, ids, settings, cells, reps, warmup, timing_only, quiet)
+        deadline = time.time() + minutes * 60 if minutes else None      # from here: loading is not counted
+        ar_cells, spec_cells = run_grid(be, ids, settings, cells, reps, warmup, timing_only, quiet, deadline)
     finally:
         be.close()
     result = {
@@ -242,7 +249,7 @@ def bench(
         "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
         "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": spec_cells,
-        "best": best_per_concurrency(ar_cells, spec_cells), "reps": reps, "levers": [label for label, _ in lever_opts],
+        "best": best_per_concurrency(ar_cells, spec_cells), "reps": ar_cells[0]["reps"], "reps_planned": reps, "levers": [label for label, _ in lever_opts],
         "timing_only": timing_only, "synthetic": synthetic, "gpu_split": split.tag,
     }
     if taus:
@@ -325,6 +332,8 @@ class BenchOptions:
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
     tensor_parallel: bool = option(False, TP_HELP)
     draft_device: int = option(0, DRAFT_HELP, metavar="N")
+    minutes: float | None = option(None, "wall-clock budget for the repetitions: none starts that would not end "
+                                   "within it (bench.json says how many ran); the models' loading is not counted")
 
 
 def main(argv: list[str] | None = None) -> None:

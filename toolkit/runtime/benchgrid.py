@@ -98,11 +98,17 @@ def use_options(be: Backend, options: Exl3Options | None) -> None:
 
 
 def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: list[Cell], reps: int = 1,
-             warmup: bool = True, timing_only: bool = False, quiet: bool = True) -> tuple[list[dict], list[dict]]:
-    """Every cell once per repetition, repetition after repetition: (AR cells, other cells checked against AR)."""
+             warmup: bool = True, timing_only: bool = False, quiet: bool = True,
+             deadline: float | None = None) -> tuple[list[dict], list[dict]]:
+    """Every cell once per repetition, repetition after repetition: (AR cells, other cells checked against AR).
+    With a `deadline` (time.time()) no repetition starts that the mean one so far would not finish before it; the
+    cells then say how many ran (`reps`)."""
     runs: dict[Cell, list[tuple[list[list[Round]], float]]] = {c: [] for c in cells}
     bar = tqdm(total=reps * len(cells), desc="bench", disable=quiet, file=sys.stderr)
-    for _ in range(reps):
+    t0 = time.time()
+    for rep in range(reps):
+        if deadline is not None and rep and time.time() + (time.time() - t0) / rep > deadline:
+            break
         for cell in cells:
             use_options(be, cell.options)
             st = GenSettings(**{**vars(settings), "block_size": cell.block})
