@@ -5,7 +5,7 @@ import stat
 import pytest
 
 from toolkit.core.errors import ToolkitError
-from toolkit.core.folders import atomic_dir, check_out
+from toolkit.core.folders import atomic_dir
 
 
 def test_new_folder_appears_whole_and_readable(tmp_path):
@@ -48,19 +48,6 @@ def test_save_drafter_writes_through_it(tmp_path):
                      dtype=torch.float32)
     assert stat.S_IMODE(d.stat().st_mode) == 0o755 and (d / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
-
-
-def test_check_out_refuses_a_file_and_a_full_folder_unless_forced(tmp_path):
-    check_out(tmp_path / "new", "--out ", False, "--overwrite")          # missing: fine
-    (tmp_path / "f").write_text("x")
-    with pytest.raises(ToolkitError, match=r"^dir: .*/f exists and is not a folder$"):
-        check_out(tmp_path / "f", "dir: ", True, "--force")
-    (tmp_path / "d").mkdir()
-    check_out(tmp_path / "d", "--out ", False, "--overwrite")            # empty: fine
-    (tmp_path / "d" / "a").write_text("x")
-    with pytest.raises(ToolkitError, match=r"^--out .*/d exists and is not empty \(pass --overwrite to replace it\)$"):
-        check_out(tmp_path / "d", "--out ", False, "--overwrite")
-    check_out(tmp_path / "d", "--out ", True, "--overwrite")
 
 
 def test_claim_refuses_before_any_work_what_the_command_does_not_own(tmp_path, monkeypatch):

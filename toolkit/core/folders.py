@@ -51,15 +51,6 @@ def sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def check_out(out: str | Path, prefix: str, force: bool, force_flag: str) -> None:
-    """Refuse an output path that is a file, or a non-empty folder unless forced: one line starting with `prefix`."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ToolkitError(f"{prefix}{out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ToolkitError(f"{prefix}{out} exists and is not empty (pass {force_flag} to replace it)")
-
-
 def owner(folder: str | Path) -> str | None:
     """The command that wrote `folder` (its marker), or None for a folder no command of ours wrote."""
     try:
