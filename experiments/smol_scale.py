@@ -47,11 +47,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
+import lzma
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -61,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POOL = ROOT / ".smol" / "scale_prompts.jsonl.gz"
 SCALE = Path("/tmp/smol-scale")
 KEPT = ROOT / ".smol" / "store"                # here: the answer store of an earlier session, as xz parts
+KEEP_STORE = "experiments.smol_scale keep-store"
 PARTS = Path("/tmp/store-parts")               # device: where call 0 puts them
 PART_BYTES, OUT_BYTES = 15 * 2**20, 60 * 2**20  # $OUT takes 8 files of <= 16 MiB, 64 MiB in all
 HELDOUT = {"chat": 24, "code": 24}
@@ -124,23 +128,24 @@ def unpack_store(parts: Path, work: Path) -> dict:
     """Device: an answer store carried as parts (PARTS) unpacked into WORK/data."""
     files = sorted(parts.glob("store.tar.xz.*"))
     work.mkdir(parents=True, exist_ok=True)
-    subprocess.run(f"cat {' '.join(repr(str(f)) for f in files)} | xz -dc | tar -C '{work}' -xf -", shell=True, check=True)
+    blob = lzma.decompress(b"".join(f.read_bytes() for f in files))
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(work, filter="data")
     return {"parts": len(files), "index": (work / "data" / "index.json").is_file()}
 
 
 def keep_store(files_at: Path, to: Path = KEPT) -> None:
-    """Here: the store parts a `gen` call sent back, kept in .smol/store (git-ignored) for later sessions."""
+    """Here: the store parts a `gen` call sent back, kept in .smol/store (git-ignored) for later sessions; an earlier
+    kept store is replaced once the new one is complete, anything else there is refused (docs/outputs.md)."""
+    from toolkit.core.folders import atomic_dir, claim
+
     files = sorted(Path(files_at).glob("store.tar.xz.*"))
     if not files:
         raise SystemExit(f"error: {files_at} holds no store.tar.xz.* parts")
-    tmp = to.with_name(f".{to.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in files:
-        shutil.copyfile(f, tmp / f.name)
-    if to.exists():
-        shutil.rmtree(to)                     # only ever a store this command wrote
-    os.replace(tmp, to)
+    claim(to, KEEP_STORE, False)
+    with atomic_dir(to, command=KEEP_STORE) as tmp:
+        for f in files:
+            shutil.copyfile(f, tmp / f.name)               # not copy: files_at is read-only
     print(f"{to}: {len(files)} parts, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB")
 
 

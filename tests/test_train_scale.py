@@ -15,7 +15,7 @@ from toolkit.assets.fixtures import build, drafter_config, random_drafter
 from toolkit.assets.pairs import tiny_pair
 from toolkit.assets.prompts import Prompt
 from toolkit.core.cli import parser
-from toolkit.core.errors import ToolkitError
+from toolkit.core.errors import OptionError, ToolkitError
 from toolkit.runtime.backend import GenSettings, encode_chat
 from toolkit.runtime.events import summarize
 from toolkit.runtime.torch_backend import TorchBackend
@@ -303,6 +303,12 @@ def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
     # the store comes back as parts, is kept here, and a later session's train unpacks it and continues the drafter
     assert [p.name for p in (tmp_path / "out1").glob("store.tar.xz.*")] == ["store.tar.xz.00"]
     smol_scale.keep_store(tmp_path / "out1", tmp_path / "kept")
+    smol_scale.keep_store(tmp_path / "out1", tmp_path / "kept")          # its own earlier store: replaced
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    with pytest.raises(OptionError, match="not an earlier output of experiments.smol_scale keep-store"):
+        smol_scale.keep_store(tmp_path / "out1", tmp_path / "theirs")
+    assert [f.name for f in (tmp_path / "theirs").iterdir()] == ["notes.txt"]
     monkeypatch.setenv("OUT", str(tmp_path / "out3"))
     later = ["--quick", "--target", target, "--work", str(tmp_path / "work2")]
     assert smol_scale.main(["train", *later, "--store-parts", str(tmp_path / "kept"), "--init", str(out)]) == 0
