@@ -290,7 +290,7 @@ def test_gen_settings_block_size_is_auto_or_a_fixed_block():
 
 def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pair_backend, tmp_path, monkeypatch):
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.torch_backend import probing
+    from toolkit.runtime.torch_backend import PROBING
 
     monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path))
     be = fresh_backend(pair_backend, pair)
@@ -304,7 +304,7 @@ def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pa
     assert be.policy(True) is greedy and greedy.acceptance.count + len(greedy.hindsight.pending) >= n
     list(be.generate(ids, GenSettings(max_new_tokens=8, temperature=0.8, seed=1)))
     assert set(be.policies) == {True, False} and be.policies[False] is not greedy
-    assert greedy.probe_budget == probing(be.costs, B)["probe_budget"] == 0.02 and greedy.learn_costs
+    assert greedy.probe_budget == PROBING["probe_budget"] == 0.02 and greedy.learn_costs
     assert greedy.min_probe_every == max(8, math.ceil(greedy.probe_extra() / 0.03))
 
     other = fresh_backend(pair_backend, pair)              # a second backend reads the cache instead of timing

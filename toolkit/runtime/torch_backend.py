@@ -31,23 +31,14 @@ from .policy import CostTable, Policy, cached_costs, cost_key, measure_torch_cos
 from .sampling import Sampler
 
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
-PROBE_BUDGET = 0.02     # share of AR time that probing may cost in steady state (the policy's default is 3 %)
-FIRST_PROBE_COST = 0.03   # the most the first probe may cost against the AR rounds before it
-CARRY_WEIGHT = 1.0      # earlier answers' acceptance weighs one round at a new answer's start
-
-
-def probing(costs: CostTable, block_size: int) -> dict:
-    """The torch backend's policy settings beside its costs (the same for every table).
-
-    While the policy decodes AR it probes with full-width rounds; a probe costs its round less the tokens it is
-    expected to emit (on a CPU ~1-2 AR steps). Probing gets 2 % of AR time in steady state, the first probe waits
-    until it costs at most 3 % of the answer's AR rounds before it (a short answer never pays a whole probe), the
-    costs are corrected by the rounds' observed times (`Policy.learn`: a table timed on a busy machine, or stale,
-    does not keep the policy drafting at a loss), and what earlier answers taught about acceptance weighs as one
-    round when a new answer starts, so drafting stops within a few rounds on a prompt where it fails
-    (docs/performance.md has the CPU measurements)."""
-    return dict(probe_budget=PROBE_BUDGET, min_probe_every=8, first_probe_cost=FIRST_PROBE_COST, learn_costs=True,
-                carry_weight=CARRY_WEIGHT)
+# The torch backend's policy settings, the same for every cost table. While the policy decodes AR it probes with
+# full-width rounds; a probe costs its round less the tokens it is expected to emit (on a CPU ~1-2 AR steps).
+# Probing gets 2 % of AR time in steady state, the first probe waits until it costs at most 3 % of the answer's AR
+# rounds before it (a short answer never pays a whole probe), and what earlier answers taught about acceptance
+# weighs as one round when a new answer starts, so drafting stops within a few rounds on a prompt where it fails;
+# a measured table is also corrected by the rounds' observed times (`Policy.learn`, see TorchBackend.learn_costs)
+# (docs/performance.md has the CPU measurements).
+PROBING = dict(probe_budget=0.02, min_probe_every=8, first_probe_cost=0.03, carry_weight=1.0)
 
 
 def tap_selection(drafter: DFlashDraft) -> list[int] | bool:
@@ -289,8 +280,7 @@ class TorchBackend(Backend):
         """The auto policy of greedy or sampled decoding (acceptance differs), made at first use."""
         if greedy not in self.policies:
             costs = self.cost_table()
-            kw = {**probing(costs, self.block_size), "learn_costs": self.learn_costs}
-            self.policies[greedy] = Policy.auto(self.block_size, costs, **kw)
+            self.policies[greedy] = Policy.auto(self.block_size, costs, learn_costs=self.learn_costs, **PROBING)
         return self.policies[greedy]
 
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
