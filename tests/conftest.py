@@ -43,3 +43,28 @@ def pair_backend(pair):
     from toolkit.runtime.torch_backend import TorchBackend
 
     return TorchBackend.from_dirs(*pair)
+
+
+@pytest.fixture
+def interrupt_training(monkeypatch):
+    """`with interrupt_training(step):` train_drafter stops with KeyboardInterrupt right after saving the checkpoint
+    of `step` (expected inside the block), as a killed device call would; the real save comes back afterwards."""
+    import contextlib
+
+    import toolkit.train.trainer as td
+
+    @contextlib.contextmanager
+    def at(step: int):
+        real = td.save_checkpoint
+
+        def interrupt(ckdir, model, st, run):
+            real(ckdir, model, st, run)
+            if st.step == step:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(td, "save_checkpoint", interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                yield
+        finally:
+            monkeypatch.setattr(td, "save_checkpoint", real)
+    return at

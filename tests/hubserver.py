@@ -9,11 +9,13 @@ under `root/blobs`. Faults can be injected per endpoint: a status code, or a dro
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import re
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -389,3 +391,30 @@ def _make_handler(hub: HubServer):
             return 200, hub._blob(entry.sha256).read_bytes(), headers
 
     return Handler
+
+
+class _Broken(BaseHTTPRequestHandler):
+    """Every request answered with HTTP 500."""
+
+    def do_GET(self):
+        self.send_response(500)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_POST = do_HEAD = do_GET
+
+    def log_message(self, *a):
+        pass
+
+
+@contextlib.contextmanager
+def broken_server() -> Iterator[str]:
+    """`with broken_server() as url:` a server on 127.0.0.1 that answers every request with HTTP 500."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -15,16 +15,15 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 
+from hubserver import broken_server
 from test_card import sample_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,21 +276,6 @@ def run_variants(root: Path) -> dict[str, Path]:
     return out
 
 
-class Broken(BaseHTTPRequestHandler):
-    """Every request answered with HTTP 500."""
-
-    def do_GET(self):
-        self.send_response(500)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    do_POST = do_HEAD = do_GET
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input-inputs")
@@ -306,14 +290,12 @@ def inputs(tmp_path_factory):
     (root / "gguf" / "LICENSE").write_text("Apache License\n")
     names.update(hf_home=root / "hf-home", synth_config=root / "synth.json", list_json=root / "list.json", empty_file=root / "empty.json",
                  bad_recipe=root / "bad.toml", fake_gguf=root / "gguf" / "fake.gguf")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    urls = {"url500": f"http://127.0.0.1:{server.server_address[1]}", "refused": f"http://127.0.0.1:{s.getsockname()[1]}"}
-    s.close()
-    yield {k: str(v) for k, v in names.items()}, urls
-    server.shutdown()
+    with broken_server() as url500:
+        urls = {"url500": url500, "refused": f"http://127.0.0.1:{s.getsockname()[1]}"}
+        s.close()
+        yield {k: str(v) for k, v in names.items()}, urls
 
 
 # --- running the cases -------------------------------------------------------------------------------------------

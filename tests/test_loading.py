@@ -183,10 +183,15 @@ def test_missing_shard_of_an_index_is_refused(target):
         load_target(target)
 
 
-def test_exl3_folder_is_named_for_the_torch_backend(target):
-    cfg = json.loads((target / "config.json").read_text())
+def mark_exl3(folder) -> None:
+    """Make a model folder's config.json say it is an EXL3 checkpoint at 4.0 bpw."""
+    cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "exl3", "bits": 4.0}
-    (target / "config.json").write_text(json.dumps(cfg))
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_exl3_folder_is_named_for_the_torch_backend(target):
+    mark_exl3(target)
     with pytest.raises(ToolkitError) as e:
         load_target(target)
     assert "is an EXL3 checkpoint" in one_line(e) and "--backend exllamav3" in str(e.value)
@@ -209,9 +214,7 @@ def test_drafter_given_as_target_and_target_as_draft_are_named(pair):
 
 
 def test_exl3_drafter_is_refused_by_the_reference_loader(folder):
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "exl3", "bits": 4.0}
-    (folder / "config.json").write_text(json.dumps(cfg))
+    mark_exl3(folder)
     with pytest.raises(ToolkitError) as e:
         load_drafter(folder)
     assert "is an EXL3 checkpoint of a DFlash drafter" in one_line(e) and "unquantized drafter" in str(e.value)

@@ -17,7 +17,7 @@ import pytest
 from huggingface_hub import HfApi, ModelCard, constants, snapshot_download
 from safetensors.numpy import save_file
 
-from hubserver import Fault, HubServer
+from hubserver import Fault, HubServer, broken_server
 from test_card import parse_table, sample_report
 from toolkit.hub.card import render_card
 from toolkit.core.errors import ToolkitError
@@ -331,28 +331,9 @@ def test_connection_refused_is_not_a_token_problem(out, monkeypatch):
 
 
 def test_http_500_is_a_server_error_not_a_token_problem(out, monkeypatch):
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Broken(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(500)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a):
-            pass
-
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        with pytest.raises(ToolkitError) as e:
-            push(repo=REPO, out_dir=out, endpoint=url, token=TOKEN, retries=0)
-    finally:
-        server.shutdown()
+    with broken_server() as url, pytest.raises(ToolkitError) as e:
+        push(repo=REPO, out_dir=out, endpoint=url, token=TOKEN, retries=0)
     msg = str(e.value)
     assert msg.startswith(f"a server error at {url}: stopped while checking the token after 1 attempt(s) (HTTP 500)")
     assert "rejected the token" not in msg

@@ -59,22 +59,14 @@ def test_training_lowers_the_loss_and_writes_a_drafter(setup):
     assert "seed 0" in (out / "README.md").read_text() and info["steps"] == 40
 
 
-def test_same_seed_same_drafter_and_resume_matches(setup, monkeypatch):
+def test_same_seed_same_drafter_and_resume_matches(setup, interrupt_training):
     _, a = run(setup, "d1")
     _, b = run(setup, "d2")
     _, c = run(setup, "d3", seed=1)
     assert a == b and a != c
 
-    real = td.save_checkpoint
-
-    def interrupt(ckdir, model, st, run):
-        real(ckdir, model, st, run)
-        if st.step == 8:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(td, "save_checkpoint", interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupt_training(8):
         run(setup, "r")
-    monkeypatch.setattr(td, "save_checkpoint", real)
     root = setup[0]
     assert (root / "r.ckpt" / "ckpt.pt").is_file() and not (root / "r").exists()
     info, r = run(setup, "r", resume=True)

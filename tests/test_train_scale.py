@@ -243,18 +243,10 @@ def test_best_checkpoint_is_kept_and_the_curve_written(data, monkeypatch):
 RESUME = {**SMALL, "batch_seqs": 8, "epochs": 1.5}                  # 8 batches an epoch: 12 steps
 
 
-def test_resume_continues_the_step_count_and_the_record(data, monkeypatch):
+def test_resume_continues_the_step_count_and_the_record(data, interrupt_training):
     root, target, _ = data
-    real = td.save_checkpoint
-
-    def interrupt(ckdir, model, st, run):
-        real(ckdir, model, st, run)
-        if st.step == 8:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(td, "save_checkpoint", interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupt_training(8):
         td.train_drafter(target, str(root / "r"), data=str(root / "data"), **RESUME)
-    monkeypatch.setattr(td, "save_checkpoint", real)
     ck = torch.load(root / "r.ckpt" / "ckpt.pt", weights_only=False)
     assert ck["optim"]["step"] == 8 and [e["step"] for e in ck["evals"]] == [4, 8] and (root / "r.ckpt" / "best.pt").is_file()
     info = td.train_drafter(target, str(root / "r"), data=str(root / "data"), resume=True, **RESUME)
