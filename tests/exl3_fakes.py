@@ -201,6 +201,11 @@ class LoadedModel(FakeModel):
         self.folder, self.log, self.config = folder, log, folder
 
     def load(self, **kw):
+        # exllamav3 1.6.5's layer-split loader measures over a (1, max_chunk_size) batch shape in the model's cache
+        # (modules/attn.py: bsz * cache_max_seq_len <= cache.max_num_tokens); max_chunk_size defaults to 2048
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            assert kw.get("max_chunk_size", 2048) <= cache.max_num_tokens, "Cache too small for batch shape"
         self.log.append((self.folder, {k: v for k, v in kw.items() if k != "draft_model"},
                          kw.get("draft_model") is not None))
 
@@ -210,9 +215,15 @@ def fake_loader(log: list):
     return types.SimpleNamespace(
         Config=types.SimpleNamespace(from_directory=lambda d: d.rstrip("/").split("/")[-1]),
         Model=types.SimpleNamespace(from_config=lambda name: LoadedModel(name, log)),
-        Cache=lambda model, max_num_tokens, **kw: types.SimpleNamespace(max_num_tokens=max_num_tokens, model=model),
-        Tokenizer=types.SimpleNamespace(from_config=lambda cfg: None),
+        Cache=make_cache, Tokenizer=types.SimpleNamespace(from_config=lambda cfg: None),
         Generator=FakeGenerator, Job=FakeJob)
+
+
+def make_cache(model, max_num_tokens, **kw):
+    """A cache of max_num_tokens, attached to its model (as exllamav3 does) so load() can check the chunk fits."""
+    cache = types.SimpleNamespace(max_num_tokens=max_num_tokens, model=model)
+    model.cache = cache
+    return cache
 
 
 def install_loader(monkeypatch, devices: int, free_gib: float | list[float] = 80.0) -> list:

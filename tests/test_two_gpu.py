@@ -179,6 +179,19 @@ def test_load_arguments_per_split(pair, monkeypatch, devices, split, draft_kw, t
     assert be.split == split and be.cache.max_num_tokens == be.draft_cache.max_num_tokens == 4096
 
 
+@pytest.mark.parametrize("cache_tokens,chunk", [(256, {"max_chunk_size": 256}), (768, {"max_chunk_size": 768}),
+                                                (2048, {}), (4096, {})])
+def test_a_small_cache_loads_with_the_chunk_cut_to_it(pair, monkeypatch, cache_tokens, chunk):
+    """exllamav3 loads over a (1, max_chunk_size) batch shape in the cache (default 2048): the quantize speed step's
+    one-job cache (a few hundred tokens) failed with "Cache too small for batch shape" before the chunk was cut."""
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    log = install_loader(monkeypatch, 1)
+    be = Exl3Backend.from_dirs(*pair, cache_tokens=cache_tokens, max_concurrency=1)
+    assert log == [("draft", {"progressbar": False, **chunk}, False), ("target", {"progressbar": False, **chunk}, True)]
+    assert be.cache.max_num_tokens == be.draft_cache.max_num_tokens == cache_tokens
+
+
 def test_from_dirs_refuses_before_loading(pair, monkeypatch):
     from toolkit.runtime.exl3_backend import Exl3Backend
 

@@ -48,6 +48,7 @@ from .gpu_split import GpuSplit, device_count
 from .policy import CostTable, cached_costs, cost_key, device_name
 
 MIN_CAPABILITY = (8, 0)
+LOAD_CHUNK = 2048       # exllamav3 1.6.5 Model.load's default max_chunk_size
 
 
 def check_cuda() -> str:
@@ -78,14 +79,20 @@ def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_co
     """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
     on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
     drafter passed so the layer-split loader budgets for the states it taps)."""
+    # Model.load's layer-split loader runs its measuring forward over a (1, max_chunk_size) batch shape in the cache
+    # (exllamav3 modules/attn.py asserts max_chunk_size <= cache.max_num_tokens, "Cache too small for batch
+    # shape"); its default chunk is 2048, so a smaller cache (the quantize speed step sizes it to one job) loads
+    # with the chunk cut to the cache. Caches of 2048 tokens or more load with exllamav3's defaults, as always.
+    chunk = {"max_chunk_size": cache_tokens} if cache_tokens < LOAD_CHUNK else {}
     model = exl.Model.from_config(exl.Config.from_directory(str(target)))
     cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
     dmodel = dcache = None
     if draft is not None:
         dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
         dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-        dmodel.load(progressbar=False, **split.draft_load_kwargs(count))
-    model.load(progressbar=False, **split.target_load_kwargs(count), **({"draft_model": dmodel} if dmodel is not None else {}))
+        dmodel.load(progressbar=False, **split.draft_load_kwargs(count), **chunk)
+    model.load(progressbar=False, **split.target_load_kwargs(count), **chunk,
+               **({"draft_model": dmodel} if dmodel is not None else {}))
     return model, cache, dmodel, dcache
 
 
