@@ -20,6 +20,9 @@ knobs as follows:
   to our policy to compare against; with it on, "auto" offers B-1 each round and exllamav3 cuts it.
 - `sparse_draft_head`, `hybrid_draft_tokens` and our `chunked_verify` change what a round costs or drafts, not
   the width; see exl3_options.Exl3Options for each.
+- our `defer_draft_kv` makes the policy's AR rounds cheaper: exllamav3 updates the drafter's K/V from the
+  target's taps for every token even at width 0; with it on, an AR stretch is written in one call before the
+  drafter runs again (exl3_defer.py).
 Every lever is off by default until the benchmark shows it pays (python -m toolkit.bench --levers ...).
 """
 
@@ -224,6 +227,8 @@ class Exl3Backend(Backend):
                           num_draft_tokens=self.block_size - 1 if hooked else width, **self.options.generator_kwargs())
             g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
             self._gen_key = key
+            if spec and hooked:
+                g.set_defer(self.options.defer_draft_kv)    # AR rounds' drafter K/V: kept and batched, or per round
         if spec and hooked:
             g.set_width(width)
         return g

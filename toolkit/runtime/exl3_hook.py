@@ -14,6 +14,10 @@ chooses it. The DFlash drafter always runs its whole block whatever the window, 
 exllamav3 for the full B-1 columns, keeps all of them as the round's proposal (hindsight acceptance needs every
 position) and hands back only the first w for verification. A hybrid (suffix-match) round replaces the drafted
 window; `iterate_hybrid_gen`'s result is then what was verified.
+
+With `set_defer(True)` (the `defer_draft_kv` option) the subclass also keeps the drafter's K/V update of AR
+rounds and writes a whole AR stretch in one call before the drafter runs again (exl3_defer.py); off, its
+iterate_gen is exllamav3's own.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from dataclasses import dataclass, field
 
 from ..core.errors import ToolkitError
 from .events import Round
+from .exl3_defer import KvBacklog, deferred_iterate_gen
 
 PINNED_VERSION = "1.6.5"
 HOOKED = "iterate_draftmodel_dflash_gen"
+DEFER_HOOKED = "iterate_gen"          # the method whose drafter update defer_draft_kv keeps (exl3_defer)
 
 
 def exllamav3_version() -> str | None:
@@ -64,6 +70,31 @@ def recording_generator_class(generator_cls: type) -> type:
         full_window: int | None = None    # with a policy: columns to take from the drafter (B-1)
         t_draft_ms: float = 0.0
         capture_s: float = 0.0            # time spent in the capture itself this round (outside exllamav3's code)
+        kv_backlog: KvBacklog | None = None   # set: AR rounds' drafter K/V updates are deferred (exl3_defer)
+
+        def set_defer(self, on: bool) -> None:
+            """Defer the drafter's K/V update of AR rounds (on) or update it every round, as exllamav3 does."""
+            if on and not callable(getattr(generator_cls, DEFER_HOOKED, None)):
+                raise ToolkitError(f"exllamav3 Generator has no {DEFER_HOOKED}(): this exllamav3 is not {PINNED_VERSION}")
+            if self.kv_backlog is not None:
+                self.kv_backlog.flush()
+            self.kv_backlog = KvBacklog() if on else None
+
+        def iterate_gen(self, results, draft_tokens=None):
+            inner = super().iterate_gen
+            if self.kv_backlog is None:
+                return inner(results, draft_tokens)
+            return deferred_iterate_gen(self, inner, results, draft_tokens)
+
+        def clear_queue(self):
+            if self.kv_backlog is not None:
+                self.kv_backlog.flush()        # the jobs' pages go back to the pool with their drafter K/V written
+            return super().clear_queue()
+
+        def close(self):
+            if self.kv_backlog is not None:
+                self.kv_backlog.drop()
+            return super().close()
 
         def set_width(self, width: int, full: int | None = None) -> None:
             """Verify `width` drafts per job from the next iterate() on (0 = AR); keep `full` proposed ids."""
@@ -76,6 +107,8 @@ def recording_generator_class(generator_cls: type) -> type:
         def iterate_draftmodel_dflash_gen(self, results, window):
             # exllamav3's dynamic truncation reads the window it is given: leave it alone then
             full = window if getattr(self, "dynamic_draft", False) else max(self.full_window or 0, window)
+            if self.kv_backlog is not None:
+                self.kv_backlog.flush()        # the drafter reads its context K/V: write what AR rounds kept
             t0 = time.perf_counter()
             ids = super().iterate_draftmodel_dflash_gen(results, full)   # host tensor, filled synchronously
             t1 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The exllamav3 backend's generator options (the levers of issue 16), each off by default until measured.
 
-Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; one is ours:
+Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; two are ours:
 
 - `sparse_draft_head` (int, 0 = off): exllamav3's frequency-selected vocabulary subset for the drafter's head
   (the drafter borrows the target's lm_head). Verification keeps the full head, so output is unaffected; it only
@@ -19,6 +19,11 @@ Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; one is o
   the H200. The wrap runs 9..16 rows through the fused path in chunks of <= 8 rows, one after another (32+
   rows were measured slower chunked, so they are left alone). Rows are independent in an MLP, so the output is
   the same up to kernel rounding; adopt it only where greedy output stays identical on trained fixtures.
+- `defer_draft_kv` (ours): an AR round (width 0) of the speculative Generator skips the drafter's forward but
+  still updates the drafter's K/V from the target's taps for every token (measured 1.09-1.34x an AR step);
+  with it on, the policy's AR rounds keep those updates and write a whole AR stretch in one call before the
+  drafter runs again (exl3_defer.py). Output is the target's either way; the drafter's K/V are the same up to
+  the rounding of its projections at n rows instead of 1.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Exl3Options:
     dynamic_draft_tokens: bool = False
     draft_confidence: float = 0.4
     chunked_verify: bool = False
+    defer_draft_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sparse_draft_head", "draft_max_rows", "hybrid_draft_tokens"):
@@ -74,7 +80,9 @@ LEVERS = {                          # lever name -> the value `--levers NAME` us
     "hybrid_draft_tokens": 15,
     "dynamic_draft_tokens": 0.4,    # the value is draft_confidence
     "chunked_verify": True,
+    "defer_draft_kv": True,
 }
+SWITCHES = ("chunked_verify", "defer_draft_kv")     # levers that are only on or off
 
 
 def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Options]:
@@ -85,10 +93,10 @@ def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Op
         raise ToolkitError(f"unknown lever {name!r}: choose from {', '.join(LEVERS)}")
     raw = value.strip() or str(LEVERS[name])
     try:
-        if name == "chunked_verify":
+        if name in SWITCHES:
             if raw.lower() not in ("1", "true", "on", "yes"):
                 raise ValueError
-            change = {"chunked_verify": True}
+            change = {name: True}
         elif name == "dynamic_draft_tokens":
             change = {"dynamic_draft_tokens": True, "draft_confidence": float(raw)}
         else:
