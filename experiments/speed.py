@@ -20,6 +20,17 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
    toolkit.runtime.projection) for exllamav3's defaults and for the policy, per setting and c.
 Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
 
+Mode `ar`, the policy's AR rounds with and without the defer_draft_kv lever (experiments/ar_rounds.py; same
+synthetic pair, reused from /tmp/speed when present; about 5-8 minutes, to $OUT/speed.json):
+
+    source .device/on-device.sh && timeout 570 python -m experiments.speed ar                   (carry [".device"])
+
+times t_AR (no drafter) against stretches of 16 AR rounds plus one drafted round (w = 7) of the speculative
+Generator with exllamav3's per-token drafter K/V update (`today`) and with defer_draft_kv (`cut`), at c in
+{1, 4, 8, 16}, >= 10 interleaved repetitions (medians and spread of the w = 0 rounds' mean and median, the drafted
+round, the whole stretch), then a greedy check at c in {1, 4}: tokens of AR, today and cut, and today's Round
+stream (drafted, accepted, bonus) against the cut's. `--concurrency 1 4` if the budget runs short.
+
 Mode `pair`, the SmolLM2-135M pair with its shipped drafter (toolkit/data/smollm2_dflash), after the target was
 staged on the same warm machine (experiments/smol_device.py: call 1 carries .smol1/part1, call 2 runs
 `python3 -m experiments.smol_device stage`), then within the 30 s idle window:
@@ -329,6 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")
     s.add_argument("--profile-rounds", type=int, default=24, help="rounds under torch.profiler per variant (default 24)")
     s.add_argument("--reserve-s", type=float, default=60.0, help="budget kept for the profile and projection (default 60)")
+    r = sub.add_parser("ar", help="AR rounds of the speculative Generator: per-token drafter K/V update vs defer_draft_kv")
+    r.add_argument("--work", type=Path, default=WORK, help="where the synthetic checkpoints live (default /tmp/speed)")
+    r.add_argument("--resynth", action="store_true", help="synthesise again even when present")
+    r.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    r.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10; fewer if the budget runs out)")
+    r.add_argument("--passes", type=int, default=1, help="timed stretches per cell and repetition (default 1)")
+    r.add_argument("--stretch", type=int, default=16, help="AR rounds before each drafted round (default 16)")
+    r.add_argument("--draft-width", type=int, default=7, help="width of the drafted round ending a stretch (default 7)")
+    r.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")
+    r.add_argument("--check-concurrency", type=int, nargs="+", default=[1, 4], help="c of the greedy check")
+    r.add_argument("--check-tokens", type=int, default=96, help="new tokens per job in the greedy check (default 96)")
+    r.add_argument("--reserve-s", type=float, default=40.0, help="budget kept for the greedy check (default 40)")
     p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")
     p.add_argument("--work", type=Path, default=SMOL / "speed", help="padded copies go here (default /tmp/smol-run/speed)")
     p.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")))
@@ -339,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=8, help="held-out prompts per cell (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--levers", nargs="*", default=["dynamic_draft_tokens"], help="exllamav3 levers as extra cells")
-    for q in (s, p):
+    for q in (s, r, p):
         q.add_argument("--budget-s", type=float, default=env_float("SPEED_BUDGET_S", 540),
                        help="start no step that does not fit in what is left of it (default: SPEED_BUDGET_S, else 540)")
     a = ap.parse_args(argv)
@@ -347,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     run.results.update(mode=a.mode, device=device_name(), args={k: str(v) for k, v in vars(a).items()})
     if a.mode == "shape":
         run_shape(run, a)
+    elif a.mode == "ar":
+        from experiments.ar_rounds import run_ar
+
+        run_ar(run, a)
     else:
         a.work.mkdir(parents=True, exist_ok=True)
         run_pair(run, a)

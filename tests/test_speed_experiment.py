@@ -93,3 +93,49 @@ def test_pair_targets():
                       "within_3pct_of_best_fixed": True, "at_least_2x_ar": True}
     assert t["8"]["not_slower_than_ar"] is False and t["8"]["within_3pct_of_best_fixed"] is False   # lever cells do not count
     assert "at_least_2x_ar" not in t["8"]
+
+
+# -- mode ar (experiments/ar_rounds.py): the policy's AR rounds, exllamav3's per-token update vs defer_draft_kv --
+
+
+def test_ar_mode_times_ar_today_and_cut_and_checks_the_output(monkeypatch, tmp_path):
+    """Stand-in costs: a round 8 + 2 w c ms, every drafter update call 2 ms more (whatever its length)."""
+    from exl3_kv_fakes import FakeDrafter, make_kv_backend
+
+    from experiments.ar_rounds import greedy_check, time_variants
+
+    clock = Clock()
+    monkeypatch.setattr(FakeGenerator, "clock", clock)
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(lambda w, rows: 8.0 + 2.0 * w * rows))
+    real = FakeDrafter.update_kv_from_target
+
+    def costly(self, *a, **k):
+        clock.t += 0.002
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FakeDrafter, "update_kv_from_target", costly)
+    be = make_kv_backend(monkeypatch, tmp_path)
+    be.clock = clock
+    a = argparse.Namespace(concurrency=[1, 2], reps=3, passes=1, stretch=4, draft_width=3, context=32, reserve_s=0.0,
+                           check_concurrency=[1, 2], check_tokens=20)
+    run = Run("speed.json", out=tmp_path / "out")
+    samples = time_variants(run, be, a)
+    for c in (1, 2):
+        s = samples[c]
+        assert s["ar"] == [pytest.approx(8.0)] * 3
+        assert s["today_w0_mean"] == [pytest.approx(10.0)] * 3                            # the update in every AR round
+        assert s["today_w0_median"] == [pytest.approx(10.0)] * 3
+        assert s["cut_w0_mean"] == [pytest.approx(8.0)] * 3                               # deferred: an AR step
+        assert s["today_draft_median"] == [pytest.approx(10.0 + 6.0 * c)] * 3
+        assert s["cut_draft_median"] == [pytest.approx(12.0 + 6.0 * c)] * 3              # + the one catch-up call
+        assert s["cut_stretch_mean"] == [pytest.approx((32.0 + 12.0 + 6.0 * c) / 5)] * 3
+    cells = json.loads((tmp_path / "out" / "speed.json").read_text())["ar_rounds"]["cells"]
+    assert cells["1"]["today_w0_over_ar"] == pytest.approx(1.25) and cells["1"]["cut_w0_over_ar"] == pytest.approx(1.0)
+    assert cells["2"]["catch_up_ms"] == pytest.approx(2.0) and cells["2"]["cut_within_5pct_of_ar"] is True
+    assert cells["1"]["spread"]["ar"]["n"] == 3
+    check = greedy_check(be, a)
+    assert set(check) == {"1", "2"}
+    for row in check.values():
+        assert row["today_equals_ar"] and row["cut_equals_ar"] and row["cut_equals_today"]
+        assert row["rounds_differing"] == 0 and row["rounds"] > 0
+    assert be.draft.calls and be.options.defer_draft_kv is False
