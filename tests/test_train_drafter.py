@@ -80,6 +80,13 @@ def test_init_continues_from_an_earlier_drafter(setup):
     fresh, _ = run(setup, "i3", steps=4, warmup=1)
     start = lambda info: info["losses"][0][1]
     assert start(cont) < start(fresh) - 0.5 and abs(start(cont) - first["losses"][-1][1]) < 1.0
+    assert cont["init"] == {"folder": str(root / "i1"), "steps": 20, "sequences": first["sequences"],
+                            "response_tokens": first["response_tokens"], "seconds": first["seconds"], "device": "cpu"}
+    assert f"Started from an earlier drafter (--init): i1 (20 steps on {first['sequences']:,} answers)" in \
+        (root / "i2" / "README.md").read_text()
+    again, _ = run(setup, "i5", steps=2, warmup=1, init=str(root / "i2"))         # the lineage nests
+    assert "i2 (4 steps on" in (root / "i5" / "README.md").read_text() and again["init"]["init"]["steps"] == 20
+    assert "init" not in fresh and "Started from" not in (root / "i3" / "README.md").read_text()
     with pytest.raises(ToolkitError, match=r"init: .*another shape \(.*num_hidden_layers"):
         run(setup, "i4", layers=1, init=str(root / "i1"))
     assert not (root / "i4").exists()

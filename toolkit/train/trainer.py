@@ -159,6 +159,28 @@ def initial_weights(folder: str, dcfg: dict) -> dict:
     return {k: v.float() for k, v in load_drafter(folder, what="--init").state_dict().items()}
 
 
+def lineage(folder: str) -> dict:
+    """--init: what the starting drafter had been trained on (its training.json, when it has one), for the card."""
+    try:
+        t = json.loads((Path(folder).expanduser() / "training.json").read_text())
+    except (OSError, ValueError):
+        return {"folder": str(folder)}
+    keep = ("steps", "sequences", "response_tokens", "seconds", "device", "init")
+    return {"folder": str(folder), **{k: t[k] for k in keep if k in t}}
+
+
+def started_from(init: dict | None) -> str:
+    """The card's line for a run that started from an earlier drafter (nested as far as the records go)."""
+    parts = []
+    while init:
+        done = (f"{init['steps']:,} steps on {init['sequences']:,} answers" if "steps" in init and "sequences" in init
+                else "no training record")
+        parts.append(f"{Path(init['folder']).name} ({done})")
+        init = init.get("init")
+    return ("Started from an earlier drafter (--init): " + ", which started from ".join(parts) +
+            "; the data, steps and loss above are this run's alone.") if parts else ""
+
+
 def load_target(path: str, device: str):
     dtype = "auto" if device.startswith("cuda") else torch.float32     # the GPU runs the stored fp16/bf16
     return load_hf_model(path, device, dtype, "--target")
@@ -226,7 +248,8 @@ def card(cfg: TrainConfig, dcfg: dict, info: dict) -> str:
         f"Steps: {info['steps']} of {info['planned_steps']} ({info['stopped'] or 'completed'}; {info['epochs']:.2f} epochs), "
         f"{cfg.batch_seqs} sequences x up to {cfg.anchors} anchors per step (drawn afresh), loss weights exp(-(k-1)/gamma) with "
         f"gamma {GAMMA.get(d['block_size'], 'B/2.3')}, lr {cfg.lr}, seed {cfg.seed}.", f"Loss (step: value): {curve}.",
-        f"Top-1 accuracy per block position at the end: {' '.join(f'{a:.2f}' for a in info['accuracy'])}.", kept, "",
+        f"Top-1 accuracy per block position at the end: {' '.join(f'{a:.2f}' for a in info['accuracy'])}.", kept,
+        *([started_from(info["init"])] if info.get("init") else []), "",
         "<!-- tau -->", "tau: not measured yet (`python -m toolkit.eval_tau --target T --draft D --write-card`).", "<!-- /tau -->", ""])
 
 
@@ -322,7 +345,8 @@ def train_drafter(target: str, out: str, **options) -> dict:
             "by_category": {c: corpus.count(c) for c in CATEGORIES}, "steps": st.step, "planned_steps": st.steps,
             "epochs": round(st.step / batches.steps_per_epoch, 3), "stopped": st.stopped, "losses": st.losses,
             "accuracy": [round(a, 4) for a in acc_log[0].tolist()] if acc_log else [], "best": run["best"],
-            "evals": run["evals"], "seconds": round(time.time() - t0, 1), "data": gen_report}
+            "evals": run["evals"], "seconds": round(time.time() - t0, 1), "data": gen_report,
+            **({"init": lineage(cfg.init)} if cfg.init else {})}
     extra = {"README.md": card(cfg, dcfg, info), "heldout.json": json.dumps(group(held), indent=1) + "\n",
              "training.json": json.dumps(info, indent=1) + "\n"}
     save_drafter(model.eval().cpu(), cfg.out, dtype=torch.bfloat16, extra_files=extra)
