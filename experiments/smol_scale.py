@@ -22,8 +22,13 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
     store back as $OUT/store.tar.xz.NN parts when it fits. $OUT/gen.json has answers/s. With pending > 0, the same
     command again, carrying [".smol/scale_prompts.jsonl.gz"] only, skips every prompt already answered.)
     Here: python -m experiments.smol_scale keep-store FILES_AT   (the parts into .smol/store, git-ignored)
-  With a kept store, call 2 is `python3 -m experiments.smol_device stage` (carry as above, no pool) and a call 0
-  first, carry [".smol/store"]: mkdir -p /tmp/store-parts && cp .smol/store/* /tmp/store-parts/
+  With a kept store (.smol/store: 88,064 answers in one 9.3 MiB part since 2026-12-03 17:38), call 2 stages instead,
+  carry [".smol/part2", ".smol/LICENSE", ".whl/gguf-0.19.0-py3-none-any.whl", ".smol/store"]:
+    cp /tmp/parts/part1 .smol/ && mkdir -p /tmp/store-parts && cp .smol/store/store.tar.xz.* /tmp/store-parts/ &&
+    python3 -m experiments.smol_device stage
+  and call 3 continues the shipped drafter: `... smol_scale train --init toolkit/data/smollm2_dflash` (drafter back
+  in the tree). 106 steps that way on 2026-12-03 raised the teacher-forced tau from 1.76 / 2.02 to 1.91 / 2.23.
+  `python3 -m experiments.train_profile` (~1-2 min) times the step's parts first, for the TRAIN shape.
 Device, call 3 (~9.5 min), carry [".device"] (and ".smol/init" with --init):
     source .device/on-device.sh && python3 -m experiments.smol_scale train [--init .smol/init]
     (unpacks /tmp/store-parts when /tmp/smol-scale/data is empty; trains with the teacher-forced tau every 1000 steps,
@@ -275,6 +280,42 @@ def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path, limi
     return run.finish()
 
 
+def compare(target: Path, drafters: list[Path], heldout: Path, tokens: int, device: str, out: Path | None) -> dict:
+    """Teacher-forced tau (toolkit/train/tf_tau.py) of several drafters on the same target answers to the same
+    held-out prompts: one greedy generation and one tap pass, then one drafter pass each. Here on a CPU in minutes,
+    where eval_tau's decoding of 48 prompts at two block sizes takes most of an hour."""
+    import types
+
+    import torch
+
+    from toolkit.dflash import DFlashConfig, load_drafter
+    from toolkit.runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from toolkit.train.prepare import heldout_answers, read_heldout, store_meta
+    from toolkit.train.tf_tau import eval_set, tf_tau
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    tgt = load_hf_model(target, device, torch.float32 if device == "cpu" else "auto")
+    tok = load_hf_tokenizer(target)
+    held = read_heldout(heldout)
+    cfg = types.SimpleNamespace(target=str(target), eval_tokens=tokens, gen_batch=64, max_prompt_tokens=GEN["max_prompt_tokens"])
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"smol-compare-{store_meta(str(target), tokens)['target_config_sha256']}"
+    answers, _ = heldout_answers(cfg, work, tgt, tok, len(tok), held)
+    embed = tgt.get_input_embeddings().weight.detach().to(dtype)
+    head = tgt.get_output_embeddings().weight.detach().to(dtype)
+    res: dict = {"target": str(target), "heldout": str(heldout), "prompts": len(answers), "tokens": tokens, "drafters": {}}
+    sets: dict = {}                                       # the taps once per tap layout
+    for d in drafters:
+        conf = DFlashConfig.from_dict(json.loads((d / "config.json").read_text()))
+        model = load_drafter(d, dtype, device)
+        key = (tuple(conf.target_layer_ids), conf.tap_shift)
+        ev = sets[key] = sets.get(key) or eval_set(tgt, answers, conf, device, dtype)
+        res["drafters"][str(d)] = tf_tau(model, ev, embed, head, (16, 8))
+        print(f"{d}: {json.dumps(res['drafters'][str(d)]['tau'])}", flush=True)
+    if out is not None:
+        out.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.smol_scale", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -307,7 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.choices["eval"]
     e.add_argument("--limit", type=int, help="held-out prompts per category (default: all 24)")
     e.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8], help="block sizes (default 16 8)")
+    c = sub.add_parser("compare", help="here or on the device: teacher-forced tau of drafters on the same held-out answers")
+    c.add_argument("drafters", type=Path, nargs="+", help="drafter folders (the first one's heldout.json is used)")
+    c.add_argument("--target", type=Path, required=True, help="the prepared SmolLM2 target folder")
+    c.add_argument("--heldout", type=Path, help="held-out prompts JSON (default: the first drafter's heldout.json)")
+    c.add_argument("--tokens", type=int, default=TRAIN["eval_tokens"], help="answer tokens per prompt (default 128)")
+    c.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    c.add_argument("--out", type=Path, help="also write the JSON here")
     a = ap.parse_args(argv)
+    if a.cmd == "compare":
+        compare(a.target, a.drafters, a.heldout or a.drafters[0] / "heldout.json", a.tokens, a.device, a.out)
+        return 0
     if a.cmd == "pack":
         pack()
         return 0

@@ -3,6 +3,7 @@ answer store (append, cut-off, resume, skip), anchor sampling, chunked loss = un
 the rounds of real greedy decoding, best-checkpoint keeping, the training curve, resume and the --data path."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,3 +310,11 @@ def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
     assert res3["train_options"]["init"] == str(out) and res3["stages"]["train"]["result"]["steps"] == 6
     first = lambda r: r["stages"]["train"]["result"]["losses"][0][1]
     assert first(res3) < first(res)                  # it starts where the first run ended
+
+    # compare: the teacher-forced tau of both drafters on the same answers is the tau eval_tau decoded
+    second = tmp_path / "work2" / "draft"
+    got = smol_scale.compare(Path(target), [out, second], out / "heldout.json", 16, "cpu", tmp_path / "cmp.json")
+    assert json.loads((tmp_path / "cmp.json").read_text()) == got and got["prompts"] == 2
+    for folder, decoded in ((out, res["tau"]), (second, res3["tau"])):
+        tf = got["drafters"][str(folder)]["tau"]
+        assert {c: {b: round(v, 3) for b, v in t.items()} for c, t in tf.items()} == decoded
