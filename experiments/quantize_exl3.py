@@ -21,7 +21,7 @@ quantize/smollm2-135m-dflash.toml against it with --also-uncalibrated: τ per bi
 uncalibrated, with the BF16 drafter as reference.
 
 Writes $OUT/quantize_exl3.json (per step: seconds, result, errors) and $OUT/<mode>/ (report.json, report.md,
-tau_top1.png, the main card), after every step.
+tau_top1.png, cards.tar.gz with every card), after every step: 5 files, as $OUT takes back 8.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -90,8 +91,11 @@ def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path,
     for name in ("report.json", "report.md", "tau_top1.png"):
         if (out / name).is_file():
             shutil.copy(out / name, keep / name)
-    for card in out.glob("*/README.md"):
-        shutil.copy(card, keep / f"card-{card.parent.name}.md")
+    cards = sorted(out.glob("*/README.md"))
+    if cards:                                    # one archive: $OUT takes back 8 files (the pair has 13 cards)
+        with tarfile.open(keep / "cards.tar.gz", "w:gz") as tar:
+            for card in cards:
+                tar.add(card, arcname=f"card-{card.parent.name}.md")
     rep = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
     return {"verdict": verdict, "wall_seconds": wall, "upstream": sorted(p.name for p in (out / "upstream").glob("*")),
             **summary(rep)}

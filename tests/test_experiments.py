@@ -178,3 +178,25 @@ def test_capture_errors_raise_or_are_recorded(fake_backend, monkeypatch):  # noq
     loop = run_jobs(fake_backend, PROMPTS, st, keep_going=True)
     assert loop.capture_error == "capture out of step" and loop.rounds == []
     assert loop.tokens == [ar_reference(p, 20) for p in PROMPTS]
+
+
+def test_quantize_exl3_keeps_what_out_takes_back(tmp_path, monkeypatch):
+    """The pair's 13 cards travel as one archive: $OUT takes back 8 files, and report.json must be among them."""
+    import tarfile
+
+    import experiments.quantize_exl3 as q
+    import toolkit.quantize
+
+    out = tmp_path / "out"
+    for name in [f"{b}bpw{u}" for b in (2.0, 3.0, 4.0, 5.0, 6.0, 8.0) for u in ("", "-uncal")] + ["upstream"]:
+        (out / name).mkdir(parents=True)
+        (out / name / "README.md").write_text(f"card {name}")
+    (out / "report.json").write_text("{}")
+    (out / "report.md").write_text("report")
+    monkeypatch.setattr(toolkit.quantize, "main", lambda argv: None)
+    res = q.quantize_run(Path("r.toml"), tmp_path, tmp_path, out, tmp_path / "keep", [])
+    kept = sorted(p.name for p in (tmp_path / "keep").iterdir())
+    assert res["verdict"] == "pass" and kept == ["cards.tar.gz", "report.json", "report.md"]
+    with tarfile.open(tmp_path / "keep" / "cards.tar.gz") as tar:
+        names = tar.getnames()
+        assert len(names) == 13 and tar.extractfile("card-4.0bpw.md").read() == b"card 4.0bpw"
