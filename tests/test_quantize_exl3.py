@@ -20,8 +20,8 @@ from toolkit.quantize import main
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
 GIB = 1024**3
-EXL3_KEYS = {"tau", "accept_per_position", "tok_s", "ar_tok_s", "speedup", "lossless", "target", "target_bits",
-             "draft_tokens", "tokens", "seconds"}
+EXL3_KEYS = {"tau", "accept_per_position", "tok_s", "ar_tok_s", "speedup", "lossless", "first_diff", "target",
+             "target_bits", "draft_tokens", "tokens", "seconds"}
 
 
 def one_line(e) -> str:
@@ -63,6 +63,7 @@ def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
         assert set(x) == EXL3_KEYS and x["target"] == str(exl3) and x["target_bits"] == 4.0
         assert x["draft_tokens"] == report["recommended_draft_tokens"] and x["tau"] >= 1.0
         assert len(x["accept_per_position"]) == x["draft_tokens"] and x["lossless"] == 1.0
+        assert x["first_diff"] == [None] * len(x["first_diff"]) and x["first_diff"]
         assert x["tok_s"] > 0 and x["ar_tok_s"] > 0 and x["speedup"] == pytest.approx(x["tok_s"] / x["ar_tok_s"])
         assert row["tau"] is None                   # the torch-runtime tau is the BF16 target's
     # the checked tap_shift reaches exllamav3: pinned in each folder and in the BF16 drafter's shadow config
@@ -272,3 +273,23 @@ def test_recipe_draft_tokens(tmp_path):
     bad.write_text('[model]\nid = "a/b"\n[check]\ndraft_tokens = [0, 3]\n')
     with pytest.raises(ToolkitError, match=r"check.draft_tokens must be a list of integers >= 1, got \[0, 3\]"):
         load_recipe(bad)
+
+
+def test_first_difference_says_where_an_output_left_ar():
+    from toolkit.quant.speed import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 4, 5], [1, 2, 3, 5]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([7], [1]) == 0
+
+
+def test_report_says_where_outputs_left_ar(tmp_path, pair, exl3, monkeypatch):
+    from toolkit.quant.report import render_markdown
+
+    fakes.install(monkeypatch)
+    fakes.install_engine(monkeypatch, pair[0])
+    report = run(tmp_path, pair, exl3)
+    assert "output left AR's" not in render_markdown(report)          # the fake engine is lossless
+    report["results"][0]["exl3"]["first_diff"] = [None, 41, None, 7]
+    md = render_markdown(report)
+    assert f"- {report['results'][0]['folder']}: output left AR's on 2 of 4 prompts, first at token 41, 7" in md

@@ -134,6 +134,11 @@ def render_markdown(report: dict, notes: list[str] | None = None) -> str:
         if r.get("exl3"):
             lines.append(f"- {r['folder']}: acceptance per draft position on exllamav3 "
                          + ", ".join(f"{v:.3f}" for v in r["exl3"]["accept_per_position"]))
+    for r in [{"folder": "BF16", **report["bf16"]}, *report["results"]]:
+        diff = [d for d in (r.get("exl3") or {}).get("first_diff") or [] if d is not None]
+        if diff:
+            lines.append(f"- {r['folder']}: output left AR's on {len(diff)} of {len(r['exl3']['first_diff'])} prompts, "
+                         f"first at token {', '.join(map(str, diff))}")
     lines += [""] + step_lines(report) + [f"- {n}" for n in (notes or [])]
     return "\n".join(lines).rstrip() + "\n"
 

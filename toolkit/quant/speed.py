@@ -54,12 +54,21 @@ class Baseline:
     tokens: list[list[int]]
 
 
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first token index where two outputs part (the shorter length if one is a prefix); None if equal."""
+    if got == want:
+        return None
+    return next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+
+
 def cell(rounds: list[list[Round]], secs: float, ar: Baseline, width: int, setup: SpeedSetup) -> dict:
-    """The report's `exl3` object for one drafter at one width."""
+    """The report's `exl3` object for one drafter at one width; `first_diff` per prompt says where an output left
+    AR's (None where it did not), so a near-tie late in an answer reads apart from a broken verify."""
     s = summarize([r for job in rounds for r in job], secs)
-    same = [tokens_of(job) == a for job, a in zip(rounds, ar.tokens)]
+    diff = [first_difference(tokens_of(job), a) for job, a in zip(rounds, ar.tokens)]
+    same = [d is None for d in diff]
     return {"tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "ar_tok_s": ar.tok_s,
-            "speedup": s.tok_s / ar.tok_s if ar.tok_s else None, "lossless": sum(same) / len(same),
+            "speedup": s.tok_s / ar.tok_s if ar.tok_s else None, "lossless": sum(same) / len(same), "first_diff": diff,
             "draft_tokens": width, "target": setup.name, "target_bits": setup.bits, "tokens": s.tokens,
             "seconds": round(secs, 3)}
 
