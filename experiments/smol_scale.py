@@ -78,9 +78,11 @@ GEN = dict(max_new_tokens=256, max_prompt_tokens=640)
 # precomputed taps; 64 x 512 at 1 step/s and 32 x 128 at 2.5 steps/s at 14:40), and more optimizer steps won at equal
 # blocks (4,333 x 1k blocks: tau 1.76/2.02; 992 x 4k: 1.62/1.94). So: the recipe's 512 anchors (every answer position
 # of our ~190-token answers) over few sequences a step, for many small steps. The head's batched-GEMM fallback
-# (objective.chunk_logits) is fixed since, which should raise blocks/s; not yet measured.
+# (objective.chunk_logits) is fixed since; 16 x 512 then ran at ~2 steps/s (106 steps, 2026-12-03 17:45), still
+# slow for its FLOPs (experiments.train_profile times the parts). A call holds ~900 such steps: a tau point every
+# 250 (a teacher-forced pass over the 48 held-out answers, seconds) gives the curve and the best checkpoint.
 TRAIN = dict(heldout_chat=24, heldout_code=24, max_prompt_tokens=640, steps=100_000, batch_seqs=16, anchors=512,
-             anchor_chunk=128, lr=1e-3, warmup=300, device="cuda", eval_every=1000, eval_tokens=128, checkpoint_every=2000,
+             anchor_chunk=128, lr=1e-3, warmup=300, device="cuda", eval_every=250, eval_tokens=128, checkpoint_every=1000,
              log_every=100, seed=0, quiet=False)
 QUICK = dict(heldout_chat=1, heldout_code=1, steps=6, batch_seqs=2, anchors=8, anchor_chunk=4, warmup=2, device="cpu",
              eval_every=3, eval_tokens=8, checkpoint_every=3, log_every=1, quiet=True)
