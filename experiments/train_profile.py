@@ -5,8 +5,9 @@ The H200 runs of issue 19 drafted only 5-15k blocks a second, and the step time 
 target's taps, the chunked loss forward + backward, the optimizer) for a few batch shapes, then lists the top
 operators of the default shape under torch.profiler.
 
-Device, after `experiments.smol_scale gen` or a stage with the store unpacked (same warm machine), carry [".device"]:
-    source .device/on-device.sh && python3 -m experiments.train_profile
+Device, after `experiments.smol_scale gen`, or after `experiments.smol_device stage` with a kept store's parts in
+/tmp/store-parts (unpacked here into /tmp/smol-scale/data, where `smol_scale train` finds them), same warm machine:
+    python3 -m experiments.train_profile
 Here (CPU, small): python -m experiments.train_profile --target ~/.cache/dflash-toolkit/smollm2-135m-instruct
     --data /tmp/q19/data --device cpu --shapes 2x8x8 --steps 2
 Writes $OUT/train_profile.json (per shape: median ms per part, blocks a step, blocks a second; the profiler table).
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from experiments.harness import Run, device_name
+from experiments.smol_scale import PARTS, unpack_store
 
 SHAPES = ["16x512x128", "16x512x512", "64x16x16", "32x128x128", "64x512x128"]   # sequences x anchors x chunk
 
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     run = Run("train_profile.json", budget_s=a.budget_s, section="stages")
     run.results.update(device=device_name())
+    if not (a.data / "index.json").is_file() and list(PARTS.glob("store.tar.xz.*")):   # a kept store carried as parts
+        run.step("unpack_store", unpack_store, PARTS, a.data.parent)
     run.step("profile", profile_shapes, a.target, a.data, a.device, a.shapes, a.steps, not a.no_table)
     return run.finish()
 

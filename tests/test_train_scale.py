@@ -318,3 +318,15 @@ def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
     for folder, decoded in ((out, res["tau"]), (second, res3["tau"])):
         tf = got["drafters"][str(folder)]["tau"]
         assert {c: {b: round(v, 3) for b, v in t.items()} for c, t in tf.items()} == decoded
+
+    # train_profile unpacks a kept store's parts when it finds no store, and times the step's parts
+    import experiments.train_profile as tp
+
+    monkeypatch.setattr(tp, "PARTS", tmp_path / "kept")
+    monkeypatch.setenv("OUT", str(tmp_path / "out4"))
+    assert tp.main(["--target", target, "--data", str(tmp_path / "work4" / "data"), "--device", "cpu",
+                    "--shapes", "2x4x4", "--steps", "1", "--no-table"]) == 0
+    prof = json.loads((tmp_path / "out4" / "train_profile.json").read_text())["stages"]
+    assert prof["unpack_store"]["result"] == {"parts": 1, "index": True}
+    shape = prof["profile"]["result"]["shapes"]["2x4x4"]
+    assert shape["blocks"] > 0 and all(v > 0 for k, v in shape["ms"].items() if k != "batch") and shape["blocks_per_s"] > 0
