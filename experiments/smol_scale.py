@@ -25,7 +25,8 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
   With a kept store (.smol/store: 88,064 answers in one 9.3 MiB part since 2026-12-03 17:38), call 2 stages instead,
   carry [".smol/part2", ".smol/LICENSE", ".whl/gguf-0.19.0-py3-none-any.whl", ".smol/store"]:
     cp /tmp/parts/part1 .smol/ && mkdir -p /tmp/store-parts && cp .smol/store/store.tar.xz.* /tmp/store-parts/ &&
-    python3 -m experiments.smol_device stage
+    python3 -m experiments.smol_device stage && python3 -m experiments.train_profile --budget-s 150
+  (train_profile unpacks the store into /tmp/smol-scale/data and times the step's parts; `train` unpacks it too)
   and call 3 continues the shipped drafter: `... smol_scale train --init toolkit/data/smollm2_dflash` (drafter back
   in the tree). 106 steps that way on 2026-12-03 raised the teacher-forced tau from 1.76 / 2.02 to 1.91 / 2.23.
   `python3 -m experiments.train_profile` (~1-2 min) times the step's parts first, for the TRAIN shape.
