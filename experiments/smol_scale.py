@@ -23,7 +23,7 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
     command again, carrying [".smol/scale_prompts.jsonl.gz"] only, skips every prompt already answered.)
     Here: python -m experiments.smol_scale keep-store FILES_AT   (the parts into .smol/store, git-ignored)
   With a kept store (.smol/store is git-ignored: it lasts only on the machine that kept it; a fresh checkout has
-  none, and then `gen --budget-s 200 && python3 -m experiments.train_profile --budget-s 120` in call 2 answers ~40k
+  none, and then `gen --budget-s 200 && python3 -m experiments.train_profile --budget-s 120` in call 2 answers ~35k
   prompts, more than one call of training reads), call 2 stages instead,
   carry [".smol/part2", ".smol/LICENSE", ".whl/gguf-0.19.0-py3-none-any.whl", ".smol/store"]:
     cp /tmp/parts/part1 .smol/ && mkdir -p /tmp/store-parts && cp .smol/store/store.tar.xz.* /tmp/store-parts/ &&
