@@ -20,7 +20,8 @@ with a forced pattern of widths: tokens of AR, today and cut, and today's Round 
 from __future__ import annotations
 
 import statistics
-import time
+
+from experiments.harness import Repetitions
 
 STRETCH = 16          # AR rounds per stretch before the drafter runs again
 DRAFT_WIDTH = 7       # the drafted round that ends a stretch
@@ -66,12 +67,8 @@ def time_variants(run, be, a) -> dict:
     keys = ["ar"] + [f"{v}_{k}" for v in ("today", "cut") for k in ("w0_mean", "w0_median", "draft_median", "stretch_mean")]
     samples = {c: {k: [] for k in keys} for c in a.concurrency}
     out = run.results.setdefault("ar_rounds", {})
-    rep_s = 0.0
-    for rep in range(a.reps):
-        if rep and run.left() < rep_s * 1.1 + a.reserve_s:
-            run.log(f"stopping after {rep} repetitions: {run.left():.0f} s left, a repetition takes {rep_s:.0f} s")
-            break
-        t0 = time.time()
+    reps = Repetitions(run, a.reps, a.reserve_s)
+    for rep in reps:
         for c in a.concurrency:
             be.set_options(Exl3Options())
             ar = time_rounds(be, c, [0], reps=a.passes * len(seq), context=a.context, speculative=False)[0]
@@ -83,7 +80,7 @@ def time_variants(run, be, a) -> dict:
                 for k, ms in st.items():
                     samples[c][f"{v}_{k}"].append(ms)
         be.set_options(Exl3Options())
-        rep_s = max(rep_s, time.time() - t0)
+        rep_s = reps.lap()
         out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), stretch=a.stretch, draft_width=a.draft_width,
                    context=a.context, concurrency=list(a.concurrency), cells=summarize(samples))
         c1 = samples[min(a.concurrency)]

@@ -114,6 +114,28 @@ class Run:
         return 1 if self.errors else 0
 
 
+
+class Repetitions:
+    """Interleaved repetitions inside a Run's budget: none starts unless the longest so far (+10 %) still fits with
+    `reserve_s` to spare. Iterate for the repetition index; `lap()` at the end of one gives the longest so far."""
+
+    def __init__(self, run: Run, reps: int, reserve_s: float):
+        self.run, self.reps, self.reserve_s = run, reps, reserve_s
+        self.seconds, self._t0 = 0.0, 0.0
+
+    def __iter__(self):
+        for rep in range(self.reps):
+            if rep and self.run.left() < self.seconds * 1.1 + self.reserve_s:
+                self.run.log(f"stopping after {rep} repetitions: {self.run.left():.0f} s left, a repetition takes "
+                             f"{self.seconds:.0f} s")
+                return
+            self._t0 = time.time()
+            yield rep
+
+    def lap(self) -> float:
+        self.seconds = max(self.seconds, time.time() - self._t0)
+        return self.seconds
+
 # -- staging helpers -----------------------------------------------------------------------------------
 
 

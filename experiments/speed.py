@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.harness import Run, device_name, env_float
+from experiments.harness import Repetitions, Run, device_name, env_float
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
@@ -176,12 +176,8 @@ def time_shape(run: Run, be, a) -> dict:
     ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
     per: dict[str, dict[int, dict[int, list[float]]]] = {t: {c: {w: [] for w in a.widths} for c in a.concurrency} for t, _ in sets}
     out = run.results.setdefault("timing", {})
-    rep_s = 0.0
-    for rep in range(a.reps):
-        if rep and run.left() < rep_s * 1.1 + a.reserve_s:
-            run.log(f"stopping after {rep} repetitions: {run.left():.0f} s left, a repetition takes {rep_s:.0f} s")
-            break
-        t0 = time.time()
+    reps = Repetitions(run, a.reps, a.reserve_s)
+    for rep in reps:
         for c in a.concurrency:
             be.set_options(Exl3Options())
             ar[c].append(medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0])
@@ -190,7 +186,7 @@ def time_shape(run: Run, be, a) -> dict:
                 for w, ms in medians(time_rounds(be, c, a.widths, reps=a.passes, context=a.context)).items():
                     per[tag][c][w].append(ms)
         be.set_options(Exl3Options())
-        rep_s = max(rep_s, time.time() - t0)
+        rep_s = reps.lap()
         out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), context=a.context, widths=list(a.widths),
                    concurrency=list(a.concurrency), settings=[t for t, _ in sets],
                    ar_ms={str(c): cell_summary({"ms": v})["ms"] for c, v in ar.items()},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import json
 import os
 import pkgutil
@@ -120,6 +121,19 @@ def test_run_budget_skips_steps_that_do_not_fit(tmp_path):
     assert data["errors"]["after"].startswith("skipped:")
     run.budget_s = float("inf")
     assert run.step("live", object, keep=False) is not None and "live" not in run.steps
+
+
+def test_repetitions_start_only_what_still_fits(tmp_path, monkeypatch, capsys):
+    import experiments.harness as harness
+
+    run = Run("r.json", out=tmp_path)
+    clock = itertools.chain([0.0, 4.0, 10.0, 13.0], itertools.repeat(20.0))   # laps of 4 s, then 3 s
+    monkeypatch.setattr(harness.time, "time", lambda: next(clock))
+    left = itertools.chain([100.0], itertools.repeat(5.3))             # the third needs 4 * 1.1 + 1 = 5.4 s
+    monkeypatch.setattr(run, "left", lambda: next(left))
+    reps = harness.Repetitions(run, 5, reserve_s=1.0)
+    done = [(rep, reps.lap()) for rep in reps]
+    assert done == [(0, 4.0), (1, 4.0)] and "stopping after 2 repetitions" in capsys.readouterr().out
 
 
 def test_run_goes_to_dollar_out(tmp_path, monkeypatch):
