@@ -31,17 +31,16 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
   (train_profile unpacks the store into /tmp/smol-scale/data and times the step's parts; `train` unpacks it too)
   and call 3 continues the shipped drafter: `... smol_scale train --init toolkit/data/smollm2_dflash` (drafter back
   in the tree). 106 steps that way on 2026-12-03 raised the teacher-forced tau from 1.76 / 2.02 to 1.91 / 2.23.
-  `python3 -m experiments.train_profile` (~1-2 min) times the step's parts first, for the TRAIN shape.
-Device, call 3 (~9.5 min), carry [".device"] (and ".smol/init" with --init):
-    source .device/on-device.sh && python3 -m experiments.smol_scale train [--init .smol/init]
-    (unpacks /tmp/store-parts when /tmp/smol-scale/data is empty; trains with the teacher-forced tau every 1000 steps,
+Device, call 3 (~9.5 min), carry [".device"]:
+    source .device/on-device.sh && python3 -m experiments.smol_scale train [--init DRAFTER]
+    (unpacks /tmp/store-parts when /tmp/smol-scale/data is empty; trains with the teacher-forced tau every 250 steps,
     keeps the best checkpoint, then toolkit.eval_tau with the torch backend at B=16 and 8 on 4 + 4 held-out prompts,
     and, exllamav3 being installed by on-device.sh, on all 24 + 24 with exllamav3 through the padded pair
     (results.json); $OUT: the drafter in two safetensors shards, config.json, README.md, heldout.json, results.json,
     tau.json, curve.png. stages.train.result.best is the kept checkpoint's teacher-forced tau on all 24 + 24 prompts
     (equal to the torch backend's greedy decoding up to float rounding, tests/test_train_scale.py) and .evals the
-    curve. A cut-off call leaves /tmp/smol-scale/ckpt: the same command resumes it. --init continues from an
-    earlier session's drafter (its files_at folder copied to .smol/init): training spread over sessions.)
+    curve. A cut-off call leaves /tmp/smol-scale/ckpt: the same command resumes it. --init continues from a drafter
+    in the tree, the shipped one or an earlier session's: training spread over sessions.)
 Device, call 4 (optional), carry [".device"]:
     source .device/on-device.sh && python3 -m experiments.smol_scale eval      (torch backend, one prompt at a time,
     ~3 s a prompt and block size on 2026-12-02/03: all 24 + 24 at B=16 and 8 fit one call)
@@ -294,12 +293,13 @@ def compare(target: Path, drafters: list[Path], heldout: Path, tokens: int, devi
     import torch
 
     from toolkit.dflash import DFlashConfig, load_drafter
-    from toolkit.runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from toolkit.runtime.torch_backend import load_hf_tokenizer
     from toolkit.train.prepare import heldout_answers, read_heldout, store_meta
     from toolkit.train.tf_tau import eval_set, tf_tau
+    from toolkit.train.trainer import load_target
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    tgt = load_hf_model(target, device, torch.float32 if device == "cpu" else "auto")
+    tgt = load_target(str(target), device)
     tok = load_hf_tokenizer(target)
     held = read_heldout(heldout)
     cfg = types.SimpleNamespace(target=str(target), eval_tokens=tokens, gen_batch=64, max_prompt_tokens=GEN["max_prompt_tokens"])
