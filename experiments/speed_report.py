@@ -223,7 +223,8 @@ def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]
     if pair:
         spec = [x["speedup"] for x in pair["cells"] if x["concurrency"] > 1 and not x.get("lever")]
         lev = [x["speedup"] for x in pair["cells"] if x["concurrency"] > 1 and x.get("lever")]
-        ranges = f"{min(spec):.2f}-{max(spec):.2f}x / {min(lev):.2f}-{max(lev):.2f}x"
+        span = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x" if xs else "-"        # a run without lever cells: "-"
+        ranges = f"{span(spec)} / {span(lev)}"
         out.append(("pair, c=4 and 8: speedup range without / with lever", ranges, "pair_bench"))
         b16 = next(x for x in pair["cells"] if x["concurrency"] == 1 and x["block_size"] == 16 and not x.get("lever"))
         acc = b16.get("accept_per_position") or []
