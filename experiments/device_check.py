@@ -4,7 +4,8 @@
 
 Builds the fixtures (the trained tiny pair; its drafter as BF16 and as EXL3 4.0 bpw; a random
 Qwen3.5-MoE-shaped target with recurrent layers), then checks: greedy losslessness against the backend's own
-AR baseline token for token over 24 prompts, per drafter and block size; that every Round is consistent with
+AR baseline token for token over 24 prompts, per drafter and block size (on the MoE target also with issue 16's
+chunked_verify lever, with the count of MoE layers it could chunk); that every Round is consistent with
 the final tokens (and with the unhooked library generator's); the stream shape against the torch backend;
 the hook's per-round overhead; tok/s of AR and speculative through the bench CLI. Every check runs even when
 an earlier one fails; failures are recorded with their traceback; once the budget is spent, checks not yet
@@ -220,18 +221,29 @@ def check_lossless(ctx: Ctx) -> dict:
 
 def check_moe(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.runtime.exl3_options import Exl3Options, chunkable
 
     be = Exl3Backend.from_dirs(ctx.fix["moe_target"], ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=20)
     try:
-        out = {}
+        out, stock = {}, {}
         for B in (8, 16):
             res = out[f"B{B}"] = lossless(be, prompts, B, "qwen3_5_moe", ctx.max_new)
             ar, spec = res.pop("_ar"), res.pop("_spec")
+            stock[B] = spec
             ctx.run.steps["recurrent_moe_detail"] = out
             if B == 8:                     # the reference tells a near-tie from a rollback bug
                 src = ctx.fix["moe_target"].parent / "target-src"
                 out["reference"] = reference_agreement(src, prompts, ar, ctx.max_new, spec)
+        # issue 16's chunked_verify lever: one job at B=16 verifies 16 rows, split into two fused passes of 8
+        be.set_options(Exl3Options(chunked_verify=True))
+        res = out["chunked_verify_B16"] = lossless(be, prompts, 16, "qwen3_5_moe+chunked_verify", ctx.max_new)
+        res.pop("_ar")
+        chunked = res.pop("_spec")
+        res["equals_stock_spec"] = f"{sum(a == b for a, b in zip(chunked, stock[16]))}/{len(prompts)}"
+        moe = [m for m in be.model if isinstance(m, be.moe_class())]    # 0 chunkable: the check proved nothing
+        res["moe_layers"], res["chunkable_layers"] = len(moe), sum(chunkable(m, {}) for m in moe)
+        ctx.run.steps["recurrent_moe_detail"] = out
         bad = [k for k, v in out.items() if isinstance(v, dict) and v.get("ok") is False]
         assert not bad, f"qwen3_5_moe: not lossless at {bad}"
         return out
