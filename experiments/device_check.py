@@ -4,8 +4,8 @@
 
 Builds the fixtures (the trained tiny pair; its drafter as BF16 and as EXL3 4.0 bpw; a random
 Qwen3.5-MoE-shaped target with recurrent layers), then checks: greedy losslessness against the backend's own
-AR baseline token for token over 24 prompts, per drafter and block size (on the MoE target also with issue 16's
-chunked_verify lever, with the count of MoE layers it could chunk); that every Round is consistent with
+AR baseline token for token over 24 prompts, per drafter and block size, and on the MoE target converted to EXL3
+with and without issue 16's chunked_verify lever (`moe_chunked`); that every Round is consistent with
 the final tokens (and with the unhooked library generator's); the stream shape against the torch backend;
 the hook's per-round overhead; tok/s of AR and speculative through the bench CLI. Every check runs even when
 an earlier one fails; failures are recorded with their traceback; once the budget is spent, checks not yet
@@ -26,17 +26,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from experiments.exl3_timing import run_jobs
 from experiments.harness import Run, convert_exl3, device_name, free_cuda, tail
+from experiments.exl3_timing import run_jobs
+from experiments.lossless import doc_prompts, lossless, reference_agreement
 from experiments.stream_shape import assert_stream_shape
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_chunked", "sampling", "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -78,7 +77,7 @@ def build_fixtures(ctx: Ctx) -> dict:
     fix["target"], fix["draft_bf16"] = t, d
     t0 = time.time()
     try:                                   # trained: wide top-1 margins, so a divergence means a rollback bug
-        if "moe" in ctx.checks:
+        if any(c.startswith("moe") for c in ctx.checks):
             steps = {"target_steps": 500, "draft_steps": 500} if ctx.quick else {}
             fix["moe_target"], fix["moe_draft"] = moe_pair(WORK / "moe", trained=True, **steps)
             out["moe_trained_s"] = round(time.time() - t0, 1)
@@ -95,90 +94,7 @@ def build_fixtures(ctx: Ctx) -> dict:
     return out
 
 
-def doc_prompts(tokenizer, n: int = 24, length: int = 32) -> list[list[int]]:
-    """32-token windows of stdlib docstrings: the tiny pair's training domain, so rounds accept 0..B-1."""
-    from toolkit.train.tiny import corpus
-
-    ids = tokenizer.encode(corpus())
-    step = (len(ids) - length) // (n + 1)
-    return [ids[(k + 1) * step:(k + 1) * step + length] for k in range(n)]
-
-
-def reference_agreement(src: Path, prompts: list[list[int]], exl_ar: list[list[int]], max_new: int,
-                        exl_spec: list[list[int]] | None = None) -> dict:
-    """AR tokens of the torch reference (fp32 on the GPU) vs exllamav3's AR baseline and, when given, exllamav3's
-    speculative output vs its AR baseline. At each first divergence: the reference's top-1 margin (logit gap to the
-    runner-up) after the common prefix, so a near-tie tells itself apart from a real bug."""
-    from toolkit.runtime.torch_backend import TorchBackend
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    tb = TorchBackend.from_dirs(src, device=dev, dtype=torch.float32)
-
-    @torch.no_grad()
-    def margin(prefix: list[int]) -> float:
-        top = tb.target(input_ids=torch.tensor([prefix], device=dev)).logits[0, -1].float().topk(2).values
-        return round(float(top[0] - top[1]), 4)
-
-    def diverge(p: list[int], x: list[int], y: list[int]) -> dict:
-        i = next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-        return {"at": i, "tokens": [x[i] if i < len(x) else None, y[i] if i < len(y) else None], "ref_margin": margin(p + x[:i])}
-
-    out: dict = {}
-    try:
-        ref = [tokens_of(tb.generate(p, GenSettings(max_new_tokens=max_new), speculative=False)) for p in prompts]
-        parts = [diverge(p, r, e) for p, r, e in zip(prompts, ref, exl_ar) if r != e]
-        out["ref_ar_vs_exl3_ar"] = {"same": f"{len(prompts) - len(parts)}/{len(prompts)}", "divergences": parts}
-        if exl_spec is not None:
-            parts = [diverge(p, a, s) for p, a, s in zip(prompts, exl_ar, exl_spec) if a != s]
-            out["exl3_ar_vs_exl3_spec"] = {"same": f"{len(prompts) - len(parts)}/{len(prompts)}", "divergences": parts}
-        ms = [m["ref_margin"] for v in out.values() for m in v["divergences"]]
-        out["median_ref_margin_all_positions"] = round(statistics.median(
-            margin(p + r[:k]) for p, r in zip(prompts[:4], ref[:4]) for k in range(0, len(r), 8)), 4)
-        out["max_margin_at_divergence"] = max(ms, default=None)
-    finally:
-        tb = None                          # frees the reference model before the next check
-        free_cuda()
-    return out
-
-
 # -- checks -----------------------------------------------------------------------------------------
-
-
-def lossless(be, prompts: list[list[int]], B: int, label: str, max_new: int) -> dict:
-    """Greedy spec vs AR per prompt (1 job), rounds vs final tokens, the batched run, and the unhooked library."""
-    st = GenSettings(max_new_tokens=max_new, block_size=B)
-    stop = set(be.eos_ids)
-    same, rounds_all, kinds = 0, [], {"zero": 0, "partial": 0, "full": 0}
-    ar_all, spec_all = [], []
-    for p in prompts:
-        ar = tokens_of(list(be.generate(p, st, speculative=False)))
-        rounds = list(be.generate(p, st))
-        spec = tokens_of(rounds)
-        assert_stream_shape(rounds, width=B - 1, max_new_tokens=max_new, stop_ids=stop)
-        same += spec == ar
-        ar_all.append(ar)
-        spec_all.append(spec)
-        rounds_all += rounds
-        for r in rounds[1:-1]:
-            kinds["full" if r.full else "zero" if r.accepted == 0 else "partial"] += 1
-    batched = {i: [] for i in range(len(prompts))}
-    for i, r in be.generate_many(prompts, st):
-        batched[i].append(r)
-    batch_same = sum(tokens_of(batched[i]) == spec_all[i] for i in batched)
-    ar_batch = {i: [] for i in range(len(prompts))}
-    for i, r in be.generate_many(prompts, st, speculative=False):
-        ar_batch[i].append(r)
-    ar_batch_same = sum(tokens_of(ar_batch[i]) == ar_all[i] for i in ar_batch)
-    plain = run_jobs(be, prompts[:4], st, hooked=False).tokens
-    s = summarize(rounds_all)
-    res = {"label": label, "B": B, "prompts": len(prompts), "lossless_1job": f"{same}/{len(prompts)}",
-           "batched_spec_equals_1job": f"{batch_same}/{len(prompts)}", "batched_ar_equals_1job": f"{ar_batch_same}/{len(prompts)}",
-           "unhooked_equals_hooked": f"{sum(plain[i] == spec_all[i] for i in range(4))}/4",
-           "tau": round(s.tau, 3), "rounds": kinds, "accept_per_position": [round(a, 3) for a in s.accept_per_position]}
-    res["_ar"], res["_spec"], res["ok"] = ar_all, spec_all, same == len(prompts)
-    res["first_diff"] = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                         for x, y in zip(spec_all, ar_all) if x != y][:10]
-    return res
 
 
 def check_lossless(ctx: Ctx) -> dict:
@@ -221,31 +137,49 @@ def check_lossless(ctx: Ctx) -> dict:
 
 def check_moe(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_options import Exl3Options, chunkable
 
     be = Exl3Backend.from_dirs(ctx.fix["moe_target"], ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=20)
     try:
-        out, stock = {}, {}
+        out = {}
         for B in (8, 16):
             res = out[f"B{B}"] = lossless(be, prompts, B, "qwen3_5_moe", ctx.max_new)
             ar, spec = res.pop("_ar"), res.pop("_spec")
-            stock[B] = spec
             ctx.run.steps["recurrent_moe_detail"] = out
             if B == 8:                     # the reference tells a near-tie from a rollback bug
                 src = ctx.fix["moe_target"].parent / "target-src"
                 out["reference"] = reference_agreement(src, prompts, ar, ctx.max_new, spec)
-        # issue 16's chunked_verify lever: one job at B=16 verifies 16 rows, split into two fused passes of 8
-        be.set_options(Exl3Options(chunked_verify=True))
-        res = out["chunked_verify_B16"] = lossless(be, prompts, 16, "qwen3_5_moe+chunked_verify", ctx.max_new)
-        res.pop("_ar")
-        chunked = res.pop("_spec")
-        res["equals_stock_spec"] = f"{sum(a == b for a, b in zip(chunked, stock[16]))}/{len(prompts)}"
-        moe = [m for m in be.model if isinstance(m, be.moe_class())]    # 0 chunkable: the check proved nothing
-        res["moe_layers"], res["chunkable_layers"] = len(moe), sum(chunkable(m, {}) for m in moe)
-        ctx.run.steps["recurrent_moe_detail"] = out
         bad = [k for k, v in out.items() if isinstance(v, dict) and v.get("ok") is False]
         assert not bad, f"qwen3_5_moe: not lossless at {bad}"
+        return out
+    finally:
+        free_cuda(be)
+
+
+def check_moe_chunked(ctx: Ctx) -> dict:
+    """Issue 16's chunked_verify lever on the trained MoE target converted to EXL3 4.0 bpw (the fused MoE path it
+    splits exists only for quantized experts): one job at B=16 verifies 16 rows, chunked into two passes of 8.
+    Lossless against AR with and without the lever, and the two speculative outputs equal."""
+    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.runtime.exl3_options import Exl3Options, chunkable
+
+    dst = WORK / "moe_exl3"
+    out = {"convert": convert_exl3(ctx.fix["moe_target"], dst, 4.0) if not (dst / "config.json").is_file() else "kept"}
+    be = Exl3Backend.from_dirs(dst, ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
+    prompts = doc_prompts(be.tokenizer, n=20)
+    try:
+        moe = [m for m in be.model if isinstance(m, be.moe_class())]
+        out["moe_layers"], out["chunkable_layers"] = len(moe), sum(chunkable(m, {}) for m in moe)
+        spec = {}
+        for on in (False, True):
+            be.set_options(Exl3Options(chunked_verify=on))
+            res = out["chunked" if on else "stock"] = lossless(be, prompts, 16, f"moe_exl3 chunked_verify={on}", ctx.max_new)
+            res.pop("_ar")
+            spec[on] = res.pop("_spec")
+            ctx.run.steps["moe_chunked_detail"] = out
+        out["chunked_equals_stock"] = f"{sum(a == b for a, b in zip(spec[True], spec[False]))}/{len(prompts)}"
+        assert out["chunkable_layers"], "no MoE layer of the EXL3 target can be chunked: the check proves nothing"
+        assert out["chunked"]["ok"], f"chunked_verify not lossless: {out['chunked']['lossless_1job']}"
         return out
     finally:
         free_cuda(be)
@@ -394,6 +328,7 @@ def check_errors(ctx: Ctx) -> dict:
 
 
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
+         "moe_chunked": ("moe_chunked_verify", check_moe_chunked),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
 

@@ -28,7 +28,7 @@ from toolkit.runtime.events import tokens_of
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "experiments"
 MODULES = sorted(m.name for m in pkgutil.iter_modules([str(HERE)]))
-LIBRARIES = {"harness", "exl3_timing", "perf_rig", "stream_shape", "ar_rounds"}      # imported by the scripts, not run
+LIBRARIES = {"harness", "exl3_timing", "perf_rig", "stream_shape", "ar_rounds", "lossless"}      # imported by the scripts, not run
 SCRIPTS = [m for m in MODULES if m not in LIBRARIES]
 
 
@@ -207,7 +207,7 @@ def test_quantize_exl3_keeps_what_out_takes_back(tmp_path, monkeypatch):
         (out / name / "README.md").write_text(f"card {name}")
     (out / "report.json").write_text("{}")
     (out / "report.md").write_text("report")
-    monkeypatch.setattr(toolkit.quantize, "main", lambda argv: None)
+    monkeypatch.setattr(toolkit.quantize, "main", lambda argv, on_step=None: None)
     res = q.quantize_run(Path("r.toml"), tmp_path, tmp_path, out, tmp_path / "keep", [])
     kept = sorted(p.name for p in (tmp_path / "keep").iterdir())
     assert res["verdict"] == "pass" and kept == ["cards.tar.gz", "report.json", "report.md"]
