@@ -159,7 +159,7 @@ def check_moe(ctx: Ctx) -> dict:
 def check_moe_chunked(ctx: Ctx) -> dict:
     """Issue 16's chunked_verify lever on the trained MoE target converted to EXL3 4.0 bpw (the fused MoE path it
     splits exists only for quantized experts): one job at B=16 verifies 16 rows, chunked into two passes of 8.
-    Lossless against AR with and without the lever, and the two speculative outputs equal."""
+    Passes when the lever changes no output of the stock speculative run; both runs' agreement with AR is recorded."""
     from toolkit.runtime.exl3_backend import Exl3Backend
     from toolkit.runtime.exl3_options import Exl3Options, chunkable
 
@@ -179,7 +179,8 @@ def check_moe_chunked(ctx: Ctx) -> dict:
             ctx.run.steps["moe_chunked_detail"] = out
         out["chunked_equals_stock"] = f"{sum(a == b for a, b in zip(spec[True], spec[False]))}/{len(prompts)}"
         assert out["chunkable_layers"], "no MoE layer of the EXL3 target can be chunked: the check proves nothing"
-        assert out["chunked"]["ok"], f"chunked_verify not lossless: {out['chunked']['lossless_1job']}"
+        same = sum(a == b for a, b in zip(spec[True], spec[False]))      # near-ties can part stock from AR too (15:20 UTC run)
+        assert same == len(prompts), f"chunked_verify changed {len(prompts) - same} outputs of the stock speculative run"
         return out
     finally:
         free_cuda(be)
