@@ -1,17 +1,31 @@
 """toolkit.quantize with an EXL3 target on the device (issue 17): the full Qwen3.6-35B-A3B recipe on the real shape,
 timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per bitrate on exllamav3.
 
-    source .device/on-device.sh && timeout 590 python -m experiments.quantize_exl3 shape       (carry [".device"])
-    source .device/on-device.sh && timeout 590 python -m experiments.quantize_exl3 pair        (after smol_device stage)
+`shape` on a fresh machine takes two calls, each inside the device's 600 s per command (carry [".device"] both):
 
-`shape`: (1) toolkit.synthetic.synth writes a 4.0 bpw EXL3 target of quantize/shapes/qwen3.6-35b-a3b.json (about
-18.4 GB, ~20 s) and a BF16 drafter of quantize/shapes/qwen3.6-35b-a3b-dflash.json with random weights
-(toolkit.assets.fixtures.random_drafter, std 0.02, plus a README.md and LICENSE so that OUT/upstream is made) into
-/tmp/q36 (kept for a later call on the same warm machine; `shape --stage` writes them and stops, if one call
-cannot hold both); (2) `python -m toolkit.quantize --recipe quantize/qwen3.6-35b-a3b-dflash.toml --model DRAFT
+    # call 1: on-device.sh installs exllamav3 (~100 s on a fresh machine), then the synthesis (~20 s), and stop
+    source .device/on-device.sh && timeout $((585 - SECONDS)) python -m experiments.quantize_exl3 shape --stage
+    # call 2, the same warm machine: /tmp/q36 is reused (no synthesis), the recipe runs: ~7 min expected (on
+    # 2026-12-03 the steps up to `check` took ~6.3 min; `speed` now loads the 18 GB target once, not 6 times)
+    source .device/on-device.sh && timeout $((585 - SECONDS)) python -m experiments.quantize_exl3 shape
+
+`$((585 - SECONDS))` gives python what on-device.sh left of the call (bash's SECONDS counts from the call's start),
+so timeout's SIGTERM comes ~15 s before the device's hard limit: the SIGTERM is recorded (which quantize step it
+cut) and the results saved. Without `--stage` a call synthesises whatever /tmp/q36 lacks and then runs the
+recipe; one call of both fits only when the install is quick (the run of 2026-12-03 19:19 was cut in `speed`).
+
+    # after `python3 -m experiments.smol_device stage` on the same warm machine
+    source .device/on-device.sh && timeout $((585 - SECONDS)) python -m experiments.quantize_exl3 pair
+
+`shape`: (1) `--stage` (or whatever is missing): toolkit.synthetic.synth writes a 4.0 bpw EXL3 target of
+quantize/shapes/qwen3.6-35b-a3b.json (about 18.4 GB, ~20 s) and a BF16 drafter of
+quantize/shapes/qwen3.6-35b-a3b-dflash.json with random weights (toolkit.assets.fixtures.random_drafter, std 0.02,
+plus a README.md and LICENSE so that OUT/upstream is made) into /tmp/q36 (`--work`), each skipped when its
+config.json is there; (2) `python -m toolkit.quantize --recipe quantize/qwen3.6-35b-a3b-dflash.toml --model DRAFT
 --target TARGET --out /tmp/q36/out --force`: 5 bitrates, calibrated, KL/top-1, τ and speed per bitrate on
-exllamav3, report and cards, timed end to end (target: <= 10 minutes, peak <= 22 GiB). Random weights: the numbers
-mean nothing (the thresholds fail and say so), the plumbing, the time and the memory are real.
+exllamav3 (one target load, the drafters swapped in), report and cards, timed end to end (target: <= 10 minutes,
+peak <= 22 GiB). Random weights: the numbers mean nothing (the thresholds fail and say so), the plumbing, the
+time and the memory are real.
 
 `pair`: the SmolLM2 pair. `python3 -m experiments.smol_device stage` first prepares the target in
 /tmp/smol-run/smollm2-135m-instruct (same warm machine); here the target and the shipped drafter
@@ -20,8 +34,11 @@ target is converted to EXL3 4.0 bpw (exllamav3's converter), and toolkit.quantiz
 quantize/smollm2-135m-dflash.toml against it with --also-uncalibrated: τ per bitrate on exllamav3, calibrated vs
 uncalibrated, with the BF16 drafter as reference.
 
-Writes $OUT/quantize_exl3.json (per step: seconds, result, errors) and $OUT/<mode>/ (report.json, report.md,
-tau_top1.png, cards.tar.gz with every card), after every step: 5 files, as $OUT takes back 8.
+Writes $OUT/quantize_exl3.json: per harness step seconds, result, errors; `quantize_steps`, each quantize step's
+seconds and peak GPU memory (GiB: torch's peak, the device's, the plan's estimate) saved as the step ends, and
+`quantize_progress` (the last step done, the one running, the peak so far; `cut_off` when a SIGTERM stopped it),
+so a call cut off at its limit still returns its step table; and $OUT/<mode>/ (report.json, report.md,
+tau_top1.png, cards.tar.gz with every card) once quantize ends: 5 files, as $OUT takes back 8.
 """
 
 from __future__ import annotations
@@ -30,15 +47,18 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from experiments.harness import Run, convert_exl3, device_name, env_float, free_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
+SHAPE_RECIPE = ROOT / "quantize" / "qwen3.6-35b-a3b-dflash.toml"
 Q36 = Path("/tmp/q36")
 SMOL = Path("/tmp/smol-run")
 GIB = 1024**3
@@ -74,15 +94,17 @@ def stage_shape(work: Path) -> dict:
     return out
 
 
-def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path, extra: list[str]) -> dict:
-    """python -m toolkit.quantize ... --force, timed end to end; the report, card and verdict kept under `keep`."""
+def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path, extra: list[str],
+                 on_step: Callable[[dict], None] | None = None) -> dict:
+    """python -m toolkit.quantize ... --force, timed end to end; the report, card and verdict kept under `keep`;
+    `on_step` gets each quantize step's row as it ends (recorder)."""
     from toolkit.core.errors import ToolkitError
     from toolkit.quantize import main
 
     t = time.time()
     try:
         main(["--recipe", str(recipe), "--model", str(model), "--target", str(target), "--out", str(out), "--force",
-              *extra])
+              *extra], on_step=on_step)
         verdict = "pass"
     except ToolkitError as e:                    # below a threshold: report and cards are still written
         verdict = str(e)[:800]
@@ -101,16 +123,59 @@ def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path,
             **summary(rep)}
 
 
+def gib(v: int | None) -> float | None:
+    return None if v is None else round(v / GIB, 2)
+
+
+def step_row(s: dict) -> dict:
+    """One quantize step (a row of report.json's `steps`) in GiB: seconds, torch's and the device's peak, the plan's."""
+    return {"step": s["step"], "seconds": s["seconds"], "peak_allocated_gib": gib(s.get("peak_allocated_bytes")),
+            "peak_device_gib": gib(s.get("peak_device_bytes")), "estimated_gib": gib(s.get("estimated_bytes"))}
+
+
+def recorder(run: Run) -> Callable[[dict], None]:
+    """toolkit.quantize's on_step: each step's row into results["quantize_steps"] and results["quantize_progress"]
+    (the step that runs next, the peaks so far), saved at once, so a call cut off later still returns them."""
+    from toolkit.quant.run import STEPS
+
+    rows: list[dict] = []
+    run.results.update(quantize_steps=rows, quantize_progress={"done": None, "running": STEPS[0]})
+    t0 = time.time()
+
+    def on_step(row: dict) -> None:
+        rows.append(step_row(row))
+        i = STEPS.index(row["step"])
+        top = lambda k: max((r[k] for r in rows if r[k] is not None), default=None)      # noqa: E731
+        run.results["quantize_progress"] = {
+            "done": row["step"], "running": STEPS[i + 1] if i + 1 < len(STEPS) else None,
+            "seconds": round(time.time() - t0, 1), "steps_seconds": round(sum(r["seconds"] for r in rows), 1),
+            "peak_allocated_gib": top("peak_allocated_gib"), "peak_device_gib": top("peak_device_gib")}
+        run.log("quantize step", row["step"], f"{row['seconds']}s")
+        run.save()
+
+    return on_step
+
+
+def stop_on_sigterm(run: Run):
+    """timeout's SIGTERM becomes a SystemExit that the harness records as the running step's failure, with the
+    quantize step it cut in results["quantize_progress"]["cut_off"]; returns the handler it replaced."""
+    def stop(signum, frame):
+        prog = run.results.get("quantize_progress")
+        if prog is not None:
+            prog["cut_off"] = {"signal": "SIGTERM", "at_s": round(run.elapsed(), 1), "in_step": prog.get("running")}
+        raise SystemExit(f"SIGTERM at {run.elapsed():.0f} s"
+                         + (f", in quantize step {prog.get('running')}" if prog is not None else ""))
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 def summary(rep: dict) -> dict:
     """What docs/benchmarks.md needs from a report: time and memory per step, τ and speed per bitrate."""
     if not rep:
         return {}
-    g = lambda v: None if v is None else round(v / GIB, 2)      # noqa: E731
     return {
-        "memory_gib": {k: g(v) if k.endswith("bytes") else v for k, v in (rep.get("memory") or {}).items()},
-        "steps": [{"step": s["step"], "seconds": s["seconds"], "peak_allocated_gib": g(s["peak_allocated_bytes"]),
-                   "peak_device_gib": g(s["peak_device_bytes"]), "estimated_gib": g(s["estimated_bytes"])}
-                  for s in rep.get("steps") or []],
+        "memory_gib": {k: gib(v) if k.endswith("bytes") else v for k, v in (rep.get("memory") or {}).items()},
+        "steps": [step_row(s) for s in rep.get("steps") or []],
         "recommended_draft_tokens": rep.get("recommended_draft_tokens"),
         "widths": [{k: c.get(k) for k in ("draft_tokens", "tau", "tok_s", "ar_tok_s", "speedup", "lossless")}
                    for c in rep.get("exl3_widths") or []],
@@ -127,8 +192,8 @@ def run_shape(run: Run, a) -> None:
     if staged is None or a.stage:
         return
     free_cuda()
-    run.step("quantize", quantize_run, ROOT / "quantize" / "qwen3.6-35b-a3b-dflash.toml", a.work / "draft",
-             a.work / "target-4.0", a.work / "out", run.path.parent / "shape", [], need_s=120)
+    run.step("quantize", quantize_run, SHAPE_RECIPE, a.work / "draft", a.work / "target-4.0", a.work / "out",
+             run.path.parent / "shape", [], recorder(run), need_s=120)
 
 
 def stage_pair(work: Path, target: Path, draft: Path) -> dict:
@@ -158,13 +223,15 @@ def run_pair(run: Run, a) -> None:
     if staged is None:
         return
     run.step("quantize", quantize_run, ROOT / "quantize" / "smollm2-135m-dflash.toml", Path(staged["padded"][1]),
-             Path(staged["target"]), a.work / "out", run.path.parent / "pair", ["--also-uncalibrated"], need_s=60)
+             Path(staged["target"]), a.work / "out", run.path.parent / "pair", ["--also-uncalibrated"], recorder(run),
+             need_s=60)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.quantize_exl3", description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=("shape", "pair"), help="shape: the Qwen3.6 recipe on synthetic weights; pair: SmolLM2")
-    ap.add_argument("--stage", action="store_true", help="shape: only write the synthetic target and drafter")
+    ap.add_argument("--stage", action="store_true", help="shape: only write the synthetic target and drafter into "
+                    "--work (call 1 of two on a fresh machine; call 2, without it, reuses them)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default /tmp/q36, or /tmp/smol-run/q for pair)")
     ap.add_argument("--smol-target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")),
                     help="pair: the prepared SmolLM2 target (default SMOL_TARGET, else /tmp/smol-run/smollm2-135m-instruct)")
@@ -176,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     a.work = a.work or (Q36 if a.mode == "shape" else SMOL / "q")
     run = Run("quantize_exl3.json", budget_s=a.budget_s, section="steps")
     run.results.update(mode=a.mode, device=device_name(), work=str(a.work))
-    (run_shape if a.mode == "shape" else run_pair)(run, a)
+    before = stop_on_sigterm(run)
+    try:
+        (run_shape if a.mode == "shape" else run_pair)(run, a)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     return run.finish()
 
 

@@ -46,13 +46,16 @@ def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
     engine = fakes.install_engine(monkeypatch, pair[0])
     report = run(tmp_path, pair, exl3, also_uncalibrated=True)
     assert report["target_kind"] == "exl3" and report["target"] == str(exl3) and report["target_sha"] is None
-    # the target ran once for the prompts and was unloaded before conversion; then one drafter at a time with it
+    # the target ran once for the prompts and was unloaded before conversion; then loaded once more with the BF16
+    # drafter, and every bitrate swapped into that load, one at a time
     folders = [r["folder"] for r in report["results"]]
     assert engine.events[:2] == ["open_target", "close_target"]
     assert [e for e in engine.events if e.startswith("convert:")] == [f"convert:.{f}.partial" for f in folders]
-    backends = engine.events[2 + len(folders):]
-    assert backends == [x for f in ["bf16-reference", *folders] for x in (f"open_backend:{f}", f"close_backend:{f}")]
-    assert engine.calls[0]["target"] == exl3 and all(c["max_concurrency"] == 1 for c in engine.calls[1:])
+    chain = ["bf16-reference", *folders]
+    assert engine.events[2 + len(folders):] == ["open_backend:bf16-reference",
+                                                *[f"swap:{a}->{b}" for a, b in zip(chain, chain[1:])],
+                                                f"close_backend:{folders[-1]}"]
+    assert len(engine.calls) == 2 and engine.calls[0]["target"] == exl3 and engine.calls[1]["max_concurrency"] == 1
     # tau and speed per bitrate on the engine, the BF16 drafter as reference, the width sweep and its pick
     sweep = report["exl3_widths"]
     assert [c["draft_tokens"] for c in sweep] == [3, 7, 15]
@@ -293,3 +296,27 @@ def test_report_says_where_outputs_left_ar(tmp_path, pair, exl3, monkeypatch):
     report["results"][0]["exl3"]["first_diff"] = [None, 41, None, 7]
     md = render_markdown(report)
     assert f"- {report['results'][0]['folder']}: output left AR's on 2 of 4 prompts, first at token 41, 7" in md
+
+
+def test_swapped_drafters_measure_as_fresh_loads(tmp_path, pair, exl3, monkeypatch):
+    """speed swaps each bitrate into one load of the target: each drafter's τ, acceptance and output (against the
+    one AR baseline of that load) are what a load of the target with that drafter alone measures."""
+    from test_quantize_pipeline import HELD
+    from toolkit.quant import speed as spd
+    from toolkit.runtime.backend import encode_chat
+    from toolkit.runtime.torch_backend import load_hf_tokenizer
+
+    fakes.install(monkeypatch)
+    engine = fakes.install_engine(monkeypatch, pair[0])
+    report = run(tmp_path, pair, exl3, bits="2,8", calibrate=False)
+    tok = load_hf_tokenizer(exl3, "--target")
+    setup = spd.SpeedSetup(exl3, str(exl3), 4.0, [encode_chat(tok, t) for t in HELD], 6, 512)
+    w = report["recommended_draft_tokens"]
+    for row in report["results"]:
+        with spd.loaded(engine, setup, tmp_path / "out" / row["folder"]) as be:
+            fresh = spd.measure(be, setup, [w], spd.baseline(be, setup))[w]
+        got = row["exl3"]
+        for k in ("tau", "accept_per_position", "lossless", "first_diff", "tokens", "draft_tokens"):
+            assert got[k] == fresh[k], k
+    # the 2 bpw drafter measures apart from the 8 bpw one: the swap took (without it both would be the BF16 drafter)
+    assert report["results"][0]["exl3"]["tau"] != report["results"][1]["exl3"]["tau"]

@@ -126,8 +126,9 @@ class FakeExl3Target:
 
 
 class FakeEngine:
-    """engine.Exl3Engine on CPU: the target alone is FakeExl3Target, the target with a drafter the torch backend;
-    `events` records loads, closes and (through the converter fake) conversions, in order."""
+    """engine.Exl3Engine on CPU: the target alone is FakeExl3Target, the target with a drafter the torch backend
+    (swap_draft replaces its drafter); `events` records loads, swaps, closes and (through the converter fake)
+    conversions, in order."""
 
     def __init__(self, hf_dir, free: int = 80 * 1024**3, why: str | None = None):
         self.hf_dir, self.free, self.why = hf_dir, free, why
@@ -152,14 +153,23 @@ class FakeEngine:
         from toolkit.quant.check import load_quantized
         from toolkit.runtime.torch_backend import TorchBackend
 
-        name = Path(draft).name
         self.calls.append({"target": Path(target), "draft": Path(draft), "cache_tokens": cache_tokens,
                            "max_concurrency": max_concurrency})
-        self.events.append(f"open_backend:{name}")
+        self.events.append(f"open_backend:{Path(draft).name}")
         model, tok = load_target(self.hf_dir)          # an EXL3 drafter folder dequantized as the check loads it
         be = TorchBackend(model, tok, load_quantized(Path(draft), DFlashConfig.from_dir(draft)))
-        be.close = lambda: self.events.append(f"close_backend:{name}")
+        be.draft_name = Path(draft).name
+        be.close = lambda: self.events.append(f"close_backend:{be.draft_name}")
         return be
+
+    def swap_draft(self, backend, draft):
+        from toolkit.dflash import DFlashConfig
+        from toolkit.quant.check import load_quantized
+
+        self.events.append(f"swap:{backend.draft_name}->{Path(draft).name}")
+        backend.drafter = load_quantized(Path(draft), DFlashConfig.from_dir(draft))
+        backend.draft_name = Path(draft).name
+        backend.policies.clear()
 
 
 def install_engine(monkeypatch, hf_dir, **kw) -> FakeEngine:

@@ -258,7 +258,9 @@ def test_quantize_places_an_exl3_target_by_the_split(tmp_path, pair, monkeypatch
     exl3 = fakes.exl3_target(pair[0], tmp_path / "tiny-exl3", bits=4.0)
     want = GpuSplit((16.0, 16.0), False, 1)
     run(tmp_path, pair, exl3, bits="8", calibrate=False, gpu_split="16,16", draft_device=1)
-    assert ("free", want) in splits and [s for s in splits if s != ("free", want)] == [want] * 3   # target, bf16, 8bpw
+    # the target step's load, then speed's one load (with the BF16 drafter; 8 bpw is swapped into it, keeping it)
+    assert ("free", want) in splits and [s for s in splits if s != ("free", want)] == [want] * 2
+    assert "swap:bf16-reference->8.0bpw" in engine.events
     with pytest.raises(OptionError, match=r"^gpu_split places an EXL3 target on exllamav3 \(got split 16,16\); "
                                           r"this run loads a transformers target$"):
         run(tmp_path, pair, pair[0], out="out-hf", bits="8", calibrate=False, gpu_split="16,16")

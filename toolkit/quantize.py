@@ -12,6 +12,8 @@ publishing, from hub/: the upstream README.md and LICENSE* into OUT/upstream, a 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .core.cli import entry, option, run
@@ -54,9 +56,10 @@ class QuantizeOptions:
     draft_device: int = option(0, DRAFT_HELP, metavar="N", group=SPLIT_GROUP)
 
 
-def quantize(push: str | None = None, **args) -> int:
-    """The pipeline (`start(**args)`: the library), then publishing; `push` is the Hub repo of a passing run."""
-    run = start(**args)
+def quantize(push: str | None = None, on_step: Callable[[dict], None] | None = None, **args) -> int:
+    """The pipeline (`start(**args)`: the library), then publishing; `push` is the Hub repo of a passing run,
+    `on_step` gets each step's timing row as it ends (not a flag: for callers such as the device scripts)."""
+    run = start(on_step=on_step, **args)
     claim(run.s.out, "quantize", True)        # OUT a file, under a file, unwritable: refused before any work
     run = execute(run)                        # OUT's bitrate folders and report, thresholds not yet enforced
     if run.dry_run:
@@ -69,8 +72,9 @@ def quantize(push: str | None = None, **args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run(quantize, QuantizeOptions, argv, "python -m toolkit.quantize", __doc__.split("\n\n")[0], EXAMPLE,
+def main(argv: list[str] | None = None, on_step: Callable[[dict], None] | None = None) -> int:
+    fn = functools.partial(quantize, on_step=on_step) if on_step else quantize
+    return run(fn, QuantizeOptions, argv, "python -m toolkit.quantize", __doc__.split("\n\n")[0], EXAMPLE,
                output_policy=True)
 
 

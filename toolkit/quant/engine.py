@@ -1,9 +1,10 @@
 """The one seam between the quantize pipeline and exllamav3 at run time (the converter subprocess aside).
 
-With an EXL3 target the pipeline asks four things of exllamav3: can it run here, how much GPU memory is free,
-the target alone (greedy continuations and taps, runtime/exl3_taps.py), and the target with one drafter
-(the exllamav3 backend, for τ and speed). `ENGINE` answers them; the CPU tests replace it with a stand-in over
-a transformers model, as they replace the converter at convert.run_converter.
+With an EXL3 target the pipeline asks five things of exllamav3: can it run here, how much GPU memory is free,
+the target alone (greedy continuations and taps, runtime/exl3_taps.py), the target with one drafter (the
+exllamav3 backend, for τ and speed), and another drafter in that loaded backend (runtime/exl3_swap.py).
+`ENGINE` answers them; the CPU tests replace it with a stand-in over a transformers model, as they replace the
+converter at convert.run_converter.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ class Exl3Engine:
 
         return load_backend("exllamav3", target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
                             split=split)
+
+    def swap_draft(self, backend, draft: Path) -> None:
+        """Another drafter in a backend from open_backend: the target stays loaded (runtime.exl3_swap)."""
+        from ..runtime.exl3_swap import swap_draft
+
+        swap_draft(backend, draft)
 
 
 ENGINE = Exl3Engine()

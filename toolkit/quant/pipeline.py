@@ -1,19 +1,19 @@
 """quantize(): validate, plan, target, calibrate, convert, check, speed, report, as steps over one Run.
 
 Each step reads what the earlier ones left on the Run and adds its own; each is timed and its peak GPU memory
-measured (memory.Meter) into report.json's `steps`. The target is either a transformers (BF16) checkpoint that
-stays loaded, or an EXL3 one that runs on exllamav3 (engine.ENGINE): once for every prompt's continuation and
-taps (then unloaded, so calibration, conversion and the KL check run beside the drafters only), and again in
-`speed`, with one drafter at a time, for τ and tok/s on the engine users serve with. The pipeline writes OUT
-only: one folder per bitrate, report.json / report.md / tau_top1.png. Model cards, the upstream card and the
-push are publishing (hub/), composed by toolkit/quantize.py. CLI and Python share start(**vars(args)).
-"""
+measured (memory.Meter) into report.json's `steps` (and handed to `on_step` as it ends). The target is either a
+transformers (BF16) checkpoint that stays loaded, or an EXL3 one that runs on exllamav3 (engine.ENGINE): once for
+every prompt's continuation and taps (then unloaded, so calibration, conversion and the KL check run beside the
+drafters only), and once more in `speed`, with the drafters swapped in one at a time, for τ and tok/s on the
+engine users serve with. The pipeline writes OUT only: one folder per bitrate, report.json / report.md /
+tau_top1.png. Model cards, the upstream card and the push are publishing (hub/), composed by toolkit/quantize.py.
+CLI and Python share start(**vars(args))."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -303,13 +303,15 @@ def speed(run: Run) -> None:
     setup = spd.SpeedSetup(run.target_dir, s.target, target_bits(run.target_config), run.held_ids, r.max_new_tokens,
                            mem.job_tokens(n, r.max_new_tokens, c.block_size), run.split_kw())
     ref_dir = spd.shadow_reference(run.model_dir, run.work / "bf16-reference", run.tap_shift)
-    sweep, ar = spd.measure(engine.ENGINE, setup, ref_dir, spd.widths_for(c.block_size, r.draft_tokens))
-    run.exl3_widths = [sweep[w] for w in sorted(sweep)]
-    run.recommended = spd.best_width(sweep) or max(sweep)
-    run.bf16_exl3 = sweep.get(run.recommended)
-    for item in tqdm(run.items, desc="speed", unit="bitrate", disable=not run.progress, leave=False):
-        got, _ = spd.measure(engine.ENGINE, setup, run.dest / item.folder, [run.recommended], ar)
-        run.exl3[item.folder] = got[run.recommended]
+    with spd.loaded(engine.ENGINE, setup, ref_dir) as be:       # one target load; the drafters are swapped in
+        ar = spd.baseline(be, setup)
+        sweep = spd.measure(be, setup, spd.widths_for(c.block_size, r.draft_tokens), ar)
+        run.exl3_widths = [sweep[w] for w in sorted(sweep)]
+        run.recommended = spd.best_width(sweep) or max(sweep)
+        run.bf16_exl3 = sweep.get(run.recommended)
+        for item in tqdm(run.items, desc="speed", unit="bitrate", disable=not run.progress, leave=False):
+            engine.ENGINE.swap_draft(be, run.dest / item.folder)
+            run.exl3[item.folder] = spd.measure(be, setup, [run.recommended], ar)[run.recommended]
     if all((x.get("speedup") or 0) < 1 for x in run.exl3_widths):
         run.notes.append("speculative decoding was slower than AR at every measured draft width")
 
@@ -350,12 +352,13 @@ def start(recipe: str | None = None, model: str | None = None, revision: str | N
           bits: str | list | None = None, out: str | None = None, work_dir: str | None = None, calibrate: bool = True,
           also_uncalibrated: bool = False, check: bool = True, dry_run: bool = False, force: bool = False,
           device: str | None = None, progress: bool = True, gpu_split: str | None = None,
-          tensor_parallel: bool = False, draft_device: int = 0) -> Run:
+          tensor_parallel: bool = False, draft_device: int = 0, on_step: Callable[[dict], None] | None = None) -> Run:
     """A Run from the recipe and the command line (flags win); nothing is read or written yet. gpu_split,
-    tensor_parallel and draft_device place an EXL3 target (and the drafter of the speed step) across GPUs."""
+    tensor_parallel and draft_device place an EXL3 target (and the drafter of the speed step) across GPUs;
+    on_step gets each step's row of report.json's `steps` as the step ends (a device script records them)."""
     s = merge(recipe, model, revision, target, bits, out, work_dir)
     split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
-    return Run(s, calibrate, also_uncalibrated, check, dry_run, force, device, progress, split=split)
+    return Run(s, calibrate, also_uncalibrated, check, dry_run, force, device, progress, split=split, on_step=on_step)
 
 
 def execute(run: Run) -> Run:

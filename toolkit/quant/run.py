@@ -34,6 +34,7 @@ class Run:
     device: str | None = None           # as given: the converter's GPU (cpu still converts on GPU 0)
     progress: bool = True
     split: GpuSplit = field(default_factory=GpuSplit)   # the EXL3 target's GPUs and the drafter's (exllamav3 steps)
+    on_step: Callable[[dict], None] | None = None       # called with each step's timing row as the step ends
     bar: Any = None                     # the steps' progress bar
     dest: Path | None = None            # where this run writes: OUT, or under --force the folder that replaces it
     model_dir: Path | None = None
@@ -119,14 +120,18 @@ class Run:
 
 
 def step(fn: Callable[[Run], None]) -> Callable[[Run], None]:
-    """A step on the progress bar (its name while it runs, a tick when done), timed and its GPU peak measured."""
+    """A step on the progress bar (its name while it runs, a tick when done), timed and its GPU peak measured;
+    the row goes to run.timings and, as the step ends, to run.on_step (so a run cut off later still tells it)."""
 
     @functools.wraps(fn)
     def run_step(run: Run) -> None:
         run.bar.set_description(fn.__name__)
         with Meter(enabled=not run.dry_run) as m:        # a dry run touches no GPU
             fn(run)
-        run.timings.append(m.row(fn.__name__, run.estimate(fn.__name__)))
+        row = m.row(fn.__name__, run.estimate(fn.__name__))
+        run.timings.append(row)
+        if run.on_step is not None:
+            run.on_step(dict(row))
         run.bar.update()
 
     return run_step

@@ -1,17 +1,21 @@
 """τ and speed of each drafter on exllamav3 with the EXL3 target: the numbers the users of the quants get.
 
-For one drafter folder the target and that drafter are loaded through the exllamav3 backend (engine.ENGINE),
-the held-out prompts are decoded one after another (one user's stream) greedily at each asked draft width
-(GenSettings with a fixed block of width + 1), and the backend is closed before the next drafter loads. Plain
-AR on the same target runs once, in the first load, and is the baseline of every drafter (same process, same
-target and cache). Per width: τ (mean accepted + 1 per verification round), acceptance per draft position,
-tok/s of both, the speedup, and the share of prompts whose output equals AR's.
+The target is loaded once, with the first drafter, through the exllamav3 backend (engine.ENGINE); every other
+drafter is swapped into that backend (engine.ENGINE.swap_draft: the old drafter unloaded, the new one loaded
+beside the same target, cache and placement), so a run of five bitrates pays one target load, not six. The
+held-out prompts are decoded one after another (one user's stream) greedily at each asked draft width
+(GenSettings with a fixed block of width + 1). Plain AR on the same target runs once, right after the load, and
+is the baseline of every drafter (same process, same target load and cache). Per width: τ (mean accepted + 1
+per verification round), acceptance per draft position, tok/s of both, the speedup, and the share of prompts
+whose output equals AR's.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,26 +77,37 @@ def cell(rounds: list[list[Round]], secs: float, ar: Baseline, width: int, setup
             "seconds": round(secs, 3)}
 
 
-def measure(engine, setup: SpeedSetup, draft: Path, widths: list[int],
-            ar: Baseline | None = None) -> tuple[dict[int, dict], Baseline]:
-    """Each draft width for one drafter folder, in one load of target + drafter: ({width: exl3 object}, the AR
-    baseline). AR runs in this load unless `ar` (an earlier load's, same target and process) is given."""
+@contextmanager
+def loaded(engine, setup: SpeedSetup, draft: Path) -> Iterator[Backend]:
+    """The target with `draft` on the engine (one job at a time), closed and its GPU memory freed at the end."""
     be = engine.open_backend(setup.target, draft, setup.cache_tokens, 1, **setup.split_kw)
     try:
-        base = GenSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, block_size=None)
-        if ar is None:
-            rounds, secs = decode(be, setup.prompts, base, speculative=False)
-            ar = Baseline(summarize([r for job in rounds for r in job], secs).tok_s, [tokens_of(job) for job in rounds])
-        out = {}
-        for w in widths:
-            rounds, secs = decode(be, setup.prompts, GenSettings(**{**vars(base), "block_size": w + 1}), speculative=True)
-            out[w] = cell(rounds, secs, ar, w, setup)
-        return out, ar
+        yield be
     finally:
         be.close()
         from ..runtime.exl3_taps import free_gpu
 
         free_gpu()
+
+
+def settings(setup: SpeedSetup, width: int = 0) -> GenSettings:
+    """Greedy decoding of max_new_tokens; a fixed block of width + 1 (0: no block, the AR baseline)."""
+    return GenSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, block_size=width + 1 if width else None)
+
+
+def baseline(be: Backend, setup: SpeedSetup) -> Baseline:
+    """Plain AR over the prompts on the loaded target: the baseline of every drafter measured in this load."""
+    rounds, secs = decode(be, setup.prompts, settings(setup), speculative=False)
+    return Baseline(summarize([r for job in rounds for r in job], secs).tok_s, [tokens_of(job) for job in rounds])
+
+
+def measure(be: Backend, setup: SpeedSetup, widths: list[int], ar: Baseline) -> dict[int, dict]:
+    """The loaded drafter at each draft width: {width: the report's exl3 object}."""
+    out = {}
+    for w in widths:
+        rounds, secs = decode(be, setup.prompts, settings(setup, w), speculative=True)
+        out[w] = cell(rounds, secs, ar, w, setup)
+    return out
 
 
 def widths_for(block_size: int, asked: list[int] | None) -> list[int]:

@@ -1,0 +1,68 @@
+"""Swap the DFlash drafter of a loaded exllamav3 backend; the target, its cache and its placement stay loaded.
+
+exllamav3 1.6.5 ties a drafter to the target only through the Generator (which attaches the drafter and asks the
+target for the tapped states per forward) and, in the layer-split loader, through the tapped layers' budget
+(`export_state_layers`: the same for every drafter of one target and block size). So the swap retires the
+Generator, unloads the old drafter (its cache's tensors go with it), and loads the new one with a fresh cache of
+the same size on the same device, as `exl3_backend.load_models` does; the next generate builds a new Generator.
+The quantize speed step measures every bitrate this way against one load of the target (the synthetic 18.4 GB
+Qwen3.6-35B-A3B target loaded with a drafter in 22.4 s on an H200, docs/perf_2026-12-02.json).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.errors import ToolkitError
+from ..core.target import TargetInfo
+from . import gpu_split
+from .exl3_backend import LOAD_CHUNK, Exl3Backend
+from .exl3_memory import GIB
+from .exl3_taps import free_gpu
+
+
+def swap_draft(be: Exl3Backend, draft: str | Path) -> None:
+    """Replace `be`'s drafter by the one in `draft` (EXL3 or BF16 layout) with the same block size. Cost tables
+    and policies start over. One-line errors: a drafter that does not fit is refused before anything is unloaded;
+    one that fails to load leaves the backend without a drafter (close it)."""
+    from ..dflash import DFlashConfig
+
+    draft = Path(draft)
+    if be.draft is None:
+        raise ToolkitError("swap_draft: this backend was loaded without a drafter")
+    conf = DFlashConfig.from_dir(draft)
+    try:
+        conf.validate_against(TargetInfo.read(be.folders[0]).config)
+    except ToolkitError as e:
+        raise ToolkitError(f"drafter {draft} does not fit target {be.folders[0]}: {e}") from None
+    if conf.block_size != be.block_size:      # the target cache's history was sized for the first drafter's block
+        raise ToolkitError(f"drafter {draft} has block size {conf.block_size}, the loaded one {be.block_size}: "
+                           "load a new backend for it")
+    if be._gen is not None:                   # the Generator holds the old drafter and its cache
+        be._gen.close()
+        be._gen = None
+    be.draft.unload()
+    be.draft = be.draft_cache = None
+    free_gpu()                                # the old drafter's memory back before the new one loads
+    exl, tokens = be.exl, be.cache_tokens
+    chunk = {"max_chunk_size": tokens} if tokens < LOAD_CHUNK else {}
+    try:
+        model = exl.Model.from_config(exl.Config.from_directory(str(draft)))
+        cache = exl.Cache(model, max_num_tokens=tokens, max_batch_size=be.max_concurrency,
+                          max_history=max(conf.block_size - 1, 1))
+        model.load(progressbar=False, **be.split.draft_load_kwargs(gpu_split.device_count()), **chunk)
+    except Exception as e:
+        import torch
+
+        if isinstance(e, torch.OutOfMemoryError):
+            free = torch.cuda.mem_get_info()[0] / GIB
+            raise ToolkitError(f"not enough GPU memory: ran out while loading drafter {draft}, "
+                               f"{free:.1f} GiB free now") from None
+        if isinstance(e, (AssertionError, ValueError, KeyError, OSError, NotImplementedError)):
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ToolkitError(f"exllamav3 cannot load drafter {draft}: {why}") from None
+        raise
+    be.draft, be.draft_cache = model, cache
+    be.folders = (be.folders[0], draft)
+    be.costs.clear()                          # measured for the old pair (and keyed by its folders)
+    be.policies.clear()
