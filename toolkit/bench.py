@@ -9,8 +9,10 @@ accepted + 1 per verification round), per-position acceptance and losslessness (
 with --timing-only (implied for synthetic checkpoints, whose acceptance means nothing) only the costs. With
 --project-tau it projects, from the measured t_AR and t_round(w, c), the speedup at a given tau for exllamav3's
 defaults (B-1 drafts every round) and for the policy's best width. It prints a table and writes bench.json and
-bench.png into --out. Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one
-after another (it has no batching): use it for small models.
+bench.png into --out; each `auto` cell of bench.json holds "costs": the policy's round costs per concurrency and
+width, the table it started from and the curve it had learned at the cell's end. Without --target/--draft it uses
+the shipped tiny pair. On the torch backend jobs run one after another (it has no batching): use it for small
+models.
 """
 
 from __future__ import annotations

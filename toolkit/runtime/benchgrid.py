@@ -4,7 +4,9 @@ repeated rep by rep so that drift spreads over every cell, and the statistics an
 A cell is one setting at one concurrency c: all its jobs run in waves of c (one after another on a backend that
 does not batch). Each repetition runs every cell once, in the same order; a cell reports the median and spread
 of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, and
-tau / acceptance / losslessness pooled over them. `python -m toolkit.bench` prints and plots it.
+tau / acceptance / losslessness pooled over them. An `auto` cell also records its policy's cost curves ("costs":
+the table it started from and the learned one after the cell's last repetition, ms per width per concurrency;
+runtime/learned_costs.cost_report). `python -m toolkit.bench` prints and plots it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from ..core.target import read_optional
 from .backend import Backend, GenSettings
 from .events import Round, summarize, tokens_of
 from .exl3_options import Exl3Options
-from .policy import CostTable
+from .learned_costs import cost_report
+from .policy import CostTable, Policy
 from .projection import project, spread
 
 
@@ -97,6 +100,15 @@ def use_options(be: Backend, options: Exl3Options | None) -> None:
         be.set_options(options or Exl3Options())
 
 
+def auto_policy(be: Backend, settings: GenSettings) -> Policy | None:
+    """The auto policy a backend decodes `settings` with (None before its first auto run, or without one)."""
+    from .exl3_backend import Exl3Backend
+
+    greedy = settings.temperature <= 0
+    key = (greedy, be.options.tag) if isinstance(be, Exl3Backend) else greedy
+    return getattr(be, "policies", {}).get(key)
+
+
 def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: list[Cell], reps: int = 1,
              warmup: bool = True, timing_only: bool = False, quiet: bool = True,
              deadline: float | None = None) -> tuple[list[dict], list[dict]]:
@@ -104,6 +116,7 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     With a `deadline` (time.time()) no repetition starts that the mean one so far would not finish before it; the
     cells then say how many ran (`reps`)."""
     runs: dict[Cell, list[tuple[list[list[Round]], float]]] = {c: [] for c in cells}
+    costs: dict[Cell, dict] = {}              # auto cells: the policy's cost curves after the cell's last run
     bar = tqdm(total=reps * len(cells), desc="bench", disable=quiet, file=sys.stderr)
     t0 = time.time()
     for rep in range(reps):
@@ -114,6 +127,9 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
             st = GenSettings(**{**vars(settings), "block_size": cell.block})
             runs[cell].append(run_cell(be, job_list(ids, cell.concurrency), cell.concurrency, st,
                                        speculative=not cell.ar, warmup=warmup))
+            pol = auto_policy(be, st) if st.auto else None
+            if pol is not None:
+                costs[cell] = cost_report(pol)
             bar.update()
     bar.close()
     use_options(be, None)
@@ -121,6 +137,9 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     ar_cells = {c: summarize_cell(c, runs[c], None, timing_only, settings.temperature) for c in ar.values()}
     out = [summarize_cell(c, runs[c], (ar_cells[ar[c.concurrency]], runs[ar[c.concurrency]]), timing_only,
                           settings.temperature) for c in cells if not c.ar]
+    for c, stats in zip([c for c in cells if not c.ar], out):
+        if c in costs:
+            stats["costs"] = costs[c]
     return list(ar_cells.values()), out
 
 

@@ -14,7 +14,8 @@ knobs as follows:
   widths, fixed or auto: one speculative Generator (built for B-1) serves every width, and one without drafter
   is the AR baseline.
 - t_round(w, c) is measured on the loaded model at first use of each concurrency c (exl3_policy.calibrate),
-  cached per model pair, GPU and options; between calibrated concurrencies the nearest one is used.
+  cached per model pair, GPU and options; between calibrated concurrencies the nearest one is used. That table is
+  the prior: the policy corrects it per width from the iterate() times it observes (`learn_costs`, on by default).
 - `draft_max_rows` (exllamav3's static row ceiling) is what our per-c cost table subsumes; it stays a lever.
 - `dynamic_draft_tokens` (+ `draft_confidence`) is exllamav3's own confidence-based truncation: an alternative
   to our policy to compare against; with it on, "auto" offers B-1 each round and exllamav3 cuts it.
@@ -123,6 +124,7 @@ class Exl3Backend(Backend):
         self.options = Exl3Options()
         self.costs: dict[str, dict[int, dict[int, float]]] = {}   # options tag -> {c: {w: ms}}
         self.policies: dict[tuple[bool, str], BatchPolicy] = {}    # (greedy, options tag) -> its policy
+        self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds (exl3_policy)
         self.set_options(options or Exl3Options())
 
     @classmethod
@@ -262,7 +264,8 @@ class Exl3Backend(Backend):
         key = (settings.temperature <= 0, self.options.tag)
         pol = self.policies.get(key)
         if pol is None:
-            pol = self.policies[key] = BatchPolicy(self.block_size, table, concurrency=concurrency)
+            pol = self.policies[key] = BatchPolicy(self.block_size, table, concurrency=concurrency,
+                                                   learn_costs=self.learn_costs)
         pol.costs, pol.concurrency = table, None          # set_concurrency again on the next round
         return pol
 
@@ -334,7 +337,7 @@ class Exl3Backend(Backend):
                         done.append((tr.index, rnd))
                         seen.append((tr.index, proposal if rnd.drafted else (), rnd))
                 if policy is not None:
-                    policy.observe_round(seen)
+                    policy.observe_round(seen, t_round)
                 yield from done
         finally:
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages

@@ -10,6 +10,16 @@ stop tokens) at fixed widths, interleaved width by width so drift spreads evenly
 runs it once per concurrency at first use (`calibrate`) and caches the table per model pair, GPU, options and
 concurrency through runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with
 more repetitions.
+
+That table is only the prior (`learn_costs`, on by default; the backend's `learn_costs` attribute turns it off).
+Every decoding iterate() whose jobs all emitted and none was prefilling is timed into runtime/learned_costs.py
+under (concurrency, the width asked), which corrects the curve per width: a settled width costs the median of its
+recent rounds, other widths follow the table scaled by their settled neighbours, and the curve stays
+non-decreasing (that module's docstring has the rules). A policy sees only the widths it picks, so while drafting
+it also makes cost probes, at most one every `explore_every` drafting rounds: B-1 while it is wider than every
+settled width and would beat the current width w even at w's cost; half the narrowest settled width while it
+would beat w even at an AR step's cost. Each probe still emits the target's own tokens; once the ends are
+settled (three rounds each, again after they go stale) probing stops. Fixed-width runs learn and probe nothing.
 """
 
 from __future__ import annotations
@@ -20,12 +30,15 @@ from collections.abc import Hashable, Sequence
 from ..core.errors import ToolkitError
 from .backend import GenSettings
 from .events import Round
+from .learned_costs import LearnedCosts, as_ms
 from .policy import Hindsight, Policy
 
 PAGE = 256                         # exllamav3's cache page size
 CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_CONTEXT = 256
+EXPLORE_EVERY = 8                  # drafting rounds between two cost probes, at least
+EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
 
 
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
@@ -36,10 +49,13 @@ def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDT
 class BatchPolicy(Policy):
     """A `Policy` for a batching engine: per-job hindsight, pooled acceptance, one width per round of all jobs."""
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, explore_every: int = EXPLORE_EVERY, **kw):
+        kw.setdefault("learn_costs", True)
         super().__init__(*a, **kw)
         self.jobs: dict[Hashable, Hindsight] = {}
         self.concurrency = None
+        self.learned = LearnedCosts() if self.learn_costs and self.fixed_width is None else None
+        self.explore_every, self.since_probe, self.asked = explore_every, 0, None
 
     def begin_job(self, key: Hashable, last_prompt_token: int) -> None:
         """A job starts: its first round's proposal predicts the tokens after `last_prompt_token`."""
@@ -53,8 +69,55 @@ class BatchPolicy(Policy):
             self.concurrency = c
             self.set_concurrency(c)
 
-    def observe_round(self, items: Sequence[tuple[Hashable, Sequence[int], Round]]) -> None:
-        """Learn from one iterate(): (job key, its full proposal or (), its Round) for every job that emitted."""
+    def rescale(self, drift: float = 1.0) -> None:
+        """The cost curve in use: the table's at this concurrency, corrected by the learned costs when learning."""
+        learned = getattr(self, "learned", None)          # None while Policy.__init__ runs
+        if learned is None:
+            return super().rescale(drift)
+        t = learned.curve(self.concurrency or 1, self.table)
+        if t != getattr(self, "t", None):
+            self.t, self.version = t, self.version + 1
+            self.space_probes()
+
+    def width(self) -> int:
+        """The verify width of the next iterate: the policy's, or now and then a cost probe (module docstring)."""
+        w = super().width()
+        if self.learned is not None and w > 0 and not self.probing:
+            self.since_probe += 1
+            if self.since_probe >= self.explore_every:
+                e = self.cost_probe(w)
+                if e != w:
+                    self.since_probe, w = 0, e
+        self.asked = w
+        return w
+
+    def cost_probe(self, w: int) -> int:
+        """A width whose cost is only extrapolated and which could beat w at the least it may cost; else w."""
+        c, E, t = self.concurrency or 1, self.acceptance.expected_tokens(), self.t
+        seen = [x for x in self.learned.settled(c) if x > 0] or [w]
+        bar = (1 + EXPLORE_MARGIN) * E[w] / t[w]
+        wide, narrow = self.block_size - 1, min(seen) // 2
+        if wide > max(seen) and wide != w and E[wide] / t[w] > bar:
+            return wide
+        if 0 < narrow != w and E[narrow] / t[0] > bar:
+            return narrow
+        return w
+
+    def cost_report(self) -> dict:
+        """ms per width per concurrency: the table's curve ("start"), the one in use ("learned", = start when not
+        learning) and the observed rounds (median ms and count per width) behind it."""
+        lc = self.learned
+        cs = sorted(set(self.costs.ms) | set(lc.rounds if lc else ()))
+        start = {c: self.costs.curve(self.block_size, c) for c in cs}
+        out = {"start": {c: as_ms(v) for c, v in start.items()},
+               "learned": {c: as_ms(lc.curve(c, v) if lc else v) for c, v in start.items()}}
+        if lc is not None:
+            out["observed"] = {c: lc.observed(c) for c in sorted(lc.rounds)}
+        return out
+
+    def observe_round(self, items: Sequence[tuple[Hashable, Sequence[int], Round]], ms: float | None = None) -> None:
+        """Learn from one iterate(): (job key, its full proposal or (), its Round) for every job that emitted, and
+        with `ms` the iterate's time (a cost observation when every job emitted a decoding round)."""
         if not items:
             return
         drafted, accepted = False, 0
@@ -68,6 +131,12 @@ class BatchPolicy(Policy):
             accepted = max(accepted, rnd.accepted)
         if self.fixed_width is not None:
             return
+        c = self.concurrency or len(items)
+        if self.learned is not None and ms and len(items) == c and not any(r.prefill for _, _, r in items):
+            width = self.asked if self.asked is not None else max(len(r.drafted) for _, _, r in items)
+            self.learned.observe(c, width, ms)
+            self.rescale()
+        self.asked = None
         self.ar_rounds = 0 if drafted else self.ar_rounds + 1
         if self.probing and self.best() == 0:
             self.back_off(accepted)

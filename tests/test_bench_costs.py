@@ -1,0 +1,55 @@
+"""bench.json's "costs" of `auto` cells: the cost curve the policy started from and the one it learned, per
+concurrency and width, on the torch backend (tiny pair, CPU) and on the exllamav3 stand-in."""
+
+from __future__ import annotations
+
+import json
+
+from toolkit.bench import bench, main
+
+
+def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:
+    """Both curves cover these concurrencies, each width 0..widths-1 once, in ms > 0, never falling with w."""
+    assert set(costs["start"]) == set(costs["learned"]) == concurrencies
+    for part in ("start", "learned"):
+        for curve in costs[part].values():
+            assert list(curve) == [str(w) for w in range(widths)]
+            ms = list(curve.values())
+            assert all(t > 0 for t in ms) and all(a <= b for a, b in zip(ms[1:], ms[2:]))
+
+
+def test_auto_cells_record_their_cost_curves_on_the_torch_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path / "costs"))
+    r = bench(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=8, limit=2,
+              out=str(tmp_path / "o"), warmup=False, quiet=True)
+    saved = json.loads((tmp_path / "o" / "bench.json").read_text())
+    auto, fixed = saved["cells"]
+    assert auto["block_size"] == "auto" and "costs" not in fixed
+    curves_ok(auto["costs"], {"1"}, r["native_block_size"])
+    table = json.loads(next((tmp_path / "costs").glob("*.json")).read_text())["ms"]["1"]
+    assert all(auto["costs"]["start"]["1"][w] >= round(t, 3) for w, t in table.items())   # the measured table's curve
+    drift = auto["costs"]["drift"]
+    learned = {int(w): t for w, t in auto["costs"]["learned"]["1"].items()}
+    start = {int(w): t for w, t in auto["costs"]["start"]["1"].items()}
+    assert learned[0] == start[0] and all(abs(learned[w] - start[w] * drift) < 1e-2 for w in range(1, len(start)))
+
+
+def test_auto_cells_record_observed_rounds_per_concurrency_on_exllamav3(monkeypatch, tmp_path):
+    from exl3_fakes import make_backend
+
+    import toolkit.bench as bench_mod
+
+    monkeypatch.setattr(bench_mod, "load_backend", lambda *a, **k: make_backend(monkeypatch, tmp_path))
+    main(["--backend", "exllamav3", "--block-sizes", "auto", "4", "--concurrency", "1", "2", "--max-new-tokens", "24",
+          "--limit", "2", "--no-warmup", "--quiet", "--out", str(tmp_path / "o")])
+    cells = json.loads((tmp_path / "o" / "bench.json").read_text())["cells"]
+    for c in cells:
+        if c["block_size"] != "auto":
+            assert "costs" not in c
+            continue
+        costs = c["costs"]
+        seen = set(costs["observed"])
+        assert seen and seen <= {"1", "2"}
+        curves_ok(costs, {"1", "2"} if c["concurrency"] == 2 else {"1"} | seen, 8)
+        for conc, obs in costs["observed"].items():
+            assert all(set(o) == {"ms", "rounds"} and o["ms"] > 0 and o["rounds"] >= 1 for o in obs.values())

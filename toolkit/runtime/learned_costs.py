@@ -1,0 +1,114 @@
+"""Round costs learnt online per verify width and concurrency, from the rounds a drafting policy observes.
+
+The policy starts from a timed table (exllamav3: dummy prompts at a 256-token context, exl3_policy.calibrate),
+which can rise with the width much more than real decoding rounds do. `LearnedCosts` keeps, per concurrency c and
+width w, the last `keep` observed round times; a width is *settled* once it has `min_seen` of them and was seen
+within the last `stale_after` rounds at c, and its cost is then their median (one slow round moves nothing).
+The learned curve at c, over the table's curve at c (the prior):
+
+- w = 0 (AR) on its own: its median once settled, else the table;
+- a settled drafting width: its median; between two settled widths, the table's shape scaled to pass through
+  both; beyond the outermost settled width, the table times that width's observed/tabled ratio, so a flat
+  observed curve flattens the whole drafting curve and a width never picked follows its observed neighbours;
+- then made non-decreasing in w, as CostTable.curve does. With no settled drafting width it is the table.
+
+A settled width that is not seen again goes stale and follows its neighbours, so it cannot stay wrongly
+expensive forever. `cost_report` renders a policy's starting and learned curves for bench.json.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .policy import Policy
+
+MIN_SEEN = 3          # observed rounds before a width's own cost replaces the table's
+KEEP = 7              # observed rounds per width the median is taken over
+STALE_AFTER = 512     # rounds at that concurrency after which an unseen width's observations no longer count
+
+
+@dataclass
+class WidthTimes:
+    """The recent round times of one width at one concurrency."""
+
+    times: deque = field(default_factory=lambda: deque(maxlen=KEEP))
+    n: int = 0                 # rounds observed in all
+    last: int = 0              # the concurrency's round count at the last observation
+    median: float = 0.0        # of `times`
+
+
+class LearnedCosts:
+    """Observed ms per round, per concurrency and verify width; `curve` turns them and a prior into t_round(w)."""
+
+    def __init__(self, min_seen: int = MIN_SEEN, keep: int = KEEP, stale_after: int = STALE_AFTER):
+        self.min_seen, self.keep, self.stale_after = min_seen, keep, stale_after
+        self.widths: dict[int, dict[int, WidthTimes]] = {}
+        self.rounds: dict[int, int] = {}
+
+    def observe(self, concurrency: int, width: int, ms: float) -> None:
+        """One round of `concurrency` jobs at verify width `width` took `ms`."""
+        if not (ms > 0 and math.isfinite(ms)):
+            return
+        k = self.rounds[concurrency] = self.rounds.get(concurrency, 0) + 1
+        s = self.widths.setdefault(concurrency, {}).setdefault(width, WidthTimes(deque(maxlen=self.keep)))
+        s.times.append(float(ms))
+        s.n, s.last, s.median = s.n + 1, k, statistics.median(s.times)
+
+    def settled(self, concurrency: int) -> dict[int, float]:
+        """{w: median ms} of the widths with at least `min_seen` rounds, seen within `stale_after` rounds."""
+        k = self.rounds.get(concurrency, 0)
+        return {w: s.median for w, s in sorted(self.widths.get(concurrency, {}).items())
+                if s.n >= self.min_seen and k - s.last < self.stale_after}
+
+    def curve(self, concurrency: int, prior: Sequence[float]) -> list[float]:
+        """t_round(w) for w = 0..len(prior)-1: the prior corrected by the settled widths (module docstring)."""
+        got = self.settled(concurrency)
+        spec = [(w, t) for w, t in got.items() if 0 < w < len(prior)]
+        out, j = [got.get(0, prior[0])], 0
+        for w in range(1, len(prior)):
+            while j < len(spec) and spec[j][0] < w:
+                j += 1                                   # spec[j]: the first settled width >= w
+            lo, hi = spec[j - 1] if j else None, spec[j] if j < len(spec) else None
+            out.append(max(out[-1], estimate(w, lo, hi, prior)))
+        return out
+
+    def observed(self, concurrency: int) -> dict[int, dict]:
+        """{w: {"ms": median of the kept rounds, "rounds": rounds seen}} at `concurrency` (bench.json)."""
+        seen = sorted(self.widths.get(concurrency, {}).items())
+        return {w: {"ms": round(s.median, 3), "rounds": s.n} for w, s in seen}
+
+
+def estimate(w: int, lo: tuple[int, float] | None, hi: tuple[int, float] | None, prior: Sequence[float]) -> float:
+    """ms of drafting width w from the settled (width, ms) points around it (lo < w <= hi) and the prior curve."""
+    if hi is not None and hi[0] == w:
+        return hi[1]
+    if lo is None and hi is None:
+        return prior[w]
+    if lo is None or hi is None:                         # outside the settled range: the nearest one's ratio
+        v, t = lo or hi
+        return prior[w] * t / prior[v]
+    (a, ta), (b, tb) = lo, hi
+    span = prior[b] - prior[a]
+    f = (prior[w] - prior[a]) / span if span > 0 else (w - a) / (b - a)
+    return ta + (tb - ta) * f
+
+
+def as_ms(curve: Sequence[float]) -> dict[int, float]:
+    """A curve as {w: ms}, rounded to the microsecond."""
+    return {w: round(float(t), 3) for w, t in enumerate(curve)}
+
+
+def cost_report(policy: Policy) -> dict:
+    """{"start": {c: {w: ms}}, "learned": {c: {w: ms}}, ...} of an auto policy: the curve it started from (its
+    table) and the one it decides by now. A BatchPolicy reports every concurrency it knows (and what it observed);
+    a torch Policy has one sequence (c = 1) and a single drafting cost factor (`drift`)."""
+    own: Callable[[], dict] | None = getattr(policy, "cost_report", None)
+    if callable(own):
+        return own()
+    return {"start": {1: as_ms(policy.table)}, "learned": {1: as_ms(policy.t)}, "drift": policy.drift}
