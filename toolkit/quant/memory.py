@@ -133,8 +133,10 @@ def plan_memory(sz: Sizes, calibrate: bool, convert: bool, check: bool) -> list[
     if calibrate and sz.kind != "none":
         out.append(Need("calibrate", {**resident, "reference drafter (fp32)": d32, "Hessians (fp32)": hess}))
     if convert:
+        # the converter is a second process: its own CUDA context and buffers (the SmolLM2 pair measured 4.24 GiB
+        # where tensors alone gave 2.15, 2026-12-03)
         out.append(Need("convert", {**resident, "converter: drafter (bf16)": d16, "converter: Hessians": hess,
-                                    "converter: working set": GIB}))
+                                    "converter: CUDA context": GIB, "converter: working set": 2 * GIB}))
     if check and sz.kind != "none":
         out.append(Need("check", {**resident, "reference drafter (fp32)": d32, "quantized drafter (fp32)": d32,
                                   **({"LM head (fp16)": head} if sz.kind == "exl3" else {})}))
