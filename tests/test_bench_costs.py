@@ -53,3 +53,31 @@ def test_auto_cells_record_observed_rounds_per_concurrency_on_exllamav3(monkeypa
         curves_ok(costs, {"1", "2"} if c["concurrency"] == 2 else {"1"} | seen, 8)
         for conc, obs in costs["observed"].items():
             assert all(set(o) == {"ms", "rounds"} and o["ms"] > 0 and o["rounds"] >= 1 for o in obs.values())
+
+
+def test_calibration_records_the_tokens_a_job_emits_per_round(monkeypatch, tmp_path):
+    """A drafter right on every id makes a width-w calibration round emit w + 1 tokens a job; one always wrong, 1."""
+    from exl3_fakes import FakeGenerator, make_backend
+
+    from toolkit.runtime.exl3_policy import calibrate
+
+    for good, expect in ((lambda last, block: block, lambda w: w + 1), (lambda last, block: 0, lambda w: 1)):
+        monkeypatch.setattr(FakeGenerator, "good", staticmethod(good))
+        be = make_backend(monkeypatch, tmp_path)
+        emitted: dict = {}
+        ms = calibrate(be, 2, emitted=emitted)
+        assert set(emitted) == set(ms) and emitted == {w: expect(w) for w in ms}
+
+
+def test_bench_reports_the_calibration_tokens_on_exllamav3(monkeypatch, tmp_path):
+    from exl3_fakes import make_backend
+
+    import toolkit.bench as bench_mod
+
+    monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path / "costs"))
+    monkeypatch.setattr(bench_mod, "load_backend", lambda *a, **k: make_backend(monkeypatch, tmp_path))
+    main(["--backend", "exllamav3", "--block-sizes", "auto", "--concurrency", "1", "--max-new-tokens", "16",
+          "--limit", "2", "--no-warmup", "--quiet", "--out", str(tmp_path / "o")])
+    auto = next(c for c in json.loads((tmp_path / "o" / "bench.json").read_text())["cells"] if c["block_size"] == "auto")
+    tokens = auto["costs"]["calibration_tokens"]["1"]
+    assert tokens and all(1 <= t <= int(w) + 1 for w, t in tokens.items())

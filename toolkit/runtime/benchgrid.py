@@ -109,6 +109,14 @@ def auto_policy(be: Backend, settings: GenSettings) -> Policy | None:
     return getattr(be, "policies", {}).get(key)
 
 
+def calibration_tokens(be: Backend) -> dict[int, dict[int, float]] | None:
+    """{c: {w: tokens a job emitted per calibration round}} of an exllamav3 backend's current options, if it timed
+    its table in this process (a table read from the cost cache has none)."""
+    from .exl3_backend import Exl3Backend
+
+    return be.calibration_tokens.get(be.options.tag) if isinstance(be, Exl3Backend) else None
+
+
 def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: list[Cell], reps: int = 1,
              warmup: bool = True, timing_only: bool = False, quiet: bool = True,
              deadline: float | None = None) -> tuple[list[dict], list[dict]]:
@@ -130,6 +138,9 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
             pol = auto_policy(be, st) if st.auto else None
             if pol is not None:
                 costs[cell] = cost_report(pol)
+                emitted = calibration_tokens(be)
+                if emitted:                       # exllamav3, timed in this process: tokens a job emitted per round
+                    costs[cell]["calibration_tokens"] = emitted
             bar.update()
     bar.close()
     use_options(be, None)

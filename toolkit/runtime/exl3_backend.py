@@ -123,6 +123,7 @@ class Exl3Backend(Backend):
         self._gen, self._gen_key = None, None
         self.options = Exl3Options()
         self.costs: dict[str, dict[int, dict[int, float]]] = {}   # options tag -> {c: {w: ms}}
+        self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
         self.policies: dict[tuple[bool, str], BatchPolicy] = {}    # (greedy, options tag) -> its policy
         self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds (exl3_policy)
         self.set_options(options or Exl3Options())
@@ -249,7 +250,12 @@ class Exl3Backend(Backend):
         tag = self.options.tag
         table = self.costs.setdefault(tag, {})
         if concurrency not in table:
-            measure = lambda: CostTable({concurrency: calibrate(self, concurrency)}, device_name(self.device))
+            def measure() -> CostTable:             # a cached table comes without its calibration's token counts
+                emitted: dict[int, float] = {}
+                ms = calibrate(self, concurrency, emitted=emitted)
+                self.calibration_tokens.setdefault(tag, {})[concurrency] = emitted
+                return CostTable({concurrency: ms}, device_name(self.device))
+
             got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache)
             table[concurrency] = got.ms.get(concurrency) or next(iter(got.ms.values()))
         return CostTable(table, device_name(self.device))

@@ -150,12 +150,15 @@ def dummy_prompts(concurrency: int, context: int, vocab: int) -> list[list[int]]
 
 
 def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRATION_REPS, warm: int = 1,
-                context: int = CALIBRATION_CONTEXT, speculative: bool = True, full: bool = True) -> dict[int, list[float]]:
+                context: int = CALIBRATION_CONTEXT, speculative: bool = True, full: bool = True,
+                emitted: dict[int, list[float]] | None = None) -> dict[int, list[float]]:
     """ms of steady-state iterate() rounds of `concurrency` dummy jobs on an Exl3Backend, per verify width.
 
     speculative=False times the plain AR generator (no drafter; widths ignored, one list under 0). With full=True
     the rounds capture the drafter's whole block as the policy's rounds do. One untimed round per width first
-    (`warm` passes), then `reps` passes over the widths; a pass stops early if a job runs out of tokens.
+    (`warm` passes), then `reps` passes over the widths; a pass stops early if a job runs out of tokens. `emitted`,
+    when given, gets the mean tokens each job emitted in every timed round, per width (a round that accepts more
+    than decoding does also does more per-token work: the table can rise with w where decoding rounds do not).
     """
     widths = [0] if not speculative else list(widths)
     B = be.block_size
@@ -185,12 +188,16 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
                     break
                 if speculative:
                     gen.set_width(w, B - 1 if full else None)
+                before = [len(j.sequences[0].sequence_ids) for j in jobs] if emitted is not None else None
                 be.sync()
                 t0 = be.clock()
                 gen.iterate()
                 be.sync()
                 if p >= warm:
                     times[w].append((be.clock() - t0) * 1000.0)
+                    if before is not None:
+                        after = [len(j.sequences[0].sequence_ids) for j in jobs]
+                        emitted.setdefault(w, []).append(statistics.mean(a - b for a, b in zip(after, before)))
     finally:
         if gen.num_remaining_jobs():
             gen.clear_queue()
@@ -206,9 +213,14 @@ def medians(times: dict[int, list[float]]) -> dict[int, float]:
 
 
 def calibrate(be, concurrency: int, reps: int = CALIBRATION_REPS, context: int = CALIBRATION_CONTEXT,
-              widths: Sequence[int] | None = None) -> dict[int, float]:
+              widths: Sequence[int] | None = None, emitted: dict[int, float] | None = None) -> dict[int, float]:
     """Median ms per round at each calibration width for `concurrency` jobs (w = 0: an AR round of the
-    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost)."""
+    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost); `emitted`,
+    when given, gets the mean tokens a job emitted per round at each width."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
-    return medians(time_rounds(be, concurrency, ws, reps=reps, context=context))
+    seen: dict[int, list[float]] = {}
+    ms = medians(time_rounds(be, concurrency, ws, reps=reps, context=context, emitted=seen))
+    if emitted is not None:
+        emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
+    return ms
 
