@@ -78,26 +78,50 @@ def import_exllamav3():
     return exllamav3
 
 
+def load_chunk(cache_tokens: int) -> dict:
+    """Load kwargs for a cache of `cache_tokens`. Model.load's layer-split loader runs its measuring forward over a
+    (1, max_chunk_size) batch shape in the cache (exllamav3 modules/attn.py asserts max_chunk_size <=
+    cache.max_num_tokens, "Cache too small for batch shape"); its default chunk is 2048, so a smaller cache (the
+    quantize speed step sizes it to one job) loads with the chunk cut to the cache. Caches of 2048 tokens or more
+    load with exllamav3's defaults, as always."""
+    return {"max_chunk_size": cache_tokens} if cache_tokens < LOAD_CHUNK else {}
+
+
+def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, history: int, split: GpuSplit,
+                 count: int) -> tuple:
+    """(drafter, drafter cache): its cache made before its load, the load on split's drafter device."""
+    dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
+    dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
+    dmodel.load(progressbar=False, **split.draft_load_kwargs(count), **load_chunk(cache_tokens))
+    return dmodel, dcache
+
+
 def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_concurrency: int, history: int,
                 split: GpuSplit, count: int) -> tuple:
     """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
     on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
     drafter passed so the layer-split loader budgets for the states it taps)."""
-    # Model.load's layer-split loader runs its measuring forward over a (1, max_chunk_size) batch shape in the cache
-    # (exllamav3 modules/attn.py asserts max_chunk_size <= cache.max_num_tokens, "Cache too small for batch
-    # shape"); its default chunk is 2048, so a smaller cache (the quantize speed step sizes it to one job) loads
-    # with the chunk cut to the cache. Caches of 2048 tokens or more load with exllamav3's defaults, as always.
-    chunk = {"max_chunk_size": cache_tokens} if cache_tokens < LOAD_CHUNK else {}
     model = exl.Model.from_config(exl.Config.from_directory(str(target)))
     cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
     dmodel = dcache = None
     if draft is not None:
-        dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
-        dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-        dmodel.load(progressbar=False, **split.draft_load_kwargs(count), **chunk)
-    model.load(progressbar=False, **split.target_load_kwargs(count), **chunk,
+        dmodel, dcache = load_drafter(exl, draft, cache_tokens, max_concurrency, history, split, count)
+    model.load(progressbar=False, **split.target_load_kwargs(count), **load_chunk(cache_tokens),
                **({"draft_model": dmodel} if dmodel is not None else {}))
     return model, cache, dmodel, dcache
+
+
+def load_failure(e: Exception) -> tuple[str, str] | None:
+    """What an exception from an exllamav3 load means: ("memory", GiB free now) when the GPU ran out, ("load", its
+    first line) for exllamav3's known refusals, None for anything else (a bug: let it raise)."""
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return "memory", f"{torch.cuda.mem_get_info()[0] / GIB:.1f}"
+    known = isinstance(e, (AssertionError, ValueError, KeyError, OSError, NotImplementedError))
+    if known or (isinstance(e, RuntimeError) and "VRAM" in str(e)):        # "Insufficient VRAM in split ..."
+        return "load", str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
 
 
 class Exl3Backend(Backend):
@@ -161,15 +185,12 @@ class Exl3Backend(Backend):
                                                        max(native - 1, 1), split, count)
             tok = exl.Tokenizer.from_config(model.config)
         except Exception as e:
-            import torch
-
-            if isinstance(e, torch.OutOfMemoryError):
-                free = torch.cuda.mem_get_info()[0] / GIB
-                raise ToolkitError(f"not enough GPU memory on {gpu}: ran out while loading {target} (+ drafter), {free:.1f} GiB free now") from None
-            known = isinstance(e, (AssertionError, ValueError, KeyError, OSError, NotImplementedError))
-            if known or (isinstance(e, RuntimeError) and "VRAM" in str(e)):    # "Insufficient VRAM in split ..."
+            kind, why = load_failure(e) or (None, None)
+            if kind == "memory":
+                raise ToolkitError(f"not enough GPU memory on {gpu}: ran out while loading {target} (+ drafter), {why} GiB free now") from None
+            if kind == "load":
                 where = "" if split.default else f" ({split.tag})"
-                raise ToolkitError(f"exllamav3 cannot load {target} / {draft}{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                raise ToolkitError(f"exllamav3 cannot load {target} / {draft}{where}: {why}") from None
             raise
         from .torch_backend import load_hf_tokenizer
 

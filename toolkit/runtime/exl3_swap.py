@@ -4,7 +4,7 @@ exllamav3 1.6.5 ties a drafter to the target only through the Generator (which a
 target for the tapped states per forward) and, in the layer-split loader, through the tapped layers' budget
 (`export_state_layers`: the same for every drafter of one target and block size). So the swap retires the
 Generator, unloads the old drafter (its cache's tensors go with it), and loads the new one with a fresh cache of
-the same size on the same device, as `exl3_backend.load_models` does; the next generate builds a new Generator.
+the same size on the same device, through `exl3_backend.load_drafter` as the first load; the next generate builds a new Generator.
 The quantize speed step measures every bitrate this way against one load of the target (the synthetic 18.4 GB
 Qwen3.6-35B-A3B target loaded with a drafter in 22.4 s on an H200, docs/perf_2026-12-02.json).
 """
@@ -16,8 +16,7 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from . import gpu_split
-from .exl3_backend import LOAD_CHUNK, Exl3Backend
-from .exl3_memory import GIB
+from .exl3_backend import Exl3Backend, load_drafter, load_failure
 from .exl3_taps import free_gpu
 
 
@@ -44,22 +43,14 @@ def swap_draft(be: Exl3Backend, draft: str | Path) -> None:
     be.draft.unload()
     be.draft = be.draft_cache = None
     free_gpu()                                # the old drafter's memory back before the new one loads
-    exl, tokens = be.exl, be.cache_tokens
-    chunk = {"max_chunk_size": tokens} if tokens < LOAD_CHUNK else {}
     try:
-        model = exl.Model.from_config(exl.Config.from_directory(str(draft)))
-        cache = exl.Cache(model, max_num_tokens=tokens, max_batch_size=be.max_concurrency,
-                          max_history=max(conf.block_size - 1, 1))
-        model.load(progressbar=False, **be.split.draft_load_kwargs(gpu_split.device_count()), **chunk)
+        model, cache = load_drafter(be.exl, draft, be.cache_tokens, be.max_concurrency, max(conf.block_size - 1, 1),
+                                    be.split, gpu_split.device_count())
     except Exception as e:
-        import torch
-
-        if isinstance(e, torch.OutOfMemoryError):
-            free = torch.cuda.mem_get_info()[0] / GIB
-            raise ToolkitError(f"not enough GPU memory: ran out while loading drafter {draft}, "
-                               f"{free:.1f} GiB free now") from None
-        if isinstance(e, (AssertionError, ValueError, KeyError, OSError, NotImplementedError)):
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        kind, why = load_failure(e) or (None, None)
+        if kind == "memory":
+            raise ToolkitError(f"not enough GPU memory: ran out while loading drafter {draft}, {why} GiB free now") from None
+        if kind == "load":
             raise ToolkitError(f"exllamav3 cannot load drafter {draft}: {why}") from None
         raise
     be.draft, be.draft_cache = model, cache
