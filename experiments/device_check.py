@@ -187,9 +187,9 @@ def check_moe_chunked(ctx: Ctx) -> dict:
             res.pop("_ar")
             spec[on] = res.pop("_spec")
             ctx.run.steps["moe_chunked_detail"] = out
-        out["chunked_equals_stock"] = f"{sum(a == b for a, b in zip(spec[True], spec[False]))}/{len(prompts)}"
-        assert out["chunkable_layers"], "no MoE layer of the EXL3 target can be chunked: the check proves nothing"
         same = sum(a == b for a, b in zip(spec[True], spec[False]))      # near-ties can part stock from AR too (15:20 UTC run)
+        out["chunked_equals_stock"] = f"{same}/{len(prompts)}"
+        assert out["chunkable_layers"], "no MoE layer of the EXL3 target can be chunked: the check proves nothing"
         assert same == len(prompts), f"chunked_verify changed {len(prompts) - same} outputs of the stock speculative run"
         return out
     finally:

@@ -11,6 +11,7 @@ import torch
 from experiments.exl3_timing import run_jobs
 from experiments.harness import free_cuda
 from experiments.stream_shape import assert_stream_shape
+from toolkit.quant.speed import first_difference
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import summarize, tokens_of
 
@@ -40,7 +41,7 @@ def reference_agreement(src: Path, prompts: list[list[int]], exl_ar: list[list[i
         return round(float(top[0] - top[1]), 4)
 
     def diverge(p: list[int], x: list[int], y: list[int]) -> dict:
-        i = next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        i = first_difference(x, y)                   # called only where x != y
         return {"at": i, "tokens": [x[i] if i < len(x) else None, y[i] if i < len(y) else None], "ref_margin": margin(p + x[:i])}
 
     out: dict = {}
@@ -93,6 +94,5 @@ def lossless(be, prompts: list[list[int]], B: int, label: str, max_new: int) -> 
            "unhooked_equals_hooked": f"{sum(plain[i] == spec_all[i] for i in range(4))}/4",
            "tau": round(s.tau, 3), "rounds": kinds, "accept_per_position": [round(a, 3) for a in s.accept_per_position]}
     res["_ar"], res["_spec"], res["ok"] = ar_all, spec_all, same == len(prompts)
-    res["first_diff"] = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                         for x, y in zip(spec_all, ar_all) if x != y][:10]
+    res["first_diff"] = [first_difference(x, y) for x, y in zip(spec_all, ar_all) if x != y][:10]
     return res
