@@ -169,7 +169,7 @@ def lineage(folder: str) -> dict:
     return {"folder": str(folder), **{k: t[k] for k in keep if k in t}}
 
 
-def started_from(init: dict | None) -> str:
+def started_from(init: dict) -> str:
     """The card's line for a run that started from an earlier drafter (nested as far as the records go)."""
     parts = []
     while init:
@@ -178,7 +178,7 @@ def started_from(init: dict | None) -> str:
         parts.append(f"{Path(init['folder']).name} ({done})")
         init = init.get("init")
     return ("Started from an earlier drafter (--init): " + ", which started from ".join(parts) +
-            "; the data, steps and loss above are this run's alone.") if parts else ""
+            "; the data, steps and loss above are this run's alone.")
 
 
 def load_target(path: str, device: str):
