@@ -292,12 +292,15 @@ def compare(target: Path, drafters: list[Path], heldout: Path, tokens: int, devi
 
     import torch
 
+    from toolkit.core.folders import atomic_file, claim_file
     from toolkit.dflash import DFlashConfig, load_drafter
     from toolkit.runtime.torch_backend import load_hf_tokenizer
     from toolkit.train.prepare import heldout_answers, read_heldout, store_meta
     from toolkit.train.tf_tau import eval_set, tf_tau
     from toolkit.train.trainer import load_target
 
+    if out is not None:
+        claim_file(out, "out")                            # a folder or an unwritable place: refused before any work
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     tgt = load_target(str(target), device)
     tok = load_hf_tokenizer(target)
@@ -317,7 +320,7 @@ def compare(target: Path, drafters: list[Path], heldout: Path, tokens: int, devi
         res["drafters"][str(d)] = tf_tau(model, ev, embed, head, (16, 8))
         print(f"{d}: {json.dumps(res['drafters'][str(d)]['tau'])}", flush=True)
     if out is not None:
-        out.write_text(json.dumps(res, indent=1) + "\n")
+        atomic_file(out, json.dumps(res, indent=1) + "\n")      # never half-written
     return res
 
 

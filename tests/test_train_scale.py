@@ -315,6 +315,8 @@ def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
     second = tmp_path / "work2" / "draft"
     got = smol_scale.compare(Path(target), [out, second], out / "heldout.json", 16, "cpu", tmp_path / "cmp.json")
     assert json.loads((tmp_path / "cmp.json").read_text()) == got and got["prompts"] == 2
+    with pytest.raises(OptionError, match="is a folder"):                # refused before the target loads
+        smol_scale.compare(Path("/nonexistent"), [out], out / "heldout.json", 16, "cpu", tmp_path / "work2")
     for folder, decoded in ((out, res["tau"]), (second, res3["tau"])):
         tf = got["drafters"][str(folder)]["tau"]
         assert {c: {b: round(v, 3) for b, v in t.items()} for c, t in tf.items()} == decoded
