@@ -158,11 +158,13 @@ def recorder(run: Run) -> Callable[[dict], None]:
 
 def stop_on_sigterm(run: Run):
     """timeout's SIGTERM becomes a SystemExit that the harness records as the running step's failure, with the
-    quantize step it cut in results["quantize_progress"]["cut_off"]; returns the handler it replaced."""
+    quantize step it cut in results["quantize_progress"]["cut_off"], saved here first: the record survives cleanup
+    that outlives the 15 s before the hard kill, or code that swallows the exit; returns the handler it replaced."""
     def stop(signum, frame):
         prog = run.results.get("quantize_progress")
         if prog is not None:
             prog["cut_off"] = {"signal": "SIGTERM", "at_s": round(run.elapsed(), 1), "in_step": prog.get("running")}
+        run.save()
         raise SystemExit(f"SIGTERM at {run.elapsed():.0f} s"
                          + (f", in quantize step {prog.get('running')}" if prog is not None else ""))
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import pytest
 import test_quantize_fakes as fakes
@@ -116,3 +117,25 @@ def test_a_call_cut_off_by_sigterm_returns_its_step_table(tmp_path, out, pair, m
     assert "SIGTERM at" in res["errors"]["quantize"] and "in quantize step speed" in res["errors"]["quantize"]
     assert "quantize" not in res["steps"] and "seconds" in res
     assert signal.getsignal(signal.SIGTERM) is before                   # the handler is the script's only while it runs
+
+
+def test_the_sigterm_handler_saves_the_cut_off_itself(tmp_path, out, pair, monkeypatch):
+    """Read right after a real SIGTERM whose SystemExit is swallowed (as cleanup that outlives the hard kill would
+    leave it: nothing else saves), the file already names the step it cut and the time it came."""
+    work, engine = staged(tmp_path, pair, monkeypatch, bits="8.0")
+    after: dict = {}
+
+    def swallowed():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)                                   # the handler raises before this ends
+        except SystemExit as e:
+            after.update(results(out), exit=str(e))
+
+    before = at_speed(engine, out, monkeypatch, then=swallowed)
+    assert q.main(["shape", "--work", str(work)]) == 0       # swallowed: the run went on to the end
+    assert "cut_off" not in before["quantize_progress"]
+    cut = after["quantize_progress"]["cut_off"]
+    assert cut["signal"] == "SIGTERM" and cut["in_step"] == "speed" and after["exit"].endswith("in quantize step speed")
+    assert after["elapsed_s"] >= cut["at_s"] >= before["elapsed_s"]
+    assert [r["step"] for r in after["quantize_steps"]] == DONE_BEFORE_SPEED
