@@ -52,7 +52,8 @@ def test_auto_cells_record_observed_rounds_per_concurrency_on_exllamav3(monkeypa
         assert seen and seen <= {"1", "2"}
         curves_ok(costs, {"1", "2"} if c["concurrency"] == 2 else {"1"} | seen, 8)
         for conc, obs in costs["observed"].items():
-            assert all(set(o) == {"ms", "rounds"} and o["ms"] > 0 and o["rounds"] >= 1 for o in obs.values())
+            assert all(set(o) == {"ms", "rounds", "warmup"} and o["rounds"] + o["warmup"] >= 1 for o in obs.values())
+            assert all(o["ms"] > 0 if o["rounds"] else o["ms"] is None for o in obs.values())   # warm-up rounds only: no cost
 
 
 def test_calibration_records_the_tokens_a_job_emits_per_round(monkeypatch, tmp_path):

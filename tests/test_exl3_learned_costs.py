@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 
 import pytest
 from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.runtime.exl3_policy import BatchPolicy
-from toolkit.runtime.learned_costs import LearnedCosts, cost_report
+from toolkit.runtime.exl3_policy import EXPLORE_EVERY, SWITCH_MARGIN, BatchPolicy, probe_widths
+from toolkit.runtime.learned_costs import MIN_SEEN, WARMUP, LearnedCosts, cost_report
 from toolkit.runtime.policy import CostTable
 
 B = 16
@@ -31,10 +32,10 @@ def flat(w: int) -> float:
 TABLE = CostTable({1: {w: steep(w) for w in (0, 1, 3, 5, 7, 11, 15)}})
 
 
-def drive(policy: BatchPolicy, cost, rounds: int, seed: int, accept: float = 0.7) -> list[int]:
+def simulate(policy: BatchPolicy, cost, rounds: int, seed: int, accept: float = 0.7) -> list[tuple[int, int, float]]:
     """One job for `rounds` iterates: the drafter's full-width accepted length is geometric (`accept` per position,
-    seeded), each iterate takes cost(asked width) ms; returns the widths the policy asked for."""
-    rng, nxt, widths = random.Random(seed), 100, []
+    seeded), each iterate takes cost(asked width) ms; returns (width asked, tokens emitted, ms) per iterate."""
+    rng, nxt, log = random.Random(seed), 100, []
     policy.begin_job(0, nxt - 1)
     for _ in range(rounds):
         policy.use_concurrency(1)
@@ -43,62 +44,96 @@ def drive(policy: BatchPolicy, cost, rounds: int, seed: int, accept: float = 0.7
         while L < B - 1 and rng.random() < accept:
             L += 1
         proposal = tuple(nxt + j if j < L else -1 for j in range(B - 1))    # right on its first L ids
+        ms = cost(w)
         if w:
             a = min(L, w)
-            rnd = Round(proposal[:w], a, nxt + a, 1.0, cost(w) - 1.0, proposed=B - 1)
+            rnd = Round(proposal[:w], a, nxt + a, 1.0, ms - 1.0, proposed=B - 1)
         else:
-            a, rnd = 0, Round((), 0, nxt, 0.0, cost(0))
+            a, rnd = 0, Round((), 0, nxt, 0.0, ms)
         nxt += a + 1
-        policy.observe_round([(0, proposal if w else (), rnd)], cost(w))
-        widths.append(w)
-    return widths
+        policy.observe_round([(0, proposal if w else (), rnd)], ms)
+        log.append((w, a + 1, ms))
+    return log
+
+
+def drive(policy: BatchPolicy, cost, rounds: int, seed: int, accept: float = 0.7) -> list[int]:
+    """The widths `simulate` asked for."""
+    return [w for w, _, _ in simulate(policy, cost, rounds, seed, accept)]
 
 
 # -- the learned curve ------------------------------------------------------------------------------------------
 
-def test_the_table_holds_until_a_width_has_three_rounds_and_one_slow_round_moves_nothing():
+def rounds(lc: LearnedCosts, c: int, w: int, *ms: float, warm: float = 45.0) -> None:
+    """A stretch of rounds at (c, w): the two warm-up rounds a new stretch pays (eager run, graph capture), then `ms`."""
+    for t in (warm, warm, *ms):
+        lc.observe(c, w, t)
+
+
+def test_the_table_holds_until_a_width_has_three_kept_rounds_and_one_slow_round_moves_nothing():
     prior = [steep(w) for w in range(B)]
     lc = LearnedCosts()
-    for ms in (18.0, 18.0):
-        lc.observe(1, 4, ms)
-    assert lc.curve(1, prior) == prior                               # two rounds: still the table
+    rounds(lc, 1, 4, 18.0, 18.0)
+    assert lc.curve(1, prior) == prior                               # two kept rounds: still the table
     lc.observe(1, 4, 90.0)                                           # a third, slow (another process)
-    assert lc.settled(1) == {4: 18.0}                                 # median of 18, 18, 90
+    assert lc.settled(1) == {4: 18.0}                                 # the 25th percentile of 18, 18, 90
     lc.observe(1, 4, 18.0)
-    assert lc.curve(1, prior)[4] == 18.0 and lc.curve(1, prior)[0] == prior[0]    # AR learns on its own
+    rounds(lc, 1, 0, 12.0, 12.0, 12.0)
+    assert lc.curve(1, prior)[4] == 18.0 and lc.curve(1, prior)[0] == 12.0    # AR learns on its own
     assert lc.curve(2, prior) == prior                               # other concurrencies are their own
+    assert lc.observed(1)[4] == {"ms": 18.0, "rounds": 4, "warmup": 2}
 
+
+def test_warm_up_rounds_after_a_change_of_width_or_job_count_are_not_learnt_from():
+    lc = LearnedCosts()
+    for _ in range(6):                                               # churn: every round is the first of its stretch
+        lc.observe(1, 7, 40.0)
+        lc.observe(1, 3, 40.0)
+    assert lc.settled(1) == {} and lc.observed(1)[3] == {"ms": None, "rounds": 0, "warmup": 6}
+    rounds(lc, 1, 7, 17.0, 17.0, 17.0)
+    assert lc.settled(1) == {7: 17.0}
+    rounds(lc, 2, 7, 20.0, 20.0, 20.0)                               # a job joined: (2, 7) warms up on its own
+    lc.observe(1, 7, 60.0)                                           # back at one job: the first two rounds again
+    lc.observe(1, 7, 60.0)
+    assert lc.settled(1) == {7: 17.0} and lc.settled(2) == {7: 20.0}
+    assert lc.observed(2)[7]["warmup"] == 2 and lc.observed(1)[7]["warmup"] == 10
+
+
+def test_the_cost_is_the_floor_of_additive_jitter_not_its_median():
+    lc = LearnedCosts()
+    noisy = [16.0 + 4.8 * ((7 * i) % 16) / 15 for i in range(40)]   # a 16 ms round plus 0-30 % host noise
+    rounds(lc, 1, 15, *noisy)
+    kept = sorted(noisy[-16:])                                       # the window: the last 16 kept rounds
+    assert kept == pytest.approx([16.0 + 4.8 * j / 15 for j in range(16)])
+    assert lc.settled(1)[15] == pytest.approx(16.0 + 4.8 * 3.75 / 15)    # 17.2 ms, where the median is 18.4
 
 def test_a_flat_observed_curve_flattens_a_steep_table_and_the_curve_never_falls():
     prior = [steep(w) for w in range(B)]
     lc = LearnedCosts()
     for w in (3, 12):
-        for _ in range(3):
-            lc.observe(1, w, 18.0)
+        rounds(lc, 1, w, 18.0, 18.0, 18.0)
     t = lc.curve(1, prior)
     assert t[3:13] == [18.0] * 10                                     # between the settled widths: flat
     assert t[1] == pytest.approx(prior[1] * 18.0 / prior[3])          # beyond them: the table at the nearest's ratio
     assert t[15] == pytest.approx(prior[15] * 18.0 / prior[12]) and t[15] < prior[12]
     assert all(a <= b for a, b in zip(t, t[1:]))
-    for _ in range(3):
-        lc.observe(1, 7, 30.0)                                       # one width dearer than a wider one
+    rounds(lc, 1, 7, 30.0, 30.0, 30.0)                               # one width dearer than a wider one
     t = lc.curve(1, prior)
-    assert t[7] == 30.0 and t[12] == t[15] == 30.0 and all(a <= b for a, b in zip(t, t[1:]))
+    assert t[3] == 18.0 and t[7:13] == [24.0] * 6                    # pooled with it, weighted by kept rounds
+    assert t[15] == pytest.approx(prior[15] * 24.0 / prior[12]) and all(a <= b for a, b in zip(t, t[1:]))
+    rounds(lc, 1, 12, *[18.0] * 6)                                   # w=12 seen three times as often as w=7
+    assert lc.curve(1, prior)[7:13] == [21.0] * 6
 
 
 def test_a_width_not_picked_again_follows_its_cheap_neighbours_once_stale():
     prior = [steep(w) for w in range(B)]
     lc = LearnedCosts(stale_after=100)
-    for _ in range(3):
-        lc.observe(1, 15, 60.0)                                      # a spike while w=15 was tried
-    for _ in range(50):
-        lc.observe(1, 12, 18.0)
+    rounds(lc, 1, 15, 60.0, 60.0, 60.0)                              # a spike while w=15 was tried
+    rounds(lc, 1, 12, *[18.0] * 48)
     assert lc.curve(1, prior)[15] == 60.0                            # still what it was seen to cost...
-    for _ in range(60):
-        lc.observe(1, 12, 18.0)
+    rounds(lc, 1, 12, *[18.0] * 58)
     t = lc.curve(1, prior)
     assert 15 not in lc.settled(1) and t[15] == pytest.approx(prior[15] * 18.0 / prior[12])   # ...not forever
-    assert lc.observed(1)[15] == {"ms": 60.0, "rounds": 3}
+    assert lc.observed(1)[15] == {"ms": 60.0, "rounds": 3, "warmup": 2}
 
 
 # -- the policy on scripted streams ------------------------------------------------------------------------------
@@ -139,6 +174,74 @@ def test_a_fixed_width_learns_and_probes_nothing():
     assert widths == [5] * 100 and p.learned is None and p.t == pytest.approx([steep(w) for w in range(B)])
 
 
+class GpuRounds:
+    """Rounds as exllamav3's on the H200 (issue 16): a 16 ms floor at every width plus 0-30 % additive host jitter,
+    the first two rounds of a new width 40 ms (eager run, graph capture), a round after a width change 2 ms more."""
+
+    def __init__(self, seed: int):
+        self.rng, self.ran, self.last = random.Random(seed), Counter(), None
+
+    def __call__(self, w: int) -> float:
+        self.ran[w] += 1
+        changed, self.last = w != self.last, w
+        return 40.0 if self.ran[w] <= 2 else 16.0 + 4.8 * self.rng.random() + 2.0 * changed
+
+
+def tokens_per_ms(log: list[tuple[int, int, float]]) -> float:
+    return sum(n for _, n, _ in log) / sum(ms for _, _, ms in log)
+
+
+def test_the_width_in_use_is_left_only_for_one_better_by_the_switch_margin():
+    E = BatchPolicy(B, TABLE).acceptance.expected_tokens()            # the prior's: 1 + sum 0.6^i
+    t3 = 10.0
+    near = {0: 10.0, 1: 9.0, 3: t3, 5: E[5] / (E[3] / t3 * 1.02), 15: 90.0}      # w=4 and 5 promise 2 % more than w=3
+    far = {**near, 5: E[5] / (E[3] / t3 * 1.06)}                                   # w=5 promises 6 % more
+    p = BatchPolicy(B, CostTable({1: {**near, 5: 30.0}}), learn_costs=False)
+    p.use_concurrency(1)
+    assert p.width() == 3
+    for table, expect in ((near, 3), (far, 5), (near, 5)):
+        p.costs, p.concurrency = CostTable({1: table}), None          # as the backend hands a policy new costs
+        p.use_concurrency(1)
+        s = p.scores()
+        assert max(range(B), key=s.__getitem__) in (4, 5) and p.width() == expect
+    assert SWITCH_MARGIN == 0.03
+
+
+def test_a_cost_probe_runs_its_coarse_width_until_it_settles():
+    p = BatchPolicy(B, TABLE)
+    widths = drive(p, flat, 120, 0)
+    first = widths.index(B - 1)                                        # the table starts it narrow, then the probe
+    assert len(set(widths[:first])) == 1 and first >= EXPLORE_EVERY
+    assert widths[first:first + WARMUP + MIN_SEEN] == [B - 1] * (WARMUP + MIN_SEEN)
+    assert min(widths[first:]) >= 12                                   # found as cheap as the narrow width: kept
+    assert probe_widths(16) == [1, 3, 7, 15] and probe_widths(8) == [1, 3, 7] and probe_widths(6) == [1, 3, 5]
+    table = CostTable({1: {0: 13.0, 1: 18.0, 15: 18.0}})               # flat table over steep rounds: probes narrower
+    probed = {w for w in drive(BatchPolicy(B, table), steep, 300, 0)[1:]} - {B - 1}
+    assert probed & set(probe_widths(B)) and 7 in probed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_like_rounds_under_a_table_twice_as_dear_settle_wide_and_stay(seed):
+    """The H200 SmolLM2 pair: the table is about twice the real rounds, rounds cost the same at every width."""
+    table = CostTable({1: {w: 2 * (16.0 + 0.3 * w) for w in (0, 1, 3, 5, 7, 11, 15)}})
+    log = simulate(BatchPolicy(B, table), GpuRounds(seed), 600, seed)
+    widths = [w for w, _, _ in log]
+    assert widths.index(B - 1) <= EXPLORE_EVERY + 4 and set(widths[60:]) == {B - 1}     # one probe, then kept
+    best = max(tokens_per_ms(simulate(BatchPolicy(B, table, fixed_width=w), GpuRounds(seed), 600, seed)[60:])
+               for w in (3, 7, 11, 15))
+    assert tokens_per_ms(log[60:]) >= 0.995 * best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_like_rounds_under_a_steep_table_end_within_a_few_percent_of_the_best_fixed_width(seed):
+    log = simulate(BatchPolicy(B, TABLE), GpuRounds(seed), 600, seed)
+    widths = [w for w, _, _ in log]
+    best = max(tokens_per_ms(simulate(BatchPolicy(B, TABLE, fixed_width=w), GpuRounds(seed), 600, seed)[100:])
+               for w in (3, 7, 11, 15))
+    assert tokens_per_ms(log[100:]) >= 0.96 * best and sum(w >= 11 for w in widths[100:]) >= 0.8 * 500
+    assert sum(a != b for a, b in zip(widths[100:], widths[101:])) <= 16     # no churn: each change pays warm-up
+
+
 # -- decode_many end to end ----------------------------------------------------------------------------------------
 
 def calibrated_steep_backend(monkeypatch, tmp_path, learn: bool):
@@ -168,8 +271,10 @@ def test_decode_many_learns_from_the_iterate_times(monkeypatch, tmp_path, learn)
     if learn:
         assert tail.count(7) >= 0.9 * len(tail)                      # 14 ms at any width: the widest wins
         assert report["learned"][1][7] == pytest.approx(14.0)
-        assert sum(o["rounds"] for o in report["observed"][1].values()) == len(rounds) - 1   # the prefill round is not
+        seen = report["observed"][1].values()                        # every round but the prefill one: kept or warm-up
+        assert sum(o["rounds"] + o["warmup"] for o in seen) == len(rounds) - 1 and sum(o["warmup"] for o in seen) >= 2
     else:
         assert max(tail) <= 3 and report["learned"] == report["start"] and "observed" not in report
     fixed = list(be.generate([p], GenSettings(max_new_tokens=40, block_size=5)))
     assert {len(r.drafted) for r in fixed} == {4} and cost_report(be.policies[(True, "stock")]) == report
+

@@ -13,13 +13,18 @@ more repetitions.
 
 That table is only the prior (`learn_costs`, on by default; the backend's `learn_costs` attribute turns it off).
 Every decoding iterate() whose jobs all emitted and none was prefilling is timed into runtime/learned_costs.py
-under (concurrency, the width asked), which corrects the curve per width: a settled width costs the median of its
-recent rounds, other widths follow the table scaled by their settled neighbours, and the curve stays
-non-decreasing (that module's docstring has the rules). A policy sees only the widths it picks, so while drafting
-it also makes cost probes, at most one every `explore_every` drafting rounds: B-1 while it is wider than every
-settled width and would beat the current width w even at w's cost; half the narrowest settled width while it
-would beat w even at an AR step's cost. Each probe still emits the target's own tokens; once the ends are
-settled (three rounds each, again after they go stale) probing stops. Fixed-width runs learn and probe nothing.
+under (concurrency, the width asked), which corrects the curve per width: warm-up rounds after a change of width
+or job count are not learnt from, a settled width costs a low quantile of its recent rounds, other widths follow
+the table scaled by their settled neighbours, and the curve stays non-decreasing (that module's docstring has the
+rules). The width in use is left only for one expected to give `SWITCH_MARGIN` more tokens per ms, so noise in
+the costs does not make the policy churn (each new width pays warm-up rounds). A policy sees only the widths it
+picks, so while drafting it also makes cost probes, at most one every `explore_every` drafting rounds, over the
+coarse widths of `probe_widths` (2^k - 1 and B-1, so that few shapes ever need warming up): B-1 while it is wider
+than every settled width and would beat the current width w even at w's cost; the widest coarse width up to half
+the narrowest settled one while it would beat w even at an AR step's cost. A probe verifies its width for
+`PROBE_ROUNDS` rounds at most, until that width settles (the warm-up rounds and `min_seen` kept ones); each still
+emits the target's own tokens. Once the ends are settled (again after they go stale) probing stops. Fixed-width
+runs learn and probe nothing.
 """
 
 from __future__ import annotations
@@ -30,20 +35,28 @@ from collections.abc import Hashable, Sequence
 from ..core.errors import ToolkitError
 from .backend import GenSettings
 from .events import Round
-from .learned_costs import LearnedCosts, as_ms
+from .learned_costs import MIN_SEEN, WARMUP, LearnedCosts, as_ms
 from .policy import Hindsight, Policy
 
 PAGE = 256                         # exllamav3's cache page size
 CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_CONTEXT = 256
-EXPLORE_EVERY = 8                  # drafting rounds between two cost probes, at least
+EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at least
 EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
+SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
+PROBE_ROUNDS = WARMUP + MIN_SEEN + 1   # rounds a cost probe runs at most: enough for its width to settle
 
 
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
     """The widths to time for a drafter of block B: `widths` clipped to B-1 (0, the AR step, always)."""
     return sorted({0} | {min(w, block_size - 1) for w in widths if w >= 0})
+
+
+def probe_widths(block_size: int) -> list[int]:
+    """The coarse widths cost probes use: 2^k - 1 below B-1, and B-1."""
+    return sorted({(1 << k) - 1 for k in range(1, block_size.bit_length() + 1) if (1 << k) - 1 < block_size - 1}
+                  | {block_size - 1})
 
 
 class BatchPolicy(Policy):
@@ -56,6 +69,8 @@ class BatchPolicy(Policy):
         self.concurrency = None
         self.learned = LearnedCosts() if self.learn_costs and self.fixed_width is None else None
         self.explore_every, self.since_probe, self.asked = explore_every, 0, None
+        self.current: int | None = None           # the width in use (hysteresis)
+        self.probe, self.probe_left = None, 0     # the cost probe under way: its width, rounds left
 
     def begin_job(self, key: Hashable, last_prompt_token: int) -> None:
         """A job starts: its first round's proposal predicts the tokens after `last_prompt_token`."""
@@ -66,7 +81,7 @@ class BatchPolicy(Policy):
 
     def use_concurrency(self, c: int) -> None:
         if c != self.concurrency:
-            self.concurrency = c
+            self.concurrency, self.probe = c, None
             self.set_concurrency(c)
 
     def rescale(self, drift: float = 1.0) -> None:
@@ -79,24 +94,41 @@ class BatchPolicy(Policy):
             self.t, self.version = t, self.version + 1
             self.space_probes()
 
+    def best(self) -> int:
+        """Policy.best with hysteresis: the width in use stays unless the best beats it by SWITCH_MARGIN."""
+        b, cur = super().best(), self.current
+        if cur is not None and cur != b and cur < self.block_size:
+            s = self.scores()
+            if s[b] <= (1 + SWITCH_MARGIN) * s[cur]:
+                b = cur
+        self.current = b
+        return b
+
     def width(self) -> int:
-        """The verify width of the next iterate: the policy's, or now and then a cost probe (module docstring)."""
+        """The verify width of the next iterate: the policy's, or a cost probe's (module docstring)."""
+        if self.probe is not None:
+            if self.probe_left > 0 and self.probe not in self.learned.settled(self.concurrency or 1):
+                self.probe_left -= 1
+                self.asked = self.probe
+                return self.probe
+            self.probe = None
         w = super().width()
         if self.learned is not None and w > 0 and not self.probing:
             self.since_probe += 1
             if self.since_probe >= self.explore_every:
                 e = self.cost_probe(w)
                 if e != w:
-                    self.since_probe, w = 0, e
+                    self.since_probe, self.probe, self.probe_left, w = 0, e, PROBE_ROUNDS - 1, e
         self.asked = w
         return w
 
     def cost_probe(self, w: int) -> int:
-        """A width whose cost is only extrapolated and which could beat w at the least it may cost; else w."""
+        """A coarse width whose cost is only extrapolated and which could beat w at the least it may cost; else w."""
         c, E, t = self.concurrency or 1, self.acceptance.expected_tokens(), self.t
         seen = [x for x in self.learned.settled(c) if x > 0] or [w]
         bar = (1 + EXPLORE_MARGIN) * E[w] / t[w]
-        wide, narrow = self.block_size - 1, min(seen) // 2
+        wide = self.block_size - 1
+        narrow = max((x for x in probe_widths(self.block_size) if x <= min(seen) // 2), default=0)
         if wide > max(seen) and wide != w and E[wide] / t[w] > bar:
             return wide
         if 0 < narrow != w and E[narrow] / t[0] > bar:
@@ -105,7 +137,7 @@ class BatchPolicy(Policy):
 
     def cost_report(self) -> dict:
         """ms per width per concurrency: the table's curve ("start"), the one in use ("learned", = start when not
-        learning) and the observed rounds (median ms and count per width) behind it."""
+        learning) and the observed rounds (cost, kept and warm-up rounds per width) behind it."""
         lc = self.learned
         cs = sorted(set(self.costs.ms) | set(lc.rounds if lc else ()))
         start = {c: self.costs.curve(self.block_size, c) for c in cs}

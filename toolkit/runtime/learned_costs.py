@@ -2,13 +2,18 @@
 
 The policy starts from a timed table (exllamav3: dummy prompts at a 256-token context, exl3_policy.calibrate),
 which can rise with the width much more than real decoding rounds do. `LearnedCosts` keeps, per concurrency c and
-width w, the last `keep` observed round times; a width is *settled* once it has `min_seen` of them and was seen
-within the last `stale_after` rounds at c, and its cost is then their median (one slow round moves nothing).
-The learned curve at c, over the table's curve at c (the prior):
+width w, the last `keep` observed round times, except *warm-up* rounds: the first `warmup` rounds after the
+(c, w) of the rounds changed (another width, or another job count), which covers the first rounds ever of a
+(c, w) (exllamav3 runs a new shape eagerly, then captures its CUDA graph; later rounds replay it). A width is
+*settled* once it has `min_seen` kept rounds and was seen within the last `stale_after` rounds at c, and its cost
+is then the `quantile` (the 25th percentile) of its kept rounds: host jitter only adds to a round, so the low end
+is the round's own cost, and one slow round moves nothing. The learned curve at c, over the table's curve at c
+(the prior):
 
-- w = 0 (AR) on its own: its median once settled, else the table;
-- a settled drafting width: its median; between two settled widths, the table's shape scaled to pass through
-  both; beyond the outermost settled width, the table times that width's observed/tabled ratio, so a flat
+- w = 0 (AR) on its own: its cost once settled, else the table;
+- the settled drafting widths' costs, made non-decreasing in w by pooling adjacent violators into their mean
+  weighted by kept rounds (isotonic regression, so one noisy width does not raise all wider ones): a settled
+  width costs its pooled value; between two settled widths, the table's shape scaled to pass through both; beyond the outermost settled width, the table times that width's observed/tabled ratio, so a flat
   observed curve flattens the whole drafting curve and a width never picked follows its observed neighbours;
 - then made non-decreasing in w, as CostTable.curve does. With no settled drafting width it is the table.
 
@@ -19,7 +24,6 @@ expensive forever. `cost_report` renders a policy's starting and learned curves 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +32,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .policy import Policy
 
-MIN_SEEN = 3          # observed rounds before a width's own cost replaces the table's
-KEEP = 7              # observed rounds per width the median is taken over
+MIN_SEEN = 3          # kept rounds before a width's own cost replaces the table's
+KEEP = 16             # kept rounds per width the quantile is taken over
+QUANTILE = 0.25       # a width's cost: this quantile of its kept rounds (jitter is additive: the floor is the cost)
+WARMUP = 2            # rounds not learnt from after the (concurrency, width) of the rounds changed
 STALE_AFTER = 512     # rounds at that concurrency after which an unseen width's observations no longer count
 
 
@@ -38,38 +44,49 @@ class WidthTimes:
     """The recent round times of one width at one concurrency."""
 
     times: deque = field(default_factory=lambda: deque(maxlen=KEEP))
-    n: int = 0                 # rounds observed in all
-    last: int = 0              # the concurrency's round count at the last observation
-    median: float = 0.0        # of `times`
+    n: int = 0                 # rounds kept in all
+    skipped: int = 0           # warm-up rounds, not learnt from
+    last: int = 0              # the concurrency's round count at the last kept round
+    cost: float = 0.0          # the low quantile of `times`
 
 
 class LearnedCosts:
     """Observed ms per round, per concurrency and verify width; `curve` turns them and a prior into t_round(w)."""
 
-    def __init__(self, min_seen: int = MIN_SEEN, keep: int = KEEP, stale_after: int = STALE_AFTER):
+    def __init__(self, min_seen: int = MIN_SEEN, keep: int = KEEP, stale_after: int = STALE_AFTER,
+                 warmup: int = WARMUP, quantile: float = QUANTILE):
         self.min_seen, self.keep, self.stale_after = min_seen, keep, stale_after
+        self.warmup, self.quantile = warmup, quantile
         self.widths: dict[int, dict[int, WidthTimes]] = {}
         self.rounds: dict[int, int] = {}
+        self.shape: tuple[int, int] | None = None        # (concurrency, width) of the last timed round
+        self.streak = 0                                  # timed rounds in a row at that shape
 
     def observe(self, concurrency: int, width: int, ms: float) -> None:
-        """One round of `concurrency` jobs at verify width `width` took `ms`."""
+        """One round of `concurrency` jobs at verify width `width` took `ms` (kept unless a warm-up round)."""
         if not (ms > 0 and math.isfinite(ms)):
             return
+        shape = (concurrency, width)
+        self.streak, self.shape = (self.streak + 1 if shape == self.shape else 1), shape
         k = self.rounds[concurrency] = self.rounds.get(concurrency, 0) + 1
         s = self.widths.setdefault(concurrency, {}).setdefault(width, WidthTimes(deque(maxlen=self.keep)))
+        if self.streak <= self.warmup:
+            s.skipped += 1
+            return
         s.times.append(float(ms))
-        s.n, s.last, s.median = s.n + 1, k, statistics.median(s.times)
+        s.n, s.last, s.cost = s.n + 1, k, low_quantile(s.times, self.quantile)
 
     def settled(self, concurrency: int) -> dict[int, float]:
-        """{w: median ms} of the widths with at least `min_seen` rounds, seen within `stale_after` rounds."""
+        """{w: ms} of the widths with at least `min_seen` kept rounds, seen within `stale_after` rounds."""
         k = self.rounds.get(concurrency, 0)
-        return {w: s.median for w, s in sorted(self.widths.get(concurrency, {}).items())
+        return {w: s.cost for w, s in sorted(self.widths.get(concurrency, {}).items())
                 if s.n >= self.min_seen and k - s.last < self.stale_after}
 
     def curve(self, concurrency: int, prior: Sequence[float]) -> list[float]:
         """t_round(w) for w = 0..len(prior)-1: the prior corrected by the settled widths (module docstring)."""
         got = self.settled(concurrency)
-        spec = [(w, t) for w, t in got.items() if 0 < w < len(prior)]
+        ws = self.widths.get(concurrency, {})
+        spec = monotone([(w, t, len(ws[w].times)) for w, t in got.items() if 0 < w < len(prior)])
         out, j = [got.get(0, prior[0])], 0
         for w in range(1, len(prior)):
             while j < len(spec) and spec[j][0] < w:
@@ -79,9 +96,32 @@ class LearnedCosts:
         return out
 
     def observed(self, concurrency: int) -> dict[int, dict]:
-        """{w: {"ms": median of the kept rounds, "rounds": rounds seen}} at `concurrency` (bench.json)."""
+        """{w: {"ms": its cost (None: none kept), "rounds": rounds kept, "warmup": rounds skipped}} at
+        `concurrency` (bench.json)."""
         seen = sorted(self.widths.get(concurrency, {}).items())
-        return {w: {"ms": round(s.median, 3), "rounds": s.n} for w, s in seen}
+        return {w: {"ms": round(s.cost, 3) if s.n else None, "rounds": s.n, "warmup": s.skipped} for w, s in seen}
+
+
+def low_quantile(xs: Sequence[float], q: float) -> float:
+    """The q-quantile of xs, linear between the order statistics (q = 0.5: the median)."""
+    v = sorted(xs)
+    pos = q * (len(v) - 1)
+    i = int(pos)
+    return v[i] if i + 1 >= len(v) else v[i] + (v[i + 1] - v[i]) * (pos - i)
+
+
+def monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
+    """(width, ms) through sorted (width, ms, weight) points, made non-decreasing by pooling adjacent violators into
+    their weighted mean (isotonic regression): noise in one width's cost does not raise every wider one."""
+    blocks: list[list] = []                              # [total weight, weighted sum, widths]
+    for w, t, n in points:
+        blocks.append([n, n * t, [w]])
+        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][0] > blocks[-1][1] / blocks[-1][0]:
+            n2, s2, w2 = blocks.pop()
+            blocks[-1][0] += n2
+            blocks[-1][1] += s2
+            blocks[-1][2] += w2
+    return [(w, s / n) for n, s, ws in blocks for w in ws]
 
 
 def estimate(w: int, lo: tuple[int, float] | None, hi: tuple[int, float] | None, prior: Sequence[float]) -> float:
