@@ -278,3 +278,36 @@ def test_decode_many_learns_from_the_iterate_times(monkeypatch, tmp_path, learn)
     fixed = list(be.generate([p], GenSettings(max_new_tokens=40, block_size=5)))
     assert {len(r.drafted) for r in fixed} == {4} and cost_report(be.policies[(True, "stock")]) == report
 
+
+# -- calibration: replayed rounds, not captures ---------------------------------------------------------------------
+
+def capturing_cost(steady):
+    """Round cost of the stand-in Generator whose first two rounds of each (width, jobs) shape are slow (eager, then
+    CUDA graph capture) and whose third is too (a new shape's first replay), as exllamav3's per-slot graphs."""
+    ran = Counter()
+
+    def cost(w: int, rows: int) -> float:
+        ran[w, rows] += 1
+        return steady(w, rows) + (60.0 if ran[w, rows] <= 3 else 0.0)
+    return cost
+
+
+def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeypatch, tmp_path):
+    from toolkit.runtime import exl3_policy
+    from toolkit.runtime.exl3_policy import CALIBRATION_WARM, TABLE_VERSION
+
+    clock, raw = Clock(), []
+    monkeypatch.setattr(FakeGenerator, "clock", clock)
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(capturing_cost(lambda w, rows: 16.0 + 0.1 * w * rows)))
+    timer = exl3_policy.time_rounds
+    monkeypatch.setattr(exl3_policy, "time_rounds", lambda *a, **k: raw.append(timer(*a, **k)) or raw[-1])
+    be = make_backend(monkeypatch, tmp_path)
+    be.clock = clock
+    table = be.cost_table(2)
+    steady = {w: 16.0 + 0.2 * w for w in (0, 1, 3, 5, 7)}
+    assert table.ms[2] == pytest.approx(steady) and CALIBRATION_WARM >= 3
+    assert all(t == pytest.approx(steady[w]) for w, ts in raw[0].items() for t in ts)     # not one slow round timed
+    assert [p.name.endswith(f"-v{TABLE_VERSION}.json") for p in (tmp_path / "costs").glob("*.json")] == [True]
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(capturing_cost(lambda w, rows: 16.0 + 0.1 * w * rows)))
+    again = make_backend(monkeypatch, tmp_path)
+    assert again.cost_table(2).ms[2] == pytest.approx(steady) and len(raw) == 1        # read back from the cache

@@ -47,7 +47,7 @@ from .exl3_hook import (
 )
 from .exl3_memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .exl3_options import Exl3Options, set_chunked_verify
-from .exl3_policy import PAGE, BatchPolicy, calibrate
+from .exl3_policy import PAGE, TABLE_VERSION, BatchPolicy, calibrate
 from .gpu_split import GpuSplit, device_count
 from .policy import CostTable, cached_costs, cost_key, device_name
 
@@ -260,10 +260,11 @@ class Exl3Backend(Backend):
     # -- the policy --------------------------------------------------------------------------------------
 
     def cost_file_key(self, concurrency: int) -> str:
-        """Cost cache key: model folders, GPU, block, options (and the placement, when not one GPU) and concurrency."""
+        """Cost cache key: model folders, GPU, block, options (and the placement, when not one GPU), concurrency
+        and the table's version (exl3_policy.TABLE_VERSION)."""
         tag = self.options.tag + ("" if self.split.default else f"|{self.split.tag}")
         tag = hashlib.sha256(tag.encode()).hexdigest()[:8]
-        return f"{cost_key(self.folders, self.device, 'exl3', self.block_size)}-c{concurrency}-{tag}"
+        return f"{cost_key(self.folders, self.device, 'exl3', self.block_size)}-c{concurrency}-{tag}-v{TABLE_VERSION}"
 
     def cost_table(self, concurrency: int) -> CostTable:
         """t_round(w, c) for every concurrency measured so far with these options, timing `concurrency` first

@@ -6,8 +6,10 @@ job keeps its own `Hindsight` (its proposals resolve against its own emitted tok
 `Acceptance` of the policy, which belongs to the backend and drafter pair and learns across generate calls.
 
 Costs come from `time_rounds`: steady-state iterate() rounds of `c` dummy jobs (prompts of `context` ids, no
-stop tokens) at fixed widths, interleaved width by width so drift spreads evenly, median per width. The backend
-runs it once per concurrency at first use (`calibrate`) and caches the table per model pair, GPU, options and
+stop tokens) at fixed widths, interleaved width by width so drift spreads evenly, median per width. `calibrate`
+first runs `CALIBRATION_WARM` untimed passes, so that every (c, w) shape has run eagerly and had its CUDA graph
+captured: the table times replayed rounds, as decoding sees them (`TABLE_VERSION` in the cache key says so). The
+backend runs it once per concurrency at first use and caches the table per model pair, GPU, options and
 concurrency through runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with
 more repetitions.
 
@@ -41,7 +43,9 @@ from .policy import Hindsight, Policy
 PAGE = 256                         # exllamav3's cache page size
 CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
+CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
+TABLE_VERSION = 2                  # of the cached tables' meaning (2: replayed rounds, warmed up); in the cache key
 EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at least
 EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
 SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
@@ -245,13 +249,14 @@ def medians(times: dict[int, list[float]]) -> dict[int, float]:
 
 
 def calibrate(be, concurrency: int, reps: int = CALIBRATION_REPS, context: int = CALIBRATION_CONTEXT,
-              widths: Sequence[int] | None = None, emitted: dict[int, float] | None = None) -> dict[int, float]:
+              widths: Sequence[int] | None = None, emitted: dict[int, float] | None = None,
+              warm: int = CALIBRATION_WARM) -> dict[int, float]:
     """Median ms per round at each calibration width for `concurrency` jobs (w = 0: an AR round of the
-    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost); `emitted`,
-    when given, gets the mean tokens a job emitted per round at each width."""
+    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost), after `warm`
+    untimed passes (graphs captured); `emitted`, when given, gets the mean tokens a job emitted per round per width."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
     seen: dict[int, list[float]] = {}
-    ms = medians(time_rounds(be, concurrency, ws, reps=reps, context=context, emitted=seen))
+    ms = medians(time_rounds(be, concurrency, ws, reps=reps, warm=warm, context=context, emitted=seen))
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     return ms
