@@ -202,6 +202,27 @@ def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
     assert s["lossless"] == 0.0 and s["width_histogram"] == {1: 3} and "t_ar_ms" in s["spread"]
 
 
+def test_auto_is_paired_rep_by_rep_with_the_best_fixed_block(monkeypatch):
+    from toolkit.runtime import benchgrid
+    from toolkit.runtime.benchgrid import Cell, run_grid
+
+    secs = iter([1.0, 1.0, 1.5, 1.2,  1.0, 2.0, 1.0, 1.5,  1.0, 1.2, 1.25, 1.0])    # AR, auto, B=4, B=8 per rep
+
+    def fake_cell(be, ids, conc, settings, speculative, warmup):
+        drafted = (ids[0][0] + 1,) if speculative else ()
+        return [[Round((), 0, ids[0][0], prefill=True), Round(drafted, len(drafted), ids[0][0] + 1 + len(drafted))]], next(secs)
+
+    monkeypatch.setattr(benchgrid, "run_cell", fake_cell)
+    cells = [Cell(None, 1), Cell("auto", 1), Cell(4, 1), Cell(8, 1)]
+    _, (auto, b4, b8) = run_grid(Sequential(), [[1]], GenSettings(max_new_tokens=4), cells, reps=3, warmup=False)
+    assert auto["tok_s_reps"] == [3.0, 1.5, 2.5] and b4["tok_s_reps"] == [2.0, 3.0, 2.4] and b8["tok_s_reps"] == [2.5, 2.0, 3.0]
+    paired = auto["auto_over_best_fixed"]                              # B=8 is best by median (2.5 against 2.4)
+    assert paired["block_size"] == 8 and paired["ratios"] == pytest.approx([1.2, 0.75, 2.5 / 3])
+    assert paired["median"] == pytest.approx(2.5 / 3) and paired["min"] == 0.75 and paired["n"] == 3
+    assert auto["tok_s"] / b8["tok_s"] == 1.0                          # the ratio of medians hides the pairing
+    assert "auto_over_best_fixed" not in b4 and "auto_over_best_fixed" not in b8
+
+
 def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_path, capsys):
     from exl3_fakes import make_backend
 
@@ -229,8 +250,15 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
     assert {x["name"] for x in rows} == {"DF-8", "tau 3@8"}                      # DF-16 needs w = 15: not measured
     assert all(x["policy_speedup"] >= x["default_speedup"] * (1 - 1e-9) for x in rows)
     assert "geometric" in r["projection"]["assumption"]
+    for a in (c for c in r["cells"] if c["block_size"] == "auto"):       # paired within its concurrency and lever
+        p = a["auto_over_best_fixed"]
+        best = max((c for c in r["cells"] if c["block_size"] in (4, 8) and c["concurrency"] == a["concurrency"]
+                    and c.get("lever") == a.get("lever")), key=lambda c: c["tok_s"])
+        assert p["block_size"] == best["block_size"] and p["n"] == 2 and len(a["tok_s_reps"]) == 2
+        assert p["ratios"] == pytest.approx([u / v for u, v in zip(a["tok_s_reps"], best["tok_s_reps"])])
     out = capsys.readouterr().out
     assert "policy/defaults" in out and "[draft_max_rows=4]" in out and "auto" in out
+    assert "auto / best fixed block, paired per repetition, median (min-max): c=1: " in out and "+chunked_verify" in out
     assert (tmp_path / "o" / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -93,6 +93,13 @@ def test_pair_targets():
                       "within_3pct_of_best_fixed": True, "at_least_2x_ar": True}
     assert t["8"]["not_slower_than_ar"] is False and t["8"]["within_3pct_of_best_fixed"] is False   # lever cells do not count
     assert "at_least_2x_ar" not in t["8"]
+    paired = {"block_size": 8, "ratios": [0.99, 0.97, 1.02], "n": 3, "median": 0.99, "min": 0.97, "max": 1.02}
+    cells[3] = {**cells[3], "auto_over_best_fixed": paired}                 # c=8: paired rep by rep, 0.99
+    t = pair_targets({"concurrency": [1, 8], "cells": cells})
+    assert t["8"]["auto_over_best_fixed"] == 0.99 and t["8"]["within_3pct_of_best_fixed"] is True
+    assert t["8"]["paired"] == {k: paired[k] for k in ("block_size", "median", "min", "max", "n")} and "paired" not in t["1"]
+    cells[3]["auto_over_best_fixed"] = {**paired, "median": 0.96}
+    assert pair_targets({"concurrency": [8], "cells": cells})["8"]["within_3pct_of_best_fixed"] is False
 
 
 # -- mode ar (experiments/ar_rounds.py): the policy's AR rounds, exllamav3's per-token update vs defer_draft_kv --

@@ -62,6 +62,19 @@ def test_profile_and_pair_tables(tables):
     assert "30.0 / 56.5 ms = 0.53" in derived and "586 vs 265 tok/s" in derived and "| 944 |" in derived
 
 
+def test_pair_targets_read_the_paired_ratio_where_the_file_has_one():
+    from experiments.speed_report import pair_targets_table
+
+    old = json.loads((DATA / "pair_bench.json").read_text())              # no per-repetition numbers: as before
+    assert "| 1 | 1.16x | no | 0.82 | no | yes | 1.00 |" in pair_targets_table(old)
+    new = json.loads(json.dumps(old))
+    auto1 = next(x for x in new["cells"] if x["concurrency"] == 1 and x["block_size"] == "auto" and not x.get("lever"))
+    auto1["auto_over_best_fixed"] = {"block_size": 8, "ratios": [0.96, 0.99, 1.01], "n": 3, "median": 0.99,
+                                     "min": 0.96, "max": 1.01, "q1": 0.975, "q3": 1.0}
+    assert "| 1 | 1.16x | no | 0.990 (0.960-1.010) vs B=8 | yes | yes | 1.00 |" in pair_targets_table(new)
+    assert "| 4 | 0.89x | - | 0.95 | no | no | 1.00 |" in pair_targets_table(new)   # cells without: the medians
+
+
 def test_the_docs_hold_the_rendered_tables():
     assert "all 8 tables match" in report(DATA, check=ROOT / "docs" / "performance.md")
     assert "all 2 tables match" in report(DATA, check=ROOT / "docs" / "benchmarks.md", only=["pair", "pair_targets"])

@@ -9,8 +9,10 @@ accepted + 1 per verification round), per-position acceptance and losslessness (
 with --timing-only (implied for synthetic checkpoints, whose acceptance means nothing) only the costs. With
 --project-tau it projects, from the measured t_AR and t_round(w, c), the speedup at a given tau for exllamav3's
 defaults (B-1 drafts every round) and for the policy's best width. It prints a table and writes bench.json and
-bench.png into --out; each `auto` cell of bench.json holds "costs": the policy's round costs per concurrency and
-width, the table it started from and the curve it had learned at the cell's end. Without --target/--draft it uses
+bench.png into --out; each cell of bench.json holds its tok/s per repetition ("tok_s_reps"), and each `auto` cell
+"costs": the policy's round costs per concurrency and width, the table it started from and the curve it had
+learned at the cell's end, and "auto_over_best_fixed": its tok/s over the best fixed block's (by median) in each
+repetition, paired because both ran in it (median, min-max printed). Without --target/--draft it uses
 the shipped tiny pair. On the torch backend jobs run one after another (it has no batching): use it for small
 models.
 """
@@ -95,7 +97,15 @@ def print_table(result: dict, file=None) -> None:
              + (f" +{b['lever']}" if b.get("lever") else "") for b in result.get("best", [])]
     if picks:
         print("fastest measured per concurrency: " + ", ".join(picks), file=file)
+    paired = [f"c={c['concurrency']}{' +' + c['lever'] if c.get('lever') else ''}: {paired_ratio(p)} vs B={p['block_size']}"
+              for c in result["cells"] if (p := c.get("auto_over_best_fixed"))]
+    if paired:
+        print("auto / best fixed block, paired per repetition, median (min-max): " + ", ".join(paired), file=file)
     print_projection(result.get("projection"), file)
+
+
+def paired_ratio(p: dict) -> str:
+    return f"{p['median']:.3f}" + (f" ({p['min']:.3f}-{p['max']:.3f})" if p["n"] > 1 else "")
 
 
 def print_projection(proj: dict | None, file) -> None:

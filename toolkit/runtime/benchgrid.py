@@ -3,8 +3,9 @@ repeated rep by rep so that drift spreads over every cell, and the statistics an
 
 A cell is one setting at one concurrency c: all its jobs run in waves of c (one after another on a backend that
 does not batch). Each repetition runs every cell once, in the same order; a cell reports the median and spread
-of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, and
-tau / acceptance / losslessness pooled over them. An `auto` cell also records its policy's cost curves ("costs":
+of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, its tok/s
+per repetition, and tau / acceptance / losslessness pooled over them. An `auto` cell with fixed blocks beside it
+also gets "auto_over_best_fixed": its tok/s over the best fixed block's (by median), repetition by repetition. An `auto` cell also records its policy's cost curves ("costs":
 the table it started from and the learned one after the cell's last repetition, ms per width per concurrency;
 runtime/learned_costs.cost_report). `python -m toolkit.bench` prints and plots it.
 """
@@ -151,16 +152,31 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     for c, stats in zip([c for c in cells if not c.ar], out):
         if c in costs:
             stats["costs"] = costs[c]
+    pair_auto(out)
     return list(ar_cells.values()), out
 
 
+def pair_auto(cells: list[dict]) -> None:
+    """Per concurrency and lever, `auto` over the best fixed block (by median tok/s) rep by rep: the two ran in the
+    same repetition, so drift cancels. Stored in the auto cell as "auto_over_best_fixed" (ratios and their spread)."""
+    for a in (x for x in cells if x["block_size"] == "auto"):
+        same = [x for x in cells if isinstance(x["block_size"], int) and x["concurrency"] == a["concurrency"]
+                and x.get("lever") == a.get("lever") and len(x["tok_s_reps"]) == len(a["tok_s_reps"])]
+        if not same:
+            continue
+        best = max(same, key=lambda x: x["tok_s"])
+        ratios = [u / v if v else 0.0 for u, v in zip(a["tok_s_reps"], best["tok_s_reps"])]
+        a["auto_over_best_fixed"] = {"block_size": best["block_size"], "ratios": ratios, **spread(ratios)}
+
+
 def summarize_cell(cell: Cell, runs: list, ar: tuple[dict, list] | None, timing_only: bool, temperature: float) -> dict:
-    """Median of the repetitions (tok/s, t_round), their spread, and tau / acceptance / losslessness pooled."""
+    """Median of the repetitions (tok/s, t_round), their spread, tok/s per repetition in order ("tok_s_reps"), and
+    tau / acceptance / losslessness pooled."""
     per_rep = [cell_stats(rounds, secs) for rounds, secs in runs]
     pooled = cell_stats([job for rounds, _ in runs for job in rounds], sum(s for _, s in runs))
     mid = sorted(per_rep, key=lambda s: s["tok_s"])[len(per_rep) // 2]
     stats = {"concurrency": cell.concurrency, "jobs": len(runs[0][0]), **mid, "reps": len(runs),
-             "tok_s": spread([s["tok_s"] for s in per_rep])["median"],
+             "tok_s": spread([s["tok_s"] for s in per_rep])["median"], "tok_s_reps": [s["tok_s"] for s in per_rep],
              "round_ms": spread([s["round_ms"] for s in per_rep])["median"],
              "tau": pooled["tau"], "accept_per_position": pooled["accept_per_position"], "tau_histogram": pooled["tau_histogram"],
              "spread": {"tok_s": spread([s["tok_s"] for s in per_rep]), "round_ms": spread([s["round_ms"] for s in per_rep])}}
