@@ -2,19 +2,20 @@
 
 The policy starts from a timed table (exllamav3: dummy prompts at a 256-token context, exl3_policy.calibrate),
 which can rise with the width much more than real decoding rounds do. `LearnedCosts` keeps, per concurrency c and
-width w, the last `keep` observed round times, except *warm-up* rounds: the first `warmup` rounds after the
-(c, w) of the rounds changed (another width, or another job count), which covers the first rounds ever of a
-(c, w) (exllamav3 runs a new shape eagerly, then captures its CUDA graph; later rounds replay it). A width is
-*settled* once it has `min_seen` kept rounds and was seen within the last `stale_after` rounds at c, and its cost
-is then the `quantile` (the 25th percentile) of its kept rounds: host jitter only adds to a round, so the low end
-is the round's own cost, and one slow round moves nothing. The learned curve at c, over the table's curve at c
-(the prior):
+width w, the last `keep` observed round times, except *warm-up* rounds: the first `warmup` observed rounds after
+the (c, w) of the observed rounds changed (another width, or another job count), which covers the first rounds
+ever of a (c, w) (exllamav3 runs a new shape eagerly, then captures its CUDA graph; later rounds replay it). A
+width is *settled* once it has `min_seen` kept rounds and was kept within the last `stale_after` rounds at c, and
+its cost is then the `quantile` (the 25th percentile) of its kept rounds: host jitter only adds to a round, so the
+low end is the round's own cost, and one slow round moves nothing. The learned curve at c, over the table's curve
+at c (the prior):
 
 - w = 0 (AR) on its own: its cost once settled, else the table;
 - the settled drafting widths' costs, made non-decreasing in w by pooling adjacent violators into their mean
   weighted by kept rounds (isotonic regression, so one noisy width does not raise all wider ones): a settled
-  width costs its pooled value; between two settled widths, the table's shape scaled to pass through both; beyond the outermost settled width, the table times that width's observed/tabled ratio, so a flat
-  observed curve flattens the whole drafting curve and a width never picked follows its observed neighbours;
+  width costs its pooled value; between two settled widths, the table's shape scaled to pass through both;
+  beyond the outermost settled width, the table times that width's observed/tabled ratio, so a flat observed
+  curve flattens the whole drafting curve and a width never picked follows its observed neighbours;
 - then made non-decreasing in w, as CostTable.curve does. With no settled drafting width it is the table.
 
 A settled width that is not seen again goes stale and follows its neighbours, so it cannot stay wrongly
