@@ -141,9 +141,10 @@ class FakeEngine:
     def free_bytes(self):
         return self.free
 
-    def open_target(self, folder, cache_tokens, max_concurrency):
-        assert cache_tokens % 256 == 0 and max_concurrency >= 1
-        self.calls.append({"target": Path(folder), "cache_tokens": cache_tokens, "max_concurrency": max_concurrency})
+    def open_target(self, folder, cache_tokens, max_concurrency, max_chunk=None):
+        assert cache_tokens % 256 == 0 and max_concurrency >= 1 and (max_chunk or 256) % 256 == 0
+        self.calls.append({"target": Path(folder), "cache_tokens": cache_tokens, "max_concurrency": max_concurrency,
+                           "max_chunk": max_chunk})
         self.events.append("open_target")
         return FakeExl3Target(self.hf_dir, self.events)
 

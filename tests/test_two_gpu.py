@@ -253,7 +253,7 @@ def test_quantize_places_an_exl3_target_by_the_split(tmp_path, pair, monkeypatch
     splits = []
     for name in ("open_target", "open_backend"):
         inner = getattr(engine, name)
-        monkeypatch.setattr(engine, name, lambda *a, split=None, _f=inner: splits.append(split) or _f(*a))
+        monkeypatch.setattr(engine, name, lambda *a, split=None, _f=inner, **k: splits.append(split) or _f(*a, **k))
     monkeypatch.setattr(engine, "free_bytes", lambda split=None: splits.append(("free", split)) or engine.free)
     exl3 = fakes.exl3_target(pair[0], tmp_path / "tiny-exl3", bits=4.0)
     want = GpuSplit((16.0, 16.0), False, 1)
@@ -349,3 +349,32 @@ def test_space_export_writes_the_split_and_checks_the_hardware(tmp_path):
     with pytest.raises(OptionError, match=r"^tensor_parallel needs --backend exllamav3"):
         space.export(str(tmp_path / "sp3"), hardware="cpu-basic", tensor_parallel=True)
     assert not (tmp_path / "sp2").exists() and not (tmp_path / "sp3").exists()
+
+
+def test_a_target_loads_for_the_longest_forward_it_runs(pair, monkeypatch):
+    """The quantize target step's load (exl3_taps.open_target, max_chunk): exllamav3 measures a forward of that many
+    tokens, not 2048, and the Generator prefills no more at once; without it, or at 2048 and up, as always."""
+    from exl3_fakes import FakeGenerator
+
+    from toolkit.runtime import exl3_taps
+    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.runtime.factory import load_backend
+
+    log = install_loader(monkeypatch, 1)
+    monkeypatch.setattr(exl3_taps, "check_pinned", lambda: None)
+    monkeypatch.setattr(exl3_taps, "Exl3Target", lambda backend, batch: argparse.Namespace(backend=backend))
+    t = exl3_taps.open_target(pair[0], 8192, 8, max_chunk=768)
+    assert log == [("target", {"progressbar": False, "max_chunk_size": 768}, False)]
+    t.backend.generator(0)
+    assert FakeGenerator.built[-1].options == {"max_chunk_size": 768}
+    for chunk in (None, 2048, 4096):
+        be = Exl3Backend.from_dirs(pair[0], cache_tokens=8192, max_concurrency=8, max_chunk=chunk)
+        be.generator(0)
+        assert log[-1] == ("target", {"progressbar": False}, False) and FakeGenerator.built[-1].options == {}
+    be = Exl3Backend.from_dirs(pair[0], cache_tokens=512, max_concurrency=1, max_chunk=768)     # the cache is less
+    be.generator(0)
+    assert log[-1][1]["max_chunk_size"] == 512 == FakeGenerator.built[-1].options["max_chunk_size"]
+    with pytest.raises(ToolkitError, match=r"^max_chunk must be a positive multiple of 256, got 700$"):
+        Exl3Backend.from_dirs(pair[0], cache_tokens=8192, max_concurrency=8, max_chunk=700)
+    with pytest.raises(ToolkitError, match=r"^max_chunk is an exllamav3 load option"):
+        load_backend("torch", pair[0], max_chunk=768)

@@ -50,12 +50,13 @@ class Exl3Engine:
         devices = set(split.devices(torch.cuda.device_count())) | {split.draft_device}
         return sum(int(torch.cuda.mem_get_info(i)[0]) for i in devices)
 
-    def open_target(self, folder: Path, cache_tokens: int, max_concurrency: int, split=None):
+    def open_target(self, folder: Path, cache_tokens: int, max_concurrency: int, split=None,
+                    max_chunk: int | None = None):
         """The target alone: runtime.exl3_taps.Exl3Target (continue_greedy, forward, embedding_table,
-        head_weight, close); `split` places it across GPUs (None: GPU 0)."""
+        head_weight, close); `split` places it across GPUs (None: GPU 0); `max_chunk` bounds its forwards."""
         from ..runtime.exl3_taps import open_target
 
-        return open_target(folder, cache_tokens, max_concurrency, split=split)
+        return open_target(folder, cache_tokens, max_concurrency, split=split, max_chunk=max_chunk)
 
     def open_backend(self, target: Path, draft: Path, cache_tokens: int, max_concurrency: int, split=None):
         """The target with one DFlash drafter on the exllamav3 backend (runtime.backend.Backend), placed by `split`."""

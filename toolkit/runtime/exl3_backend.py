@@ -78,13 +78,14 @@ def import_exllamav3():
     return exllamav3
 
 
-def load_chunk(cache_tokens: int) -> dict:
+def load_chunk(cache_tokens: int, max_chunk: int | None = None) -> dict:
     """Load kwargs for a cache of `cache_tokens`. Model.load's layer-split loader runs its measuring forward over a
     (1, max_chunk_size) batch shape in the cache (exllamav3 modules/attn.py asserts max_chunk_size <=
     cache.max_num_tokens, "Cache too small for batch shape"); its default chunk is 2048, so a smaller cache (the
-    quantize speed step sizes it to one job) loads with the chunk cut to the cache. Caches of 2048 tokens or more
-    load with exllamav3's defaults, as always."""
-    return {"max_chunk_size": cache_tokens} if cache_tokens < LOAD_CHUNK else {}
+    quantize speed step sizes it to one job) loads with the chunk cut to the cache, and `max_chunk` (the longest
+    forward a caller runs) cuts it further. Otherwise the load takes exllamav3's defaults, as always."""
+    chunk = min(cache_tokens, max_chunk or LOAD_CHUNK)
+    return {"max_chunk_size": chunk} if chunk < LOAD_CHUNK else {}
 
 
 def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, history: int, split: GpuSplit,
@@ -97,16 +98,16 @@ def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, hist
 
 
 def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_concurrency: int, history: int,
-                split: GpuSplit, count: int) -> tuple:
+                split: GpuSplit, count: int, max_chunk: int | None = None) -> tuple:
     """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
     on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
-    drafter passed so the layer-split loader budgets for the states it taps)."""
+    drafter passed so the layer-split loader budgets for the states it taps; its chunk cut to `max_chunk`)."""
     model = exl.Model.from_config(exl.Config.from_directory(str(target)))
     cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
     dmodel = dcache = None
     if draft is not None:
         dmodel, dcache = load_drafter(exl, draft, cache_tokens, max_concurrency, history, split, count)
-    model.load(progressbar=False, **split.target_load_kwargs(count), **load_chunk(cache_tokens),
+    model.load(progressbar=False, **split.target_load_kwargs(count), **load_chunk(cache_tokens, max_chunk),
                **({"draft_model": dmodel} if dmodel is not None else {}))
     return model, cache, dmodel, dcache
 
@@ -134,7 +135,7 @@ class Exl3Backend(Backend):
                  native_block: int = 1, max_context: int = 0, eos_ids: tuple[int, ...] = (), max_concurrency: int = 32,
                  *, options: Exl3Options | None = None, folders: Sequence[str | Path] = (), vocab_size: int = 32000,
                  device: str = "cuda", moe_class: type | None = None, cost_cache: str | Path | None = None,
-                 split: GpuSplit | None = None):
+                 split: GpuSplit | None = None, max_chunk: int | None = None):
         self.exl, self.model, self.cache, self.tokenizer_exl = exl, model, cache, tokenizer
         self.tokenizer, self.draft, self.draft_cache = hf_tokenizer, draft, draft_cache
         self.block_size, self.max_context, self.eos_ids = native_block, max_context, eos_ids
@@ -143,6 +144,7 @@ class Exl3Backend(Backend):
         self.folders, self.vocab_size, self.device = tuple(folders), vocab_size, device
         self.cost_cache, self._moe_class = cost_cache, moe_class
         self.split = split or GpuSplit()
+        self.max_chunk = max_chunk        # the Generator's longest prefill chunk (None: exllamav3's 2048)
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
         self.options = Exl3Options()
@@ -155,9 +157,11 @@ class Exl3Backend(Backend):
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
                   cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None,
-                  split: GpuSplit | None = None) -> Exl3Backend:
+                  split: GpuSplit | None = None, max_chunk: int | None = None) -> Exl3Backend:
         """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU(s):
-        the target on GPU 0, or placed by `split` (runtime/gpu_split.py), the drafter on split.draft_device."""
+        the target on GPU 0, or placed by `split` (runtime/gpu_split.py), the drafter on split.draft_device.
+        `max_chunk` (a multiple of 256): the longest forward this backend will run, when below exllamav3's 2048;
+        the target loads measuring that much (less transient memory) and the Generator prefills no more at once."""
         from ..dflash import DFlashConfig
 
         target, draft = Path(target), Path(draft) if draft is not None else None
@@ -179,10 +183,12 @@ class Exl3Backend(Backend):
         exl = import_exllamav3()
         if cache_tokens < PAGE or cache_tokens % PAGE:
             raise ToolkitError(f"cache_tokens must be a positive multiple of {PAGE}, got {cache_tokens}")
+        if max_chunk is not None and (max_chunk < PAGE or max_chunk % PAGE):
+            raise ToolkitError(f"max_chunk must be a positive multiple of {PAGE}, got {max_chunk}")
         check_memory(target, draft, cache_tokens, max_concurrency, gpu, split)
         try:
             model, cache, dmodel, dcache = load_models(exl, target, draft, cache_tokens, max_concurrency,
-                                                       max(native - 1, 1), split, count)
+                                                       max(native - 1, 1), split, count, max_chunk)
             tok = exl.Tokenizer.from_config(model.config)
         except Exception as e:
             kind, why = load_failure(e) or (None, None)
@@ -197,7 +203,8 @@ class Exl3Backend(Backend):
         folders = (target, draft) if draft is not None else (target,)
         return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,
                    info.eos_ids, max_concurrency, options=options, folders=folders,
-                   vocab_size=int(info.text.get("vocab_size") or 32000), split=split)
+                   vocab_size=int(info.text.get("vocab_size") or 32000), split=split,
+                   max_chunk=load_chunk(cache_tokens, max_chunk).get("max_chunk_size") if max_chunk else None)
 
     def close(self) -> None:
         """Retire the generator and unload both models (the GPU memory comes back)."""
@@ -249,6 +256,8 @@ class Exl3Backend(Backend):
             if spec:
                 kw = dict(draft_model=self.draft, draft_cache=self.draft_cache, record_draft_stats=hooked,
                           num_draft_tokens=self.block_size - 1 if hooked else width, **self.options.generator_kwargs())
+            if self.max_chunk:
+                kw["max_chunk_size"] = self.max_chunk
             g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
             self._gen_key = key
             if spec and hooked:

@@ -100,11 +100,13 @@ class Exl3Target:
         free_gpu()
 
 
-def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int, split=None) -> Exl3Target:
-    """Load an EXL3 target folder alone (no drafter) through the exllamav3 backend (`split`: its GPUs, None = GPU 0)."""
+def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int, split=None,
+                max_chunk: int | None = None) -> Exl3Target:
+    """Load an EXL3 target folder alone (no drafter) through the exllamav3 backend (`split`: its GPUs, None = GPU 0;
+    `max_chunk`: the longest sequence it will forward, rounded up to 256, which its load measures)."""
     from .factory import load_backend
 
     check_pinned()
     backend = load_backend("exllamav3", folder, None, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
-                           split=split)
+                           split=split, max_chunk=max_chunk)
     return Exl3Target(backend, batch=max_concurrency)
