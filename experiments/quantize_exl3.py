@@ -35,7 +35,8 @@ quantize/smollm2-135m-dflash.toml against it with --also-uncalibrated: τ per bi
 uncalibrated, with the BF16 drafter as reference.
 
 Writes $OUT/quantize_exl3.json: per harness step seconds, result, errors; `quantize_steps`, each quantize step's
-seconds and peak GPU memory (GiB: torch's peak, the device's, the plan's estimate) saved as the step ends, and
+seconds and peak GPU memory (GiB: torch's peak, the device's, the plan's estimate; the target step's `phases` the
+same per phase: load, continue, forward, parts) saved as the step ends, and
 `quantize_progress` (the last step done, the one running, the peak so far; `cut_off` when a SIGTERM stopped it),
 so a call cut off at its limit still returns its step table; and $OUT/<mode>/ (report.json, report.md,
 tau_top1.png, cards.tar.gz with every card) once quantize ends: 5 files, as $OUT takes back 8.
@@ -128,9 +129,13 @@ def gib(v: int | None) -> float | None:
 
 
 def step_row(s: dict) -> dict:
-    """One quantize step (a row of report.json's `steps`) in GiB: seconds, torch's and the device's peak, the plan's."""
+    """One quantize step (a row of report.json's `steps`) in GiB: seconds, torch's and the device's peak, the plan's;
+    and its phases' (the target step's load, continue, forward, parts), when it measured some."""
+    phases = [{"phase": p["phase"], "seconds": p["seconds"], "peak_allocated_gib": gib(p["peak_allocated_bytes"]),
+               "peak_device_gib": gib(p["peak_device_bytes"])} for p in s.get("phases") or []]
     return {"step": s["step"], "seconds": s["seconds"], "peak_allocated_gib": gib(s.get("peak_allocated_bytes")),
-            "peak_device_gib": gib(s.get("peak_device_bytes")), "estimated_gib": gib(s.get("estimated_bytes"))}
+            "peak_device_gib": gib(s.get("peak_device_bytes")), "estimated_gib": gib(s.get("estimated_bytes")),
+            **({"phases": phases} if phases else {})}
 
 
 def recorder(run: Run) -> Callable[[dict], None]:

@@ -4,6 +4,7 @@ the converter at run_converter), the memory plan of the real shape, the refusals
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,14 @@ def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
     assert json.loads((pair[1] / "config.json").read_text())["dflash_config"]["tap_shift"] == 0   # untouched
     assert [s["step"] for s in report["steps"]] == ["validate", "plan", "target", "calibrate", "convert", "check", "speed"]
     assert {s["step"]: s["estimated_bytes"] is not None for s in report["steps"]}["speed"]
+    # the target step's phases, each timed (no CUDA here: no memory); no other step has any
+    tgt = report["steps"][2]
+    assert [p["phase"] for p in tgt["phases"]] == ["load", "continue", "forward", "parts"]
+    assert all(p["seconds"] >= 0 and p["peak_allocated_bytes"] is None is p["peak_device_bytes"] for p in tgt["phases"])
+    assert sum(p["seconds"] for p in tgt["phases"]) <= tgt["seconds"] + 0.05
+    assert [s["step"] for s in report["steps"] if "phases" in s] == ["target"]
+    # its load measures the longest forward (prompt and continuation, in 256-token pages), not exllamav3's 2048
+    assert engine.calls[0]["max_chunk"] == 256 < engine.calls[0]["cache_tokens"]
     md = (out / "report.md").read_text()
     assert "τ exllamav3" in md and f"`{exl3}` (4.00 bpw)" in md and "recommended:" in md and "| speed |" in md
     # the same numbers as the BF16 path on the same weights: taps, continuation, embedding and head agree
@@ -320,3 +329,39 @@ def test_swapped_drafters_measure_as_fresh_loads(tmp_path, pair, exl3, monkeypat
             assert got[k] == fresh[k], k
     # the 2 bpw drafter measures apart from the 8 bpw one: the swap took (without it both would be the BF16 drafter)
     assert report["results"][0]["exl3"]["tau"] != report["results"][1]["exl3"]["tau"]
+
+
+def test_phases_measure_each_part_of_a_step_and_keep_its_peak(monkeypatch):
+    """CUDA's counters faked: each phase gets torch's peak and the device's used memory within it alone; the step's
+    torch peak stays the highest (each phase reset torch's counter, so the step's own reading alone would be low)."""
+    state = {"allocated": 0, "peak": 0, "used": 0}
+
+    def alloc(n: int) -> None:
+        state["allocated"] += n
+        state["peak"] = max(state["peak"], state["allocated"])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GIB - state["used"], 80 * GIB))
+    phases = mem.Phases()
+    with mem.Meter() as step:
+        with phases.phase("load"):
+            alloc(15 * GIB)                      # the load's measuring forward, then freed
+            state["used"] = 17 * GIB
+            time.sleep(0.15)
+            alloc(-5 * GIB)
+            state["used"] = 12 * GIB             # given back to the device as the load ends
+        with phases.phase("forward"):
+            alloc(2 * GIB)
+            alloc(-2 * GIB)
+            state["used"] = 14 * GIB
+            time.sleep(0.15)
+    row = phases.fold(step.row("target", 20 * GIB))
+    assert step.peak_allocated == 12 * GIB                           # since the last reset only
+    assert [(p["phase"], p["peak_allocated_bytes"], p["peak_device_bytes"]) for p in row["phases"]] == [
+        ("load", 15 * GIB, 17 * GIB), ("forward", 12 * GIB, 14 * GIB)]
+    assert row["peak_allocated_bytes"] == 15 * GIB and row["peak_device_bytes"] == 17 * GIB
+    assert row["estimated_bytes"] == 20 * GIB and all(p["seconds"] >= 0.15 for p in row["phases"])
+    plain = {"step": "plan", "peak_allocated_bytes": None}
+    assert mem.Phases().fold(plain) == plain                         # a step without phases: its row as it was

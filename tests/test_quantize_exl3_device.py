@@ -101,6 +101,12 @@ def test_call_two_reuses_the_stage_and_records_each_step_as_it_ends(tmp_path, ou
     rows = res["quantize_steps"]
     assert [r["step"] for r in rows] == list(STEPS) and all(r["seconds"] >= 0 for r in rows)
     assert set(rows[0]) == {"step", "seconds", "peak_allocated_gib", "peak_device_gib", "estimated_gib"}
+    # the target step's phases, in GiB as its row (None: no CUDA here), saved with it as it ended
+    phases = seen["quantize_steps"][2]["phases"]
+    assert [p["phase"] for p in phases] == ["load", "continue", "forward", "parts"]
+    assert all(set(p) == {"phase", "seconds", "peak_allocated_gib", "peak_device_gib"} and p["peak_device_gib"] is None
+               for p in phases)
+    assert [r["step"] for r in rows if "phases" in r] == ["target"]
     assert rows[:-1] == res["steps"]["quantize"]["result"]["steps"]      # report.json's table (written in report)
     assert res["quantize_progress"]["done"] == "report" and res["quantize_progress"]["running"] is None
     assert {p.name for p in (out / "shape").iterdir()} >= {"report.json", "report.md", "cards.tar.gz"}

@@ -6,7 +6,7 @@ over its embedding table (kept on the CPU) and dequantized LM head, then it is u
 conversion and the KL check run beside the drafters only; for τ and speed the target is loaded again with one
 drafter at a time. `plan_memory` estimates each step from the configs and the files' sizes (--dry-run prints
 it; the run refuses a GPU whose free memory is below the peak before loading anything); `Meter` measures each
-step: torch's peak in this process, and the device's used memory sampled every 50 ms, which also sees the
+step (and `Phases` parts of one): torch's peak in this process, and the device's used memory sampled every 50 ms, which also sees the
 converter subprocess and the CUDA context.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,6 +218,31 @@ class Meter:
     def row(self, step: str, estimate: int | None) -> dict:
         return {"step": step, "seconds": round(self.seconds, 2), "peak_allocated_bytes": self.peak_allocated,
                 "peak_device_bytes": self.peak_device, "estimated_bytes": estimate}
+
+
+class Phases:
+    """The phases of one step, each measured alone by a Meter (torch's peak reset at its start): rows of
+    {"phase", "seconds", "peak_allocated_bytes", "peak_device_bytes"}, None memory without CUDA."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.rows: list[dict] = []
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with Meter(self.enabled) as m:
+            yield
+        row = m.row(name, None)
+        self.rows.append({"phase": name, **{k: row[k] for k in ("seconds", "peak_allocated_bytes",
+                                                                 "peak_device_bytes")}})
+
+    def fold(self, row: dict) -> dict:
+        """The step's row with its phases; torch's step peak is the highest of its own and the phases' (each phase
+        reset it)."""
+        if not self.rows:
+            return row
+        peaks = [r["peak_allocated_bytes"] for r in [row, *self.rows] if r["peak_allocated_bytes"] is not None]
+        return {**row, "peak_allocated_bytes": max(peaks, default=None), "phases": self.rows}
 
 
 def summary(rows: list[dict], needs: list[Need]) -> dict:

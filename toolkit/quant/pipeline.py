@@ -38,7 +38,7 @@ from .plan import MANIFEST, check_out_dir, format_plan, make_plan, plan_json
 from .recipe import Recipe, merge
 from .run import STEPS, Run, step
 from .source import fetch_ref, target_kind
-from .target import exl3_parts, exl3_prompts, hf_prompts, target_bits
+from .target import exl3_target, hf_prompts, target_bits
 from .validate import linear_keys, unquantized_keys
 from .validate import validate as validate_checkpoint
 
@@ -200,7 +200,7 @@ def check_shifts(run: Run) -> list[int]:
 @step
 def target(run: Run) -> None:
     """Every prompt through the target: its greedy continuation, greedy tokens and taps. An EXL3 target is loaded
-    for this alone, hands over its embedding table and LM head, and is unloaded."""
+    for this alone, hands over its embedding table and LM head, and is unloaded; its phases are measured."""
     if not (run.cal_ids or run.held_ids):
         return
     r, c = run.s.recipe, run.config
@@ -208,14 +208,12 @@ def target(run: Run) -> None:
     if run.kind == "exl3":
         n = max(map(len, run.cal_ids + run.held_ids))
         batch = min(mem.BATCH, max(1, len(run.cal_ids + run.held_ids)))
-        t = engine.ENGINE.open_target(run.target_dir, batch * mem.job_tokens(n, r.max_new_tokens, 1), batch,
-                                      **run.split_kw())
-        try:
-            run.cal_prompts = exl3_prompts(t, run.cal_ids, c, [c.tap_shift], r.max_new_tokens)
-            run.held = exl3_prompts(t, run.held_ids, c, shifts, r.max_new_tokens)
-            run.parts = exl3_parts(t)
-        finally:
-            t.close()
+        # exllamav3 loads measuring a forward of max_chunk tokens: the longest this step runs, not its default 2048
+        tokens = batch * mem.job_tokens(n, r.max_new_tokens, 1)
+        opened = lambda: engine.ENGINE.open_target(run.target_dir, tokens, batch,  # noqa: E731
+                                                   max_chunk=mem.pages(n + r.max_new_tokens), **run.split_kw())
+        run.cal_prompts, run.held, run.parts = exl3_target(opened, run.cal_ids, run.held_ids, c, shifts,
+                                                           r.max_new_tokens, run.phases.phase)
         return
     from .blocks import load_target
 

@@ -13,7 +13,7 @@ from ..dflash import DFlashConfig, DFlashDraft
 from ..runtime.gpu_split import GpuSplit
 from . import check as chk
 from .blocks import Prompt
-from .memory import Meter, Need
+from .memory import Meter, Need, Phases
 from .plan import PlanItem
 from .recipe import Settings
 from .validate import Checked
@@ -65,6 +65,7 @@ class Run:
     exl3_widths: list[dict] = field(default_factory=list)
     recommended: int | None = None      # draft tokens per round with the best measured speedup
     timings: list[dict] = field(default_factory=list)
+    phases: Phases = field(default_factory=Phases)      # the running step's phases (a step may measure some)
     failures: list[str] = field(default_factory=list)
     report: dict | None = None
 
@@ -120,15 +121,17 @@ class Run:
 
 
 def step(fn: Callable[[Run], None]) -> Callable[[Run], None]:
-    """A step on the progress bar (its name while it runs, a tick when done), timed and its GPU peak measured;
-    the row goes to run.timings and, as the step ends, to run.on_step (so a run cut off later still tells it)."""
+    """A step on the progress bar (its name while it runs, a tick when done), timed and its GPU peak measured (and
+    its phases', when it measures some in run.phases); the row goes to run.timings and, as the step ends, to
+    run.on_step (so a run cut off later still tells it)."""
 
     @functools.wraps(fn)
     def run_step(run: Run) -> None:
         run.bar.set_description(fn.__name__)
+        run.phases = Phases(enabled=not run.dry_run)
         with Meter(enabled=not run.dry_run) as m:        # a dry run touches no GPU
             fn(run)
-        row = m.row(fn.__name__, run.estimate(fn.__name__))
+        row = run.phases.fold(m.row(fn.__name__, run.estimate(fn.__name__)))
         run.timings.append(row)
         if run.on_step is not None:
             run.on_step(dict(row))

@@ -10,6 +10,9 @@ unloaded and `Parts` stands in for it, so the same calibration and KL/top-1 code
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,11 +57,17 @@ def tap_layers(config: DFlashConfig, shifts: list[int]) -> list[int]:
     return sorted({L + s for L in config.target_layer_ids for s in shifts})
 
 
+def continued(target, prompt_ids: list[list[int]], continue_tokens: int) -> list[list[int]]:
+    """Each prompt followed by the target's greedy continuation (as it is without one)."""
+    return target.continue_greedy(prompt_ids, continue_tokens) if continue_tokens > 0 else [list(p) for p in prompt_ids]
+
+
 def exl3_prompts(target, prompt_ids: list[list[int]], config: DFlashConfig, shifts: list[int],
-                 continue_tokens: int = 0) -> list[Prompt]:
+                 continue_tokens: int = 0, full: list[list[int]] | None = None) -> list[Prompt]:
     """Prompts through an EXL3 target (runtime.exl3_taps.Exl3Target): each extended by the target's greedy
-    continuation, then one forward for the greedy tokens and the taps (output of layer L + s per tap L)."""
-    full = target.continue_greedy(prompt_ids, continue_tokens) if continue_tokens > 0 else [list(p) for p in prompt_ids]
+    continuation (`full`, when already made), then one forward for the greedy tokens and the taps (output of layer
+    L + s per tap L)."""
+    full = full if full is not None else continued(target, prompt_ids, continue_tokens)
     layers = tap_layers(config, shifts)
     out = []
     for ids0, ids in zip(prompt_ids, full):
@@ -67,6 +76,26 @@ def exl3_prompts(target, prompt_ids: list[list[int]], config: DFlashConfig, shif
         start = max(1, len(ids0) - 1) if continue_tokens > 0 else 1
         out.append(Prompt(torch.tensor(ids, dtype=torch.long), greedy, taps, start=start))
     return out
+
+
+def exl3_target(open_target: Callable[[], object], cal_ids: list[list[int]], held_ids: list[list[int]],
+                config: DFlashConfig, shifts: list[int], continue_tokens: int,
+                phase: Callable[[str], AbstractContextManager]) -> tuple[list[Prompt], list[Prompt], Parts]:
+    """The calibration and check prompts and the Parts from an EXL3 target loaded for this alone, unloaded at the
+    end; `phase(name)` measures each phase: load, continue (greedy continuations), forward (the taps), parts."""
+    with phase("load"):
+        t = open_target()
+    try:
+        with phase("continue"):
+            full = [continued(t, ids, continue_tokens) for ids in (cal_ids, held_ids)]
+        with phase("forward"):
+            cal = exl3_prompts(t, cal_ids, config, [config.tap_shift], continue_tokens, full[0])
+            held = exl3_prompts(t, held_ids, config, shifts, continue_tokens, full[1])
+        with phase("parts"):
+            parts = exl3_parts(t)
+    finally:
+        t.close()
+    return cal, held, parts
 
 
 def hf_prompts(model, prompt_ids: list[list[int]], config: DFlashConfig, shifts: list[int],
