@@ -51,7 +51,8 @@ def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
     # drafter, and every bitrate swapped into that load, one at a time
     folders = [r["folder"] for r in report["results"]]
     assert engine.events[:2] == ["open_target", "close_target"]
-    assert [e for e in engine.events if e.startswith("convert:")] == [f"convert:.{f}.partial" for f in folders]
+    converts = engine.events[2:2 + len(folders)]              # two at once: either of a pair may start first
+    assert sorted(converts) == sorted(f"convert:.{f}.partial" for f in folders)
     chain = ["bf16-reference", *folders]
     assert engine.events[2 + len(folders):] == ["open_backend:bf16-reference",
                                                 *[f"swap:{a}->{b}" for a, b in zip(chain, chain[1:])],
