@@ -36,7 +36,15 @@ class FakeHead:
     def __init__(self, weight):                  # weight [V, H]
         padded = torch.zeros(16, 48, dtype=torch.half)
         padded[:H, :V] = weight.T.half()
-        self.inner = types.SimpleNamespace(get_weight_tensor=lambda: padded)
+        self.device = "cpu"
+        self.inner = types.SimpleNamespace(in_features=16, out_features=48, calls=[],
+                                           forward=lambda x, params, out_dtype=None: self.forward(x, out_dtype))
+        self.padded = padded
+
+    def forward(self, x, out_dtype):             # LinearEXL3.forward: x [rows, in] (fp16) @ W [in, out]
+        self.inner.calls.append(tuple(x.shape))
+        assert x.dtype == torch.half and x.is_contiguous() and out_dtype == torch.float
+        return x.float() @ self.padded.float()
 
 
 class FakeModel:
@@ -119,9 +127,11 @@ def test_embedding_table_and_head(exllamav3_modules, monkeypatch):
     t = Exl3Target(FakeBackend(m))
     table = t.embedding_table()
     assert table.shape == (V, H) and table.dtype == torch.float32 and torch.equal(table, m.table)
+    monkeypatch.setattr(exl3_taps, "HEAD_ROWS", 3)              # the head read 3 identity rows at a time
     head = t.head_weight()
     assert head.shape == (V, H) and head.dtype == torch.half and torch.equal(head, m.head.half())
     assert head.is_contiguous() and not head.is_inference()
+    assert m.modules[m.logit_layer_idx].inner.calls == [(3, 16), (3, 16), (2, 16)]     # never the whole head at once
 
 
 def test_close_unloads():

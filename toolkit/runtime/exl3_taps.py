@@ -26,6 +26,7 @@ from .exl3_hook import PINNED_VERSION, check_version, exllamav3_version
 EXPORT_LAYERS = "export_state_layers"    # params key: the layer indices whose outputs a forward exports
 EXPORTED = "export_states"               # params key: the exported outputs, in layer order
 EMBED_CHUNK = 16384                      # vocabulary rows per embedding lookup when the table is read out
+HEAD_ROWS = 128                          # identity rows per pass through the LM head (exllamav3 reconstructs above 144)
 
 
 def check_pinned() -> None:
@@ -89,11 +90,20 @@ class Exl3Target:
         return torch.cat(rows)
 
     def head_weight(self) -> torch.Tensor:
-        """The LM head [vocab, hidden] as exllamav3 computes with it (EXL3 dequantized), fp16 on the CPU."""
+        """The LM head [vocab, hidden] as exllamav3 computes with it, fp16 on the CPU: rows of the identity through
+        the head's own kernel, HEAD_ROWS at a time. exllamav3's get_weight_tensor would dequantize the whole
+        head at once in float32 (about 6 GiB for Qwen3.6's 248k x 2048 on 2026-12-04, over a 22 GiB budget)."""
         lm = self.model.modules[self.model.logit_layer_idx]
+        n_in = int(lm.inner.in_features)
+        dev = lm.device
+        rows = []
         with torch.inference_mode():
-            w = lm.inner.get_weight_tensor().cpu()          # [in, out], padded to exllamav3's tiles
-        return w.T[: self.vocab_size, : self.hidden_size].contiguous()
+            for k in range(0, self.hidden_size, HEAD_ROWS):
+                eye = torch.zeros((min(HEAD_ROWS, self.hidden_size - k), n_in), dtype=torch.half, device=dev)
+                eye[:, k: k + eye.shape[0]].fill_diagonal_(1.0)
+                out = lm.inner.forward(eye, {}, out_dtype=torch.float)      # [rows, out]: W's rows k..
+                rows.append(out[:, : self.vocab_size].half().cpu())
+        return torch.cat(rows).T.contiguous()
 
     def close(self) -> None:
         self.backend.close()
