@@ -1,5 +1,4 @@
-"""Step 4: convert each bitrate with exllamav3's convert_model, in a subprocess, into a temp folder renamed when
-complete; up to two bitrates at once (threads, each waiting on its own subprocess) when memory allows.
+"""Step 4: convert one bitrate with exllamav3's convert_model, in a subprocess, into a temp folder renamed when complete.
 
 `run_converter` is the only place that starts exllamav3; tests replace just that function.
 """
@@ -13,12 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-
-from tqdm import tqdm
 
 from ..core.errors import ToolkitError
 from .plan import STAMP, PlanItem, partial_dir
@@ -31,77 +25,13 @@ CONVERTER = "exllamav3.conversion.convert_model"
 EXL3_TAP_SHIFT_OFFSET = 0
 
 
-RUNNING: set[subprocess.Popen] = set()     # the converters this process has running (stop_converters ends them)
-_lock = threading.Lock()
-
-
 def run_converter(args: list[str], log_path: Path) -> int:
     """Run `python -m exllamav3.conversion.convert_model ARGS`, output to log_path; returns the exit status."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", CONVERTER, *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        with _lock:
-            RUNNING.add(proc)
-        try:
-            return proc.wait()
-        except BaseException:          # interrupted while waiting (as subprocess.run): no converter outlives it
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            with _lock:
-                RUNNING.discard(proc)
-
-
-def stop_converters() -> None:
-    """Terminate the converters still running (each one's convert_bitrate then removes its partial output)."""
-    with _lock:
-        for proc in RUNNING:
-            proc.terminate()
-
-
-def at_once_now(planned: int, one: int, device: str | None) -> int:
-    """The plan's converters at once, or 1 when the converter's GPU lacks `one` bytes free per converter now
-    (checked on CUDA only)."""
-    import torch
-
-    if planned <= 1 or not torch.cuda.is_available():
-        return max(1, planned)
-    free = torch.cuda.mem_get_info(int(device_index(device).split(",")[0]))[0]
-    return planned if free >= planned * one else 1
-
-
-def convert_all(items: list[PlanItem], convert_one: Callable[[PlanItem], Path], at_once: int = 1,
-                progress: bool = True) -> None:
-    """convert_one over the items, up to `at_once` together, started in plan order; each is marked done as it ends.
-    After a failure none starts and the running ones finish; then the first failure in plan order is raised. An
-    interrupt terminates the running converters, waits for their cleanup and is raised."""
-    queue, running, failed = list(items), {}, {}
-    desc = "convert" + (f" ({at_once} at once)" if at_once > 1 else "")
-    with tqdm(total=len(items), desc=desc, unit="bitrate", disable=not progress, leave=False) as bar, \
-            ThreadPoolExecutor(max(1, at_once), thread_name_prefix="convert") as pool:
-        try:
-            while queue or running:
-                while queue and not failed and len(running) < at_once:
-                    item = queue.pop(0)
-                    running[pool.submit(convert_one, item)] = item
-                if not running:
-                    break
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for f in done:
-                    item = running.pop(f)
-                    if f.exception() is None:
-                        item.status = "done"
-                        bar.update()
-                    else:
-                        failed[items.index(item)] = f.exception()
-        except BaseException:
-            stop_converters()
-            wait(running)
-            raise
-    if failed:
-        raise failed[min(failed)]
+        proc = subprocess.run([sys.executable, "-m", CONVERTER, *args], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc.returncode
 
 
 def converter_unavailable() -> str | None:

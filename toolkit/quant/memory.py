@@ -2,13 +2,13 @@
 
 The steps are ordered so that the biggest thing on the GPU is the target alone, or the target with one
 drafter. With an EXL3 target: the target runs once to make every prompt's continuation and taps and to hand
-over its embedding table (kept on the CPU) and dequantized LM head, then it is unloaded; calibration,
+over its embedding table (kept on the CPU) and LM head (read through its kernel), then it is unloaded; calibration,
 conversion and the KL check run beside the drafters only; for τ and speed the target is loaded again with one
-drafter at a time; two bitrates convert at once where two converters fit the 22 GiB budget. `plan_memory`
-estimates each step from the configs and the files' sizes (--dry-run prints it; the run refuses a GPU whose free
-memory is below the peak before loading anything); `Meter` measures each step (and `Phases` parts of one): torch's
-peak in this process, and the device's used memory sampled every 50 ms, which also sees the converter
-subprocesses and the CUDA context.
+drafter at a time; bitrates convert one after another (two at once took as long on the H200, 2026-12-04).
+`plan_memory` estimates each step from the configs and the files' sizes (--dry-run prints it; the run refuses a
+GPU whose free memory is below the peak before loading anything); `Meter` measures each step (and `Phases` parts
+of one): torch's peak in this process, and the device's used memory sampled every 50 ms, which also sees the
+converter subprocess and the CUDA context.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ CARD_24GB = 22 * GIB         # what a 24 GB card leaves to one process
 PAGE = 256                   # exllamav3's cache page
 BATCH = 8                    # prompts continued together on the EXL3 target
 PROMPT_TOKENS = 512          # prompt length the plan assumes before the prompts are tokenized (dry run)
-SECOND = "a second converter at once"   # the convert step's part when two bitrates convert together
 
 
 def pages(n: int) -> int:
@@ -84,33 +83,12 @@ def hessian_bytes(config: DFlashConfig) -> int:
 
 
 def converter(config: DFlashConfig) -> dict[str, int]:
-    """GPU bytes of one converter subprocess, by part."""
+    """GPU bytes of the converter subprocess, by part: 2 GiB + two Hessians of the widest Linear as its working
+    set fits its device peaks of 2026-12-03 (Qwen3.6 drafter 9.46 GiB, SmolLM2 pair 4.24 GiB, with our context)."""
     shapes = expected_shapes(config)
     widest = max((4 * shapes[k + ".weight"][1] ** 2 for k in linear_keys(config)), default=0)
-    # 2 GiB + two Hessians of the widest Linear: fits one converter's device peak measured 2026-12-03 (Qwen3.6
-    # drafter 9.46 GiB, SmolLM2 pair 4.24 GiB, each with this process's context)
     return {"converter: drafter (bf16)": 2 * numel(config), "converter: Hessians": hessian_bytes(config),
             "converter: CUDA context": GIB, "converter: working set": 2 * GIB + 2 * widest}
-
-
-def convert_need(config: DFlashConfig, resident: dict[str, int], todo: int, budget: int | None = None) -> Need:
-    """The convert step: what stays resident and one converter, and a second one at once when there are two
-    bitrates to convert and both fit the budget (None: the plan's, CARD_24GB)."""
-    parts = {**resident, **converter(config)}
-    one = sum(converter(config).values())
-    if todo >= 2 and Need("convert", parts).total + one <= (CARD_24GB if budget is None else budget):
-        parts[SECOND] = one
-    return Need("convert", parts)
-
-
-def at_once(needs: list[Need]) -> int:
-    """Converters the plan runs together in the convert step."""
-    return next((2 if SECOND in n.parts else 1 for n in needs if n.step == "convert"), 1)
-
-
-def alone(needs: list[Need]) -> list[Need]:
-    """The needs with one converter at a time: a second one waits where the GPU has no room for it."""
-    return [Need(n.step, {k: v for k, v in n.parts.items() if k != SECOND}) for n in needs]
 
 
 def target_text(cfg: dict) -> dict:
@@ -146,8 +124,8 @@ def cache(cfg: dict, tokens: int, slots: int) -> int:
     return cache_bytes(cfg, tokens, slots)
 
 
-def plan_memory(sz: Sizes, calibrate: bool, convert: int, check: bool) -> list[Need]:
-    """Estimated GPU bytes of each step that uses the GPU, in run order (`convert`: the bitrates to convert)."""
+def plan_memory(sz: Sizes, calibrate: bool, convert: bool, check: bool) -> list[Need]:
+    """Estimated GPU bytes of each step that uses the GPU, in run order."""
     c, t = sz.config, target_text(sz.target_cfg)
     vocab, hidden = int(t.get("vocab_size") or c.vocab_size or 0), int(t.get("hidden_size") or c.hidden_size)
     d16, d32, hess = 2 * numel(c), 4 * numel(c), hessian_bytes(c)
@@ -160,14 +138,14 @@ def plan_memory(sz: Sizes, calibrate: bool, convert: int, check: bool) -> list[N
         out.append(Need("target", {"target weights": weights,
                                    "target cache": cache(sz.target_cfg, batch * job_tokens(sz.max_prompt, sz.max_new_tokens, 1), batch),
                                    "logits and taps of one forward": n * (4 * vocab + 2 * hidden * len(c.target_layer_ids) * 2),
-                                   "LM head while dequantized": 2 * head}))
+                                   "LM head read (128 rows at a time)": 2 * 128 * 4 * vocab}))
     resident = {"target weights": weights} if sz.kind == "hf" else {}
     if sz.kind == "hf":
         out.append(Need("target", {**resident, "logits and hidden states": n * (4 * vocab + 4 * hidden * (int(t.get("num_hidden_layers") or 0) + 1))}))
     if calibrate and sz.kind != "none":
         out.append(Need("calibrate", {**resident, "reference drafter (fp32)": d32, "Hessians (fp32)": hess}))
     if convert:
-        out.append(convert_need(c, resident, int(convert)))
+        out.append(Need("convert", {**resident, **converter(c)}))
     if check and sz.kind != "none":
         out.append(Need("check", {**resident, "reference drafter (fp32)": d32, "quantized drafter (fp32)": d32,
                                   **({"LM head (fp16)": head} if sz.kind == "exl3" else {})}))
@@ -194,9 +172,6 @@ def format_memory(needs: list[Need], weights_known: bool = True) -> str:
     for nd in needs:
         parts = ", ".join(f"{k} {gib(v)}" for k, v in nd.parts.items())
         lines.append(f"  {nd.step:<10} {gib(nd.total):>9}  {parts}")
-    if any(n.step == "convert" for n in needs):
-        lines.append(f"  converts at once: {at_once(needs)} (two when the plan has two bitrates to convert and two "
-                     f"converters fit {gib(CARD_24GB)})")
     top = peak(needs)
     fits = "fits" if top.total <= CARD_24GB else "does not fit"
     lines.append(f"  peak: {gib(top.total)} in step {top.step}: {fits} a 24 GB card (about {gib(CARD_24GB)} usable)")

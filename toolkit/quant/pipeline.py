@@ -91,7 +91,7 @@ def plan_memory(run: Run, max_prompt: int = mem.PROMPT_TOKENS) -> list[mem.Need]
         run.target_weights = mem.hf_weights(folder, cfg)
     n = len(r.calibration_prompts) + len(r.check_prompts)
     sizes = mem.Sizes(run.kind, run.config, cfg, run.target_weights, max_prompt, r.max_new_tokens, n)
-    return mem.plan_memory(sizes, run.calibrating, len(run.todo), run.check)
+    return mem.plan_memory(sizes, run.calibrating, bool(run.todo), run.check)
 
 
 def show_plan(run: Run) -> None:
@@ -145,7 +145,7 @@ def prepare(run: Run) -> None:
 
 def check_fits(run: Run) -> None:
     """One line when the plan's biggest step needs more GPU memory than is free (estimated before loading)."""
-    top = mem.peak(mem.alone(run.needs))     # a second converter runs only where it fits (conv.at_once_now)
+    top = mem.peak(run.needs)
     if top is None or not (run.kind == "exl3" or run.dev.startswith("cuda")):
         return
     free = engine.ENGINE.free_bytes(**run.split_kw()) if run.kind == "exl3" else engine.ENGINE.free_bytes()
@@ -251,14 +251,14 @@ def calibrate(run: Run) -> None:
 
 @step
 def convert(run: Run) -> None:
-    """Each unfinished bitrate through exllamav3, into a folder that appears only when complete; two at once when
-    the plan has room for two converters (and the GPU has now)."""
+    """Each unfinished bitrate through exllamav3, into a folder that appears only when complete."""
     s, keep = run.s, unquantized_keys(run.config)
     park(run)
-    n = conv.at_once_now(mem.at_once(run.needs), sum(mem.converter(run.config).values()), run.device)
-    conv.convert_all(run.todo, lambda item: conv.convert_bitrate(
-        item, run.model_dir, run.dest, run.work, run.checked.tensors, keep, s.model_id, s.revision,
-        run.config.tap_shift, run.hessians, s.recipe.overrides, run.device), n, run.progress)
+    for item in tqdm(run.todo, desc="convert", unit="bitrate", disable=not run.progress, leave=False):
+        conv.convert_bitrate(item, run.model_dir, run.dest, run.work, run.checked.tensors, keep, s.model_id, s.revision,
+                             run.config.tap_shift, run.hessians if item.calibrated else None, s.recipe.overrides,
+                             run.device)
+        item.status = "done"
 
 
 @step
