@@ -189,6 +189,16 @@ def make_backend(monkeypatch, tmp_path, model=None, moe_class=None, cache_tokens
                        draft_cache="dc", native_block=8, max_context=4096, eos_ids=(5,), max_concurrency=8,
                        device="cpu", cost_cache=tmp_path / "costs", moe_class=moe_class or type(None), **kw)
 
+def timed_backend(monkeypatch, tmp_path, cost):
+    """make_backend whose rounds cost `cost(width, rows)` ms on a shared stand-in clock (the backend's clock too)."""
+    clock = Clock()
+    monkeypatch.setattr(FakeGenerator, "clock", clock)
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(cost))
+    be = make_backend(monkeypatch, tmp_path)
+    be.clock = clock
+    return be
+
+
 
 # -- loading (Exl3Backend.from_dirs): exllamav3's Config / Model / Cache / Tokenizer, the calls recorded --------
 

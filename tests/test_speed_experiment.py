@@ -7,7 +7,7 @@ import argparse
 import json
 
 import pytest
-from exl3_fakes import Clock, FakeGenerator, make_backend
+from exl3_fakes import Clock, FakeGenerator, timed_backend
 
 from experiments.harness import Run
 from experiments.speed import (
@@ -29,12 +29,8 @@ def test_busy_is_the_union_of_intervals():
 
 @pytest.fixture
 def shape_run(monkeypatch, tmp_path):
-    clock = Clock()
-    monkeypatch.setattr(FakeGenerator, "clock", clock)
     # AR (no drafter) costs 8 ms; a speculative round 10 + 2 w c ms, or 10 + w c ms with the lever below
-    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(lambda w, rows: 10.0 + 2.0 * w * rows))
-    be = make_backend(monkeypatch, tmp_path)
-    be.clock = clock
+    be = timed_backend(monkeypatch, tmp_path, lambda w, rows: 10.0 + 2.0 * w * rows)
     real_generator = be.generator
 
     def generator(width, hooked=True):

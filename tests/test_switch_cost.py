@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from exl3_fakes import Clock, FakeGenerator, make_backend
+from exl3_fakes import timed_backend
 
 from experiments.switch_cost import CHURN, run_schedule, schedules, summary
 
@@ -20,11 +20,7 @@ def test_schedules_have_the_asked_rounds_and_draw_churn_from_its_set():
 
 
 def test_run_schedule_times_every_round_at_its_width(monkeypatch, tmp_path):
-    clock = Clock()
-    monkeypatch.setattr(FakeGenerator, "clock", clock)
-    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(lambda w, rows: 10.0 + 2.0 * w * rows))
-    be = make_backend(monkeypatch, tmp_path)
-    be.clock = clock
+    be = timed_backend(monkeypatch, tmp_path, lambda w, rows: 10.0 + 2.0 * w * rows)
     prompts = [be.encode("hello there"), be.encode("another prompt")]
     out = run_schedule(be, prompts, [3, 5, 3], full=True)
     assert [w for w, _, _ in out] == [3, 5, 3]
