@@ -4,10 +4,10 @@ timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per 
 `shape` on a fresh machine takes two calls, each inside the device's 600 s per command (carry [".device"] both):
 
     # call 1: on-device.sh installs exllamav3 (~100 s on a fresh machine), then the synthesis (~20 s), and stop
-    source .device/on-device.sh && timeout $((585 - SECONDS)) python -m experiments.quantize_exl3 shape --stage
-    # call 2, the same warm machine: /tmp/q36 is reused (no synthesis), the recipe runs: ~7 min expected (on
-    # 2026-12-03 the steps up to `check` took ~6.3 min; `speed` now loads the 18 GB target once, not 6 times)
-    source .device/on-device.sh && timeout $((585 - SECONDS)) python -m experiments.quantize_exl3 shape
+    source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape --stage
+    # call 2, the same warm machine: /tmp/q36 is reused (no synthesis), the recipe runs: ~9.6 min expected (the
+    # steps measured on 2026-12-03/04 add up to ~577 s: target 116, calibrate 8, convert 238, check 33, speed ~180)
+    source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape
 
 `$((585 - SECONDS))` gives python what on-device.sh left of the call (bash's SECONDS counts from the call's start),
 so timeout's SIGTERM comes ~15 s before the device's hard limit: the SIGTERM is recorded (which quantize step it
@@ -15,7 +15,7 @@ cut) and the results saved. Without `--stage` a call synthesises whatever /tmp/q
 recipe; one call of both fits only when the install is quick (the run of 2026-12-03 19:19 was cut in `speed`).
 
     # after `python3 -m experiments.smol_device stage` on the same warm machine
-    source .device/on-device.sh && timeout $((585 - SECONDS)) python -m experiments.quantize_exl3 pair
+    source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 pair
 
 `shape`: (1) `--stage` (or whatever is missing): toolkit.synthetic.synth writes a 4.0 bpw EXL3 target of
 quantize/shapes/qwen3.6-35b-a3b.json (about 18.4 GB, ~20 s) and a BF16 drafter of
