@@ -9,9 +9,9 @@ timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per 
     # steps measured on 2026-12-03/04 add up to ~577 s: target 116, calibrate 8, convert 238, check 33, speed ~180)
     source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape
 
-`$((585 - SECONDS))` gives python what on-device.sh left of the call (bash's SECONDS counts from the call's start),
-so timeout's SIGTERM comes ~15 s before the device's hard limit: the SIGTERM is recorded (which quantize step it
-cut) and the results saved. Without `--stage` a call synthesises whatever /tmp/q36 lacks and then runs the
+`$((595 - SECONDS))` gives python what on-device.sh left of the call (bash's SECONDS counts from the call's start),
+so timeout's SIGTERM comes ~5 s before the device's hard limit: the handler saves the results with the quantize
+step it cut at once (recorded on 2026-12-04), which those seconds allow. Without `--stage` a call synthesises whatever /tmp/q36 lacks and then runs the
 recipe; one call of both fits only when the install is quick (the run of 2026-12-03 19:19 was cut in `speed`).
 
     # after `python3 -m experiments.smol_device stage` on the same warm machine
@@ -164,7 +164,7 @@ def recorder(run: Run) -> Callable[[dict], None]:
 def stop_on_sigterm(run: Run):
     """timeout's SIGTERM becomes a SystemExit that the harness records as the running step's failure, with the
     quantize step it cut in results["quantize_progress"]["cut_off"], saved here first: the record survives cleanup
-    that outlives the 15 s before the hard kill, or code that swallows the exit; returns the handler it replaced."""
+    that outlives the seconds before the hard kill, or code that swallows the exit; returns the handler it replaced."""
     def stop(signum, frame):
         prog = run.results.get("quantize_progress")
         if prog is not None:

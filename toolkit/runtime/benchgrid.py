@@ -4,10 +4,11 @@ repeated rep by rep so that drift spreads over every cell, and the statistics an
 A cell is one setting at one concurrency c: all its jobs run in waves of c (one after another on a backend that
 does not batch). Each repetition runs every cell once, in the same order; a cell reports the median and spread
 of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, its tok/s
-per repetition, and tau / acceptance / losslessness pooled over them. An `auto` cell with fixed blocks beside it
-also gets "auto_over_best_fixed": its tok/s over the best fixed block's (by median), repetition by repetition. An `auto` cell also records its policy's cost curves ("costs":
-the table it started from and the learned one after the cell's last repetition, ms per width per concurrency;
-runtime/learned_costs.cost_report). `python -m toolkit.bench` prints and plots it.
+per repetition, and tau / acceptance / losslessness pooled over them. An `auto` cell also records its policy's
+cost curves ("costs": the table it started from and the learned one after the cell's last repetition, ms per
+width per concurrency; runtime/learned_costs.cost_report) and, with fixed blocks beside it,
+"auto_over_best_fixed": its tok/s over the best fixed block's (by median), repetition by repetition.
+`python -m toolkit.bench` prints and plots it.
 """
 
 from __future__ import annotations
@@ -175,11 +176,12 @@ def summarize_cell(cell: Cell, runs: list, ar: tuple[dict, list] | None, timing_
     per_rep = [cell_stats(rounds, secs) for rounds, secs in runs]
     pooled = cell_stats([job for rounds, _ in runs for job in rounds], sum(s for _, s in runs))
     mid = sorted(per_rep, key=lambda s: s["tok_s"])[len(per_rep) // 2]
+    tok_s_reps = [s["tok_s"] for s in per_rep]
+    tok_s, round_ms = spread(tok_s_reps), spread([s["round_ms"] for s in per_rep])
     stats = {"concurrency": cell.concurrency, "jobs": len(runs[0][0]), **mid, "reps": len(runs),
-             "tok_s": spread([s["tok_s"] for s in per_rep])["median"], "tok_s_reps": [s["tok_s"] for s in per_rep],
-             "round_ms": spread([s["round_ms"] for s in per_rep])["median"],
+             "tok_s": tok_s["median"], "tok_s_reps": tok_s_reps, "round_ms": round_ms["median"],
              "tau": pooled["tau"], "accept_per_position": pooled["accept_per_position"], "tau_histogram": pooled["tau_histogram"],
-             "spread": {"tok_s": spread([s["tok_s"] for s in per_rep]), "round_ms": spread([s["round_ms"] for s in per_rep])}}
+             "spread": {"tok_s": tok_s, "round_ms": round_ms}}
     widths = Counter(len(r.drafted) for rounds, _ in runs for job in rounds for r in job if not r.prefill)
     stats["width_histogram"] = {w: widths[w] for w in sorted(widths)}
     if timing_only:
