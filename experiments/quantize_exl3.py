@@ -200,7 +200,7 @@ def run_shape(run: Run, a) -> None:
         return
     free_cuda()
     run.step("quantize", quantize_run, SHAPE_RECIPE, a.work / "draft", a.work / "target-4.0", a.work / "out",
-             run.path.parent / "shape", [], recorder(run), need_s=120)
+             run.path.parent / "shape", ["--bits", a.bits] if a.bits else [], recorder(run), need_s=120)
 
 
 def stage_pair(work: Path, target: Path, draft: Path) -> dict:
@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=("shape", "pair"), help="shape: the Qwen3.6 recipe on synthetic weights; pair: SmolLM2")
     ap.add_argument("--stage", action="store_true", help="shape: only write the synthetic target and drafter into "
                     "--work (call 1 of two on a fresh machine; call 2, without it, reuses them)")
+    ap.add_argument("--bits", default=None, help="shape: the bitrates to convert (toolkit.quantize --bits, e.g. 4.0 "
+                    "for a profile of one bitrate; default: the recipe's five)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default /tmp/q36, or /tmp/smol-run/q for pair)")
     ap.add_argument("--smol-target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")),
                     help="pair: the prepared SmolLM2 target (default SMOL_TARGET, else /tmp/smol-run/smollm2-135m-instruct)")
