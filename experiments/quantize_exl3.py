@@ -5,6 +5,9 @@ timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per 
 
     # call 1: on-device.sh installs exllamav3 (~100 s on a fresh machine), then the synthesis (~20 s), and stop
     source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape --stage
+    # or, for a run with Triton's kernel cache warm (a machine that served the target before): also the target
+    # step's exllamav3 work once (~150 s; 2026-12-04's profile: ~100 s of a cold target step is Triton compiling)
+    source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape --stage --warm
     # call 2, the same warm machine: /tmp/q36 is reused (no synthesis), the recipe runs: ~9.6 min expected (the
     # steps measured on 2026-12-03/04 add up to ~577 s: target 116, calibrate 8, convert 238, check 33, speed ~180)
     source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape
@@ -93,6 +96,42 @@ def stage_shape(work: Path) -> dict:
         out["draft"] = {"seconds": round(time.time() - t, 1)}
     out["bytes"] = {p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (target, draft)}
     return out
+
+
+def triton_files(cache: Path) -> int:
+    """Files in Triton's kernel cache: how warm the run that follows found it."""
+    return sum(1 for f in cache.rglob("*") if f.is_file()) if cache.is_dir() else 0
+
+
+def warm_kernels(target: Path, draft: Path, recipe: Path) -> dict:
+    """The target step's exllamav3 work once, on token ids of the recipe's prompt count and lengths: the load, the
+    greedy continuations, the tap forwards; Triton compiles and autotunes the kernels they use into its cache
+    (TRITON_CACHE_DIR), as a machine that served the target once has them. Measured on 2026-12-04: 109 s of the
+    cold target step's 152 s (under py-spy) were that compilation, paid once per machine."""
+    import random
+
+    from toolkit.dflash import DFlashConfig
+    from toolkit.quant import engine, memory as mem
+    from toolkit.quant.recipe import load_recipe
+    from toolkit.quant.target import exl3_target
+
+    r = load_recipe(recipe)
+    config = DFlashConfig.from_dir(draft)
+    rng = random.Random(0)
+    tcfg = mem.target_text(json.loads((target / "config.json").read_text()))
+    vocab, layers = tcfg.get("vocab_size", 1000), tcfg.get("num_hidden_layers", 1 << 30)
+    shifts = [x for x in sorted(set(r.tap_shift_candidates) | {config.tap_shift})
+              if all(0 <= t + x < layers for t in config.target_layer_ids)]
+    ids = lambda n: [[rng.randrange(10, vocab) for _ in range(rng.randint(20, 40))] for _ in range(n)]  # noqa: E731
+    cal, held = ids(len(r.calibration_prompts)), ids(len(r.check_prompts))
+    n, batch = 40, min(mem.BATCH, len(cal + held))
+    phases = mem.Phases()
+    opened = lambda: engine.ENGINE.open_target(target, batch * mem.job_tokens(n, r.max_new_tokens, 1), batch,  # noqa: E731
+                                               max_chunk=mem.pages(n + r.max_new_tokens))
+    before = triton_files(Path(os.environ["TRITON_CACHE_DIR"]))
+    exl3_target(opened, cal, held, config, shifts, r.max_new_tokens, phases.phase)
+    return {"phases": {p["phase"]: round(p["seconds"], 1) for p in phases.rows},
+            "triton_files": {"before": before, "after": triton_files(Path(os.environ["TRITON_CACHE_DIR"]))}}
 
 
 def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path, extra: list[str],
@@ -196,9 +235,14 @@ def summary(rep: dict) -> dict:
 
 def run_shape(run: Run, a) -> None:
     staged = run.step("stage", stage_shape, a.work, need_s=60)
-    if staged is None or a.stage:
+    if staged is None:
+        return
+    if a.warm:
+        run.step("warm", warm_kernels, a.work / "target-4.0", a.work / "draft", SHAPE_RECIPE, need_s=200)
+    if a.stage:
         return
     free_cuda()
+    run.results["triton_files_before_quantize"] = triton_files(Path(os.environ["TRITON_CACHE_DIR"]))
     run.step("quantize", quantize_run, SHAPE_RECIPE, a.work / "draft", a.work / "target-4.0", a.work / "out",
              run.path.parent / "shape", ["--bits", a.bits] if a.bits else [], recorder(run), need_s=120)
 
@@ -239,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=("shape", "pair"), help="shape: the Qwen3.6 recipe on synthetic weights; pair: SmolLM2")
     ap.add_argument("--stage", action="store_true", help="shape: only write the synthetic target and drafter into "
                     "--work (call 1 of two on a fresh machine; call 2, without it, reuses them)")
+    ap.add_argument("--warm", action="store_true", help="shape: after staging, run the target step's exllamav3 "
+                    "work once so that Triton's kernel cache (TRITON_CACHE_DIR, default WORK/triton) is warm for the "
+                    "next call, as on a machine that served the target before (~100 s of compilation on a fresh one)")
     ap.add_argument("--bits", default=None, help="shape: the bitrates to convert (toolkit.quantize --bits, e.g. 4.0 "
                     "for a profile of one bitrate; default: the recipe's five)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default /tmp/q36, or /tmp/smol-run/q for pair)")
@@ -250,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no step that does not fit in what is left of it (default QEXL3_BUDGET_S, else 580)")
     a = ap.parse_args(argv)
     a.work = a.work or (Q36 if a.mode == "shape" else SMOL / "q")
+    # Triton's kernel cache under --work: /tmp outlives a call on a warm machine, so call 1's --warm serves call 2
+    os.environ.setdefault("TRITON_CACHE_DIR", str(a.work / "triton"))
     run = Run("quantize_exl3.json", budget_s=a.budget_s, section="steps")
     run.results.update(mode=a.mode, device=device_name(), work=str(a.work))
     before = stop_on_sigterm(run)

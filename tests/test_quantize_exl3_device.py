@@ -29,6 +29,7 @@ def results(out):
 @pytest.fixture
 def out(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "OUT"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))     # main() sets it when unset: undone here
     return tmp_path / "OUT"
 
 
@@ -145,3 +146,26 @@ def test_the_sigterm_handler_saves_the_cut_off_itself(tmp_path, out, pair, monke
     assert cut["signal"] == "SIGTERM" and cut["in_step"] == "speed" and after["exit"].endswith("in quantize step speed")
     assert after["elapsed_s"] >= cut["at_s"] >= before["elapsed_s"]
     assert [r["step"] for r in after["quantize_steps"]] == DONE_BEFORE_SPEED
+
+
+def test_warm_runs_the_target_step_once_and_says_how_warm_the_cache_was(tmp_path, out, pair, monkeypatch):
+    """`shape --stage --warm` (call 1 of a warm-cache run): the staged target loaded, its continuations and tap
+    forwards run once through the same code as the target step, then stop; Triton's cache is under --work unless
+    TRITON_CACHE_DIR says otherwise, and call 2 records how many files it found there."""
+    work, engine = staged(tmp_path, pair, monkeypatch)
+    monkeypatch.delenv("TRITON_CACHE_DIR")                               # unset: main() puts it under --work
+    opened = []
+    inner = engine.open_target
+    monkeypatch.setattr(engine, "open_target", lambda *a, **k: opened.append(a) or inner(*a, **k))
+    assert q.main(["shape", "--stage", "--warm", "--work", str(work)]) == 0
+    res = results(out)
+    assert list(res["steps"]) == ["stage", "warm"] and res["errors"] == {} and "quantize_steps" not in res
+    warm = res["steps"]["warm"]["result"]
+    assert list(warm["phases"]) == ["load", "continue", "forward", "parts"]
+    assert warm["triton_files"] == {"before": 0, "after": 0}             # no Triton on the fake engine
+    assert len(opened) == 1 and opened[0][0] == work / "target-4.0"
+    assert os.environ["TRITON_CACHE_DIR"] == str(work / "triton")
+    (work / "triton" / "k").mkdir(parents=True)
+    (work / "triton" / "k" / "kernel.cubin").write_bytes(b"x")
+    assert q.main(["shape", "--work", str(work)]) == 0
+    assert results(out)["triton_files_before_quantize"] == 1
