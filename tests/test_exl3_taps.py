@@ -176,3 +176,54 @@ def test_exl3_prompts_match_the_transformers_target(pair):
         for s in (0, 1):
             assert x.taps[s].shape == y.taps[s].shape == (1, len(x.ids), 2 * 128)
             assert torch.allclose(x.taps[s], y.taps[s], atol=1e-6)
+
+
+def fake_fla(monkeypatch) -> tuple[types.ModuleType, list]:
+    """exllamav3.vendor.fla with a chunk_gated_delta_rule that records what it was given and returns an output and,
+    when asked, a final state (the state plus one, so a dropped or passed-on state shows)."""
+    calls: list = []
+
+    def scan(q, k, v, g=None, beta=None, initial_state=None, output_final_state=False, **kw):
+        calls.append((None if initial_state is None else initial_state.clone(), output_final_state, kw))
+        return q * 2, (initial_state + 1 if output_final_state and initial_state is not None else None)
+
+    fla = types.ModuleType(exl3_taps.FLA)
+    fla.chunk_gated_delta_rule = scan
+    for name in ("exllamav3", "exllamav3.vendor"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, exl3_taps.FLA, fla)
+    return fla, calls
+
+
+def test_a_no_cache_scan_runs_with_a_zero_state_and_drops_the_state_it_did_not_ask_for(monkeypatch):
+    fla, calls = fake_fla(monkeypatch)
+    inner = fla.chunk_gated_delta_rule
+    q, k, v = torch.ones(1, 5, 2, 4), torch.ones(1, 5, 2, 4), torch.ones(1, 5, 6, 3)     # H 2, K 4; HV 6, V 3
+    with exl3_taps.stateful_scan():
+        o, state = fla.chunk_gated_delta_rule(q, k, v, g=None, beta=None, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(o, q * 2) and state is None
+        h0, asked, kw = calls[-1]
+        assert h0.shape == (1, 6, 4, 3) and h0.dtype == torch.float32 and not h0.any() and asked is True
+        assert kw == {"use_qk_l2norm_in_kernel": True}
+        # asked for it: the final state of the zero start comes back
+        assert torch.equal(fla.chunk_gated_delta_rule(q, k, v, output_final_state=True)[1], torch.ones(1, 6, 4, 3))
+        # a cached prefill's own state passes through untouched
+        h = torch.full((1, 6, 4, 3), 3.0)
+        assert torch.equal(fla.chunk_gated_delta_rule(q, k, v, initial_state=h, output_final_state=True)[1], h + 1)
+        assert calls[-1][1] is True and torch.equal(calls[-1][0], h)
+    assert fla.chunk_gated_delta_rule is inner                         # restored on the way out
+    monkeypatch.setattr(exl3_taps, "STATEFUL_SCAN", False)             # the switch off: exllamav3's own call
+    with exl3_taps.stateful_scan():
+        assert fla.chunk_gated_delta_rule is inner
+
+
+def test_the_tap_forward_runs_inside_the_stateful_scan(monkeypatch):
+    fla, _ = fake_fla(monkeypatch)
+    inner = fla.chunk_gated_delta_rule
+    seen = []
+    model = FakeModel()
+    forward = model.forward
+    model.forward = lambda ids, params: seen.append(fla.chunk_gated_delta_rule is not inner) or forward(ids, params)
+    t = Exl3Target(types.SimpleNamespace(model=model))
+    t.forward([1, 2, 3], [0, 2])
+    assert seen == [True] and fla.chunk_gated_delta_rule is inner

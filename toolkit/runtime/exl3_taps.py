@@ -15,6 +15,10 @@ relies on, so it is pinned to 1.6.5 like the round capture: any other version is
 from __future__ import annotations
 
 import gc
+import importlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +31,39 @@ EXPORT_LAYERS = "export_state_layers"    # params key: the layer indices whose o
 EXPORTED = "export_states"               # params key: the exported outputs, in layer order
 EMBED_CHUNK = 16384                      # vocabulary rows per embedding lookup when the table is read out
 HEAD_ROWS = 128                          # identity rows per pass through the LM head (exllamav3 reconstructs above 144)
+
+
+FLA = "exllamav3.vendor.fla"             # exllamav3's vendored chunked gated delta rule (Qwen3.6's linear attention)
+STATEFUL_SCAN = os.environ.get("DFLASH_STATELESS_SCAN", "") != "1"   # "1": the no-cache forward as exllamav3 runs it
+
+
+@contextmanager
+def stateful_scan() -> Iterator[None]:
+    """Within it, exllamav3's gated delta rule gets a zero initial state (fp32, as a cache hands its state over)
+    where it has none, and its final state is dropped where none was asked for: the same result (the state starts
+    at zero either way) through the kernel build a cached prefill uses. Without it the no-cache forward makes Triton
+    autotune and compile a second build of the state kernel, ~23 s on a fresh machine (profile of 2026-12-04)."""
+    try:
+        fla = importlib.import_module(FLA)
+    except ImportError:
+        fla = None
+    inner = getattr(fla, "chunk_gated_delta_rule", None)
+    if inner is None or not STATEFUL_SCAN:
+        yield
+        return
+
+    def scan(q, k, v, *a, initial_state=None, output_final_state=False, **kw):
+        if initial_state is not None:
+            return inner(q, k, v, *a, initial_state=initial_state, output_final_state=output_final_state, **kw)
+        zero = torch.zeros((q.shape[0], v.shape[2], k.shape[3], v.shape[3]), dtype=torch.float32, device=q.device)
+        o, state = inner(q, k, v, *a, initial_state=zero, output_final_state=True, **kw)
+        return o, (state if output_final_state else None)
+
+    fla.chunk_gated_delta_rule = scan
+    try:
+        yield
+    finally:
+        fla.chunk_gated_delta_rule = inner
 
 
 def check_pinned() -> None:
@@ -66,7 +103,8 @@ class Exl3Target:
         [1, n, hidden] (fp16), both on the CPU."""
         want = sorted(set(layers))
         params = {"attn_mode": "flash_attn_nc", EXPORT_LAYERS: set(want)}
-        logits = self.model.forward(torch.tensor([list(ids)], dtype=torch.long), params)
+        with stateful_scan():
+            logits = self.model.forward(torch.tensor([list(ids)], dtype=torch.long), params)
         states = params.get(EXPORTED) or []
         if len(states) != len(want):
             raise ToolkitError(f"exllamav3 exported {len(states)} hidden states for the {len(want)} tap layers {want}; "
