@@ -259,3 +259,24 @@ def load_drafter_of(folder):
     from toolkit.dflash import read_tensors
 
     return read_tensors(folder)
+
+
+def test_loaded_weights_are_the_files_and_no_random_init_runs(folder, monkeypatch):
+    """load_drafter fills a meta-device skeleton (DFlashDraft.skeleton) with the file's tensors: every parameter is
+    the file's value, on the CPU, trainable, and initializers run only on meta tensors (no work; 3.8 s for the
+    upstream shape when they filled real ones)."""
+    from toolkit.dflash import DFlashDraft, DFlashConfig
+
+    assert {p.device.type for p in DFlashDraft.skeleton(DFlashConfig.from_dir(folder)).parameters()} == {"meta"}
+    ran = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_"):
+        real = getattr(torch.nn.init, name)
+        monkeypatch.setattr(torch.nn.init, name, lambda *a, real=real, **k: ran.append(
+            (a[0] if a else k["tensor"]).device.type) or real(*a, **k))
+    m = load_drafter(folder)
+    assert ran and set(ran) == {"meta"}
+    want = load_file(folder / "model.safetensors")
+    got = m.state_dict()
+    assert set(got) <= {k.removeprefix("model.") for k in want}
+    assert all(torch.equal(v, want.get(k, want.get(f"model.{k}"))) for k, v in got.items())
+    assert all(p.device.type == "cpu" and p.requires_grad for p in m.parameters())

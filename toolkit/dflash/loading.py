@@ -48,7 +48,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
     config, pre = DFlashConfig.from_dir(path), f"{what}: " if what else ""
     tensors = read_tensors(path, what)
     tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
-    model = DFlashDraft(config)
+    model = DFlashDraft.skeleton(config)
     state = model.state_dict()
     for name, param in state.items():
         if name not in tensors:
@@ -62,7 +62,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         kind = "an EXL3 tensor" if exl3_tensor(unknown[0]) else "a tensor the drafter does not use"
         raise ToolkitError(f"{pre}{path}: unexpected tensor {unknown[0]!r}{more}, {kind}")
-    model.load_state_dict({k: tensors[k] for k in state}, strict=True)
+    model.load_state_dict({k: tensors[k] for k in state}, strict=True, assign=True)
     if "mask_embedding" in tensors:
         emb = tensors["mask_embedding"].reshape(-1)
         if emb.numel() != config.hidden_size:

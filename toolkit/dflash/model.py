@@ -142,6 +142,13 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding: nn.Parameter | None = None   # set by the loader when the checkpoint ships one
 
+    @classmethod
+    def skeleton(cls, config: DFlashConfig) -> "DFlashDraft":
+        """The drafter with its parameters on the meta device, for a loader to fill with
+        load_state_dict(..., assign=True): no random init (3.8 s for the upstream shape on the CPU) and no memory."""
+        with torch.device("meta"):
+            return cls(config)
+
     def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(taps)): the context rows every layer projects to K/V."""
         return self.hidden_norm(self.fc(target_hidden))

@@ -133,7 +133,7 @@ def load_quantized(folder: Path, config: DFlashConfig, device: str = "cpu") -> D
             if k not in dense:
                 raise ToolkitError(f"check: {folder} has no tensor for Linear {k!r}")
             tensors[f"{k}.weight"] = dense[k]
-    model = DFlashDraft(config)
+    model = DFlashDraft.skeleton(config)
     state = {}
     for name, p in model.state_dict().items():
         if name not in tensors:
@@ -144,7 +144,7 @@ def load_quantized(folder: Path, config: DFlashConfig, device: str = "cpu") -> D
         if t.numel() != p.numel():
             raise ToolkitError(f"check: {folder} tensor {name!r} has shape {list(t.shape)}, expected {list(p.shape)}")
         state[name] = t.reshape(p.shape).float()
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)
     if "mask_embedding" in tensors:
         model.mask_embedding = torch.nn.Parameter(tensors["mask_embedding"].reshape(-1).float())
     return model.to(device).eval()

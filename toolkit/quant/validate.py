@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..dflash import DFlashConfig, DFlashDraft
 from ..dflash.config import ARCHITECTURE
 from ..core.errors import ToolkitError
@@ -39,8 +37,7 @@ def read_headers(folder: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], 
 
 def expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the reference drafter needs, built on the meta device (no memory for the real shape)."""
-    with torch.device("meta"):
-        model = DFlashDraft(config)
+    model = DFlashDraft.skeleton(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
