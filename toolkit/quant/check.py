@@ -143,7 +143,7 @@ def load_quantized(folder: Path, config: DFlashConfig, device: str = "cpu") -> D
             t = t[: p.shape[0], : p.shape[1]]
         if t.numel() != p.numel():
             raise ToolkitError(f"check: {folder} tensor {name!r} has shape {list(t.shape)}, expected {list(p.shape)}")
-        state[name] = t.reshape(p.shape).float()
+        state[name] = t.reshape(p.shape).float().contiguous()      # its own storage: assigned, not copied
     model.load_state_dict(state, assign=True)
     if "mask_embedding" in tensors:
         model.mask_embedding = torch.nn.Parameter(tensors["mask_embedding"].reshape(-1).float())
