@@ -114,25 +114,21 @@ def warm_kernels(target: Path, draft: Path, recipe: Path) -> dict:
     from toolkit.dflash import DFlashConfig
     from toolkit.quant import engine, memory as mem
     from toolkit.quant.recipe import load_recipe
-    from toolkit.quant.target import exl3_target
+    from toolkit.quant.target import exl3_opener, exl3_target, target_shifts
 
     r = load_recipe(recipe)
     config = DFlashConfig.from_dir(draft)
-    rng = random.Random(0)
-    tcfg = mem.target_text(json.loads((target / "config.json").read_text()))
-    vocab, layers = tcfg.get("vocab_size", 1000), tcfg.get("num_hidden_layers", 1 << 30)
-    shifts = [x for x in sorted(set(r.tap_shift_candidates) | {config.tap_shift})
-              if all(0 <= t + x < layers for t in config.target_layer_ids)]
+    tcfg = json.loads((target / "config.json").read_text())
+    shifts = target_shifts(r.tap_shift_candidates, config, tcfg)
+    rng, vocab = random.Random(0), mem.target_text(tcfg).get("vocab_size", 1000)
     ids = lambda n: [[rng.randrange(10, vocab) for _ in range(rng.randint(20, 40))] for _ in range(n)]  # noqa: E731
     cal, held = ids(len(r.calibration_prompts)), ids(len(r.check_prompts))
-    n, batch = 40, min(mem.BATCH, len(cal + held))
-    phases = mem.Phases()
-    opened = lambda: engine.ENGINE.open_target(target, batch * mem.job_tokens(n, r.max_new_tokens, 1), batch,  # noqa: E731
-                                               max_chunk=mem.pages(n + r.max_new_tokens))
-    before = triton_files(Path(os.environ["TRITON_CACHE_DIR"]))
-    exl3_target(opened, cal, held, config, shifts, r.max_new_tokens, phases.phase)
+    phases, cache = mem.Phases(), Path(os.environ["TRITON_CACHE_DIR"])
+    before = triton_files(cache)
+    exl3_target(exl3_opener(engine.ENGINE.open_target, target, cal + held, r.max_new_tokens), cal, held, config,
+                shifts, r.max_new_tokens, phases.phase)
     return {"phases": {p["phase"]: round(p["seconds"], 1) for p in phases.rows},
-            "triton_files": {"before": before, "after": triton_files(Path(os.environ["TRITON_CACHE_DIR"]))}}
+            "triton_files": {"before": before, "after": triton_files(cache)}}
 
 
 def quantize_run(recipe: Path, model: Path, target: Path, out: Path, keep: Path, extra: list[str],

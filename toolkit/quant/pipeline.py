@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir, read_config
-from ..core.target import TargetInfo
 from ..dflash import load_drafter
 from ..runtime.backend import encode_chat
 from ..runtime.exl3_taps import free_gpu
@@ -38,7 +37,7 @@ from .plan import MANIFEST, check_out_dir, format_plan, make_plan, plan_json
 from .recipe import Recipe, merge
 from .run import STEPS, Run, step
 from .source import fetch_ref, target_kind
-from .target import exl3_target, hf_prompts, target_bits
+from .target import exl3_opener, exl3_target, fitting_shifts, hf_prompts, target_bits, target_shifts
 from .validate import linear_keys, unquantized_keys
 from .validate import validate as validate_checkpoint
 
@@ -193,8 +192,7 @@ def encode(run: Run, texts: list[str]) -> list[list[int]]:
 
 def check_shifts(run: Run) -> list[int]:
     """The recipe's candidate tap_shifts that name target layers (tap L + shift must be a layer of the target)."""
-    layers = TargetInfo(run.target_config or {}).num_layers or 1 << 30
-    return [x for x in run.s.recipe.tap_shift_candidates if all(0 <= t + x < layers for t in run.config.target_layer_ids)]
+    return fitting_shifts(run.s.recipe.tap_shift_candidates, run.config, run.target_config)
 
 
 @step
@@ -204,14 +202,10 @@ def target(run: Run) -> None:
     if not (run.cal_ids or run.held_ids):
         return
     r, c = run.s.recipe, run.config
-    shifts = sorted(set(check_shifts(run)) | {c.tap_shift})
+    shifts = target_shifts(r.tap_shift_candidates, c, run.target_config)
     if run.kind == "exl3":
-        n = max(map(len, run.cal_ids + run.held_ids))
-        batch = min(mem.BATCH, max(1, len(run.cal_ids + run.held_ids)))
-        # exllamav3 loads measuring a forward of max_chunk tokens: the longest this step runs, not its default 2048
-        tokens = batch * mem.job_tokens(n, r.max_new_tokens, 1)
-        opened = lambda: engine.ENGINE.open_target(run.target_dir, tokens, batch,  # noqa: E731
-                                                   max_chunk=mem.pages(n + r.max_new_tokens), **run.split_kw())
+        opened = exl3_opener(engine.ENGINE.open_target, run.target_dir, run.cal_ids + run.held_ids, r.max_new_tokens,
+                             **run.split_kw())
         run.cal_prompts, run.held, run.parts = exl3_target(opened, run.cal_ids, run.held_ids, c, shifts,
                                                            r.max_new_tokens, run.phases.phase)
         return

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.target import TargetInfo
 from ..dflash import DFlashConfig
+from . import memory as mem
 from .blocks import Prompt, run_target
 
 
@@ -55,6 +57,28 @@ class Parts(nn.Module):
 def tap_layers(config: DFlashConfig, shifts: list[int]) -> list[int]:
     """Target layers whose outputs the taps read: L + s for every tap L and shift s."""
     return sorted({L + s for L in config.target_layer_ids for s in shifts})
+
+
+def fitting_shifts(candidates: list[int], config: DFlashConfig, target_cfg: dict | None) -> list[int]:
+    """The candidate tap_shifts that name target layers (tap L + shift must be a layer of the target)."""
+    layers = TargetInfo(target_cfg or {}).num_layers or 1 << 30
+    return [x for x in candidates if all(0 <= t + x < layers for t in config.target_layer_ids)]
+
+
+def target_shifts(candidates: list[int], config: DFlashConfig, target_cfg: dict | None) -> list[int]:
+    """The tap_shifts the target step exports: the fitting candidates and the drafter's own."""
+    return sorted(set(fitting_shifts(candidates, config, target_cfg)) | {config.tap_shift})
+
+
+def exl3_opener(open_target: Callable[..., object], folder, prompt_ids: list[list[int]], max_new_tokens: int,
+                **split_kw) -> Callable[[], object]:
+    """`open_target` (engine.ENGINE's) sized for these prompts: mem.BATCH of them at a time with their
+    continuations in the cache; exllamav3 loads measuring a forward of max_chunk tokens, so that is the longest
+    forward the target step runs rather than exllamav3's default 2048."""
+    n = max(map(len, prompt_ids))
+    batch = min(mem.BATCH, max(1, len(prompt_ids)))
+    tokens = batch * mem.job_tokens(n, max_new_tokens, 1)
+    return lambda: open_target(folder, tokens, batch, max_chunk=mem.pages(n + max_new_tokens), **split_kw)
 
 
 def continued(target, prompt_ids: list[list[int]], continue_tokens: int) -> list[list[int]]:
