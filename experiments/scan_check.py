@@ -1,7 +1,7 @@
 """Issue 17: the tap forward of an EXL3 target with runtime/exl3_taps.stateful_scan (a zero initial state handed to
 exllamav3's gated delta rule, so the no-cache forward uses the kernel build a cached prefill already made) against
 the forward as exllamav3 runs it, on a synthetic Qwen3.6-35B-A3B target cut to 4 layers (3 linear-attention
-layers, 1 full), with Triton's cache empty at the start (TRITON_CACHE_DIR under --work, cleared first).
+layers, 1 full), with Triton's cache empty at the start (a new TRITON_CACHE_DIR under --work).
 
 The load builds the cached prefill's kernels, as in the quantize target step. Then one forward with the wrapper,
 then one without (which builds the no-cache variant), each timed from cold; then both again, warm. Passes when the
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,9 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=160, help="prompt length of the forward (default 160)")
     p.add_argument("--budget-s", type=float, default=280.0)
     a = p.parse_args(argv)
-    cache = a.work / "triton"
-    shutil.rmtree(cache, ignore_errors=True)            # cold: this process builds every kernel it runs
-    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    a.work.mkdir(parents=True, exist_ok=True)           # cold: a new, empty kernel cache of this run's own
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-", dir=a.work)
     run = Run("scan_check.json", budget_s=a.budget_s)
     run.step("compare", compare, a.work, a.layers, a.tokens)
     return run.finish()
