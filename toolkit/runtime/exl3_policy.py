@@ -187,7 +187,8 @@ def dummy_prompts(concurrency: int, context: int, vocab: int) -> list[list[int]]
 
 def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRATION_REPS, warm: int = 1,
                 context: int = CALIBRATION_CONTEXT, speculative: bool = True, full: bool = True,
-                emitted: dict[int, list[float]] | None = None) -> dict[int, list[float]]:
+                emitted: dict[int, list[float]] | None = None, prompts: Sequence[Sequence[int]] | None = None,
+                stretch: int = 1, settle: int = 0, sync: bool = True) -> dict[int, list[float]]:
     """ms of steady-state iterate() rounds of `concurrency` dummy jobs on an Exl3Backend, per verify width.
 
     speculative=False times the plain AR generator (no drafter; widths ignored, one list under 0). With full=True
@@ -195,45 +196,56 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
     (`warm` passes), then `reps` passes over the widths; a pass stops early if a job runs out of tokens. `emitted`,
     when given, gets the mean tokens each job emitted in every timed round, per width (a round that accepts more
     than decoding does also does more per-token work: the table can rise with w where decoding rounds do not).
+    `prompts` (one per job, cut to `context` ids) replace the dummy ones; a pass runs `stretch` rounds in a row at
+    each width and times all but the first `settle`; sync=False times iterate() as decoding does, without a
+    device synchronize around it.
     """
     widths = [0] if not speculative else list(widths)
     B = be.block_size
     gen = be.generator(max(widths) if speculative else 0)
-    need = (warm + reps) * sum(w + 1 for w in widths) + 2 * B          # every draft accepted, at worst
+    need = (warm + reps) * stretch * sum(w + 1 for w in widths) + 2 * B     # every draft accepted, at worst
     room = min(be.cache_tokens // max(concurrency, 1) // PAGE * PAGE, be.max_context) - B - 1
     context = max(1, min(context, room - need))
     max_new = min(need, room - context)
     if max_new < 2:
         raise ToolkitError(f"timing {concurrency} jobs: the cache of {be.cache_tokens} tokens is too small (raise cache_tokens)")
     settings = GenSettings(max_new_tokens=max_new, block_size=None, stop_ids=())
-    jobs = be._jobs(dummy_prompts(concurrency, context, be.vocab_size), settings)
+    if prompts is None:
+        prompts = dummy_prompts(concurrency, context, be.vocab_size)
+    else:
+        prompts = [list(prompts[j % len(prompts)])[-context:] for j in range(concurrency)]
+        context = max(len(p) for p in prompts)
+    jobs = be._jobs(prompts, settings)
     times: dict[int, list[float]] = {w: [] for w in widths}
     gen.enqueue(jobs)
     try:
         if speculative:
             gen.set_width(0, B - 1 if full else None)
         for _ in range(64 + concurrency * context // 256):     # prefill, until every job has emitted a token
-            if not any(len(j.sequences[0].sequence_ids) <= context for j in jobs):
+            if all(len(j.sequences[0].sequence_ids) > len(p) for j, p in zip(jobs, prompts)):
                 break
             gen.iterate()
         else:
             raise ToolkitError(f"timing {concurrency} jobs: the dummy prompts did not finish prefilling")
         for p in range(warm + reps):
             for w in widths:
-                if gen.num_remaining_jobs() < concurrency:
-                    break
                 if speculative:
                     gen.set_width(w, B - 1 if full else None)
-                before = [len(j.sequences[0].sequence_ids) for j in jobs] if emitted is not None else None
-                be.sync()
-                t0 = be.clock()
-                gen.iterate()
-                be.sync()
-                if p >= warm:
-                    times[w].append((be.clock() - t0) * 1000.0)
-                    if before is not None:
-                        after = [len(j.sequences[0].sequence_ids) for j in jobs]
-                        emitted.setdefault(w, []).append(statistics.mean(a - b for a, b in zip(after, before)))
+                for k in range(stretch):
+                    if gen.num_remaining_jobs() < concurrency:
+                        break
+                    before = [len(j.sequences[0].sequence_ids) for j in jobs] if emitted is not None else None
+                    if sync:
+                        be.sync()
+                    t0 = be.clock()
+                    gen.iterate()
+                    if sync:
+                        be.sync()
+                    if p >= warm and k >= settle:
+                        times[w].append((be.clock() - t0) * 1000.0)
+                        if before is not None:
+                            after = [len(j.sequences[0].sequence_ids) for j in jobs]
+                            emitted.setdefault(w, []).append(statistics.mean(a - b for a, b in zip(after, before)))
     finally:
         if gen.num_remaining_jobs():
             gen.clear_queue()

@@ -1,0 +1,109 @@
+"""Why the drafting policy's calibration table costs ~2x the rounds decoding sees (issue 16, SmolLM2 pair).
+
+Session 12's pair bench: at c=1 the table said AR 30.2 ms and w=12-15 48.2 ms, decoding's rounds cost 14.2 ms
+(AR) and 17-18 ms (w=12-15). The table's timer (exl3_policy.time_rounds) differs from decoding in four ways;
+this times each alone, in one process, interleaved over repetitions, at the same widths:
+
+- `table`: the timer as calibrate runs it (dummy prompts, one round per width in turn, synchronized);
+- `stretch`: dummy prompts, `--stretch` rounds in a row per width, the first 2 untimed;
+- `text`: the held-out prompts instead of the dummy ones (drafts are accepted as in decoding);
+- `nosync`: the table without the device synchronize around each iterate();
+- `text_stretch`: held-out prompts and stretches together;
+- `decode`: decoding's own rounds (experiments.switch_cost.run_schedule: one fixed width, held-out prompts).
+
+Per (c, variant, width): median ms and mean tokens a job emitted per round. After
+`python3 -m experiments.smol_device stage` on the same warm machine, carry [".device"]:
+
+    source .device/on-device.sh && timeout 200 python -m experiments.calib_check      # writes $OUT/calib_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from experiments.harness import Run
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOL = Path("/tmp/smol-run")
+WIDTHS = (0, 3, 7, 15)
+VARIANTS = ("table", "stretch", "text", "nosync", "text_stretch", "decode")
+
+
+def time_variant(be, name: str, c: int, texts: list[list[int]], stretch: int) -> dict[int, tuple[list[float], list[float]]]:
+    """{width: (ms per timed round, tokens a job emitted per round)} of one variant at c jobs."""
+    from experiments.switch_cost import run_schedule
+    from toolkit.runtime.exl3_policy import time_rounds
+
+    if name == "decode":
+        out = {}
+        for w in WIDTHS:
+            rounds = run_schedule(be, texts[:c], [w] * (stretch * 4 + 6), True)[6:]
+            out[w] = ([ms for _, ms, _ in rounds], [g for _, _, g in rounds])
+        return out
+    kw = {"prompts": texts if name.startswith("text") else None, "sync": name != "nosync"}
+    if name.endswith("stretch"):
+        kw.update(stretch=stretch, settle=2, reps=2)
+    emitted: dict[int, list[float]] = {}
+    times = time_rounds(be, c, WIDTHS, warm=3 if "stretch" not in name else 1, emitted=emitted, **kw)
+    return {w: (times[w], emitted.get(w, [])) for w in WIDTHS}
+
+
+def summarize(samples: dict) -> dict:
+    return {c: {v: {w: {"ms": round(statistics.median(ms), 2), "ms_q1": round(statistics.quantiles(ms, n=4)[0], 2)
+                        if len(ms) > 1 else None, "rounds": len(ms),
+                        "tokens": round(statistics.mean(tk), 2) if tk else None}
+                    for w, (ms, tk) in per.items() if ms}
+                for v, per in d.items()} for c, d in samples.items()}
+
+
+def measure(run: Run, a) -> dict:
+    from toolkit.assets.padding import pad
+    from toolkit.runtime.exl3_backend import Exl3Backend
+
+    pt, pd = a.work / "pad" / "target", a.work / "pad" / "draft"
+    for src, dst in ((a.target, pt), (a.draft, pd)):
+        if not (dst / "config.json").is_file():
+            pad(str(src), str(dst))
+    be = Exl3Backend.from_dirs(pt, pd, max_concurrency=max(a.concurrency), cache_tokens=16384)
+    held = json.loads((a.draft / "heldout.json").read_text())
+    texts = [be.encode(t) for ts in held.values() for t in ts]
+    samples: dict = {f"c{c}": {v: {w: ([], []) for w in WIDTHS} for v in VARIANTS} for c in a.concurrency}
+    try:
+        for rep in range(a.reps):
+            order = VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))
+            for c in a.concurrency:
+                for v in order:
+                    for w, (ms, tk) in time_variant(be, v, c, texts[rep:] + texts[:rep], a.stretch).items():
+                        samples[f"c{c}"][v][w][0].extend(ms)
+                        samples[f"c{c}"][v][w][1].extend(tk)
+            run.log(f"repetition {rep + 1} done")
+            run.results["summary"] = summarize(samples)
+            run.save()
+            if run.left() < 30:
+                break
+    finally:
+        be.close()
+    return run.results["summary"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.calib_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=SMOL / "speed")
+    p.add_argument("--target", type=Path, default=SMOL / "smollm2-135m-instruct")
+    p.add_argument("--draft", type=Path, default=ROOT / "toolkit" / "data" / "smollm2_dflash")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--stretch", type=int, default=6, help="rounds in a row per width in the stretch variants")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=170.0)
+    a = p.parse_args(argv)
+    run = Run("calib_check.json", budget_s=a.budget_s)
+    run.step("measure", measure, run, a)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
