@@ -4,11 +4,12 @@ Session 12's pair bench: at c=1 the table said AR 30.2 ms and w=12-15 48.2 ms, d
 (AR) and 17-18 ms (w=12-15). The table's timer (exl3_policy.time_rounds) differs from decoding in four ways;
 this times each alone, in one process, interleaved over repetitions, at the same widths:
 
-- `table`: the timer as calibrate runs it (dummy prompts, one round per width in turn, synchronized);
-- `stretch`: dummy prompts, `--stretch` rounds in a row per width, the first 2 untimed;
-- `text`: the held-out prompts instead of the dummy ones (drafts are accepted as in decoding);
+- `table`: the timer as calibrate ran it up to TABLE_VERSION 2 (exl3_policy.TABLE: dummy prompts, one round per
+  width in turn, synchronized);
+- `stretch`: dummy prompts, 4 rounds in a row per width, the first 2 untimed;
+- `text`: the built-in chat and code text instead of the dummy ids (drafts accepted about as in decoding);
 - `nosync`: the table without the device synchronize around each iterate();
-- `text_stretch`: held-out prompts and stretches together;
+- `recipe`: all three together, exl3_policy.CALIBRATION (the table the backend now makes);
 - `decode`: decoding's own rounds (experiments.switch_cost.run_schedule: one fixed width, held-out prompts).
 
 Per (c, variant, width): median ms and mean tokens a job emitted per round. After
@@ -30,25 +31,30 @@ from experiments.harness import Run
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 3, 7, 15)
-VARIANTS = ("table", "stretch", "text", "nosync", "text_stretch", "decode")
+VARIANTS = ("table", "stretch", "text", "nosync", "recipe", "decode")
 
 
-def time_variant(be, name: str, c: int, texts: list[list[int]], stretch: int) -> dict[int, tuple[list[float], list[float]]]:
+def recipes() -> dict:
+    """The calibration of each timer variant (exl3_policy.Calibration)."""
+    from toolkit.runtime.exl3_policy import CALIBRATION, TABLE, Calibration
+
+    return {"table": TABLE, "stretch": Calibration(stretch=4, settle=2, reps=3, warm=1),
+            "text": Calibration(text=True), "nosync": Calibration(sync=False), "recipe": CALIBRATION}
+
+
+def time_variant(be, name: str, c: int, texts: list[list[int]], rounds: int) -> dict[int, tuple[list[float], list[float]]]:
     """{width: (ms per timed round, tokens a job emitted per round)} of one variant at c jobs."""
     from experiments.switch_cost import run_schedule
-    from toolkit.runtime.exl3_policy import time_rounds
+    from toolkit.runtime.exl3_policy import time_calibration
 
     if name == "decode":
         out = {}
         for w in WIDTHS:
-            rounds = run_schedule(be, texts[:c], [w] * (stretch * 4 + 6), True)[6:]
-            out[w] = ([ms for _, ms, _ in rounds], [g for _, _, g in rounds])
+            got = run_schedule(be, texts[:c], [w] * (rounds + 6), True)[6:]
+            out[w] = ([ms for _, ms, _ in got], [g for _, _, g in got])
         return out
-    kw = {"prompts": texts if name.startswith("text") else None, "sync": name != "nosync"}
-    if name.endswith("stretch"):
-        kw.update(stretch=stretch, settle=2, reps=2)
     emitted: dict[int, list[float]] = {}
-    times = time_rounds(be, c, WIDTHS, warm=3 if "stretch" not in name else 1, emitted=emitted, **kw)
+    times = time_calibration(be, c, WIDTHS, recipes()[name], emitted=emitted)
     return {w: (times[w], emitted.get(w, [])) for w in WIDTHS}
 
 
@@ -77,7 +83,7 @@ def measure(run: Run, a) -> dict:
             order = VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))
             for c in a.concurrency:
                 for v in order:
-                    for w, (ms, tk) in time_variant(be, v, c, texts[rep:] + texts[:rep], a.stretch).items():
+                    for w, (ms, tk) in time_variant(be, v, c, texts[rep:] + texts[:rep], a.rounds).items():
                         samples[f"c{c}"][v][w][0].extend(ms)
                         samples[f"c{c}"][v][w][1].extend(tk)
             run.log(f"repetition {rep + 1} done")
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=Path, default=SMOL / "smollm2-135m-instruct")
     p.add_argument("--draft", type=Path, default=ROOT / "toolkit" / "data" / "smollm2_dflash")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--stretch", type=int, default=6, help="rounds in a row per width in the stretch variants")
+    p.add_argument("--rounds", type=int, default=12, help="timed decoding rounds per width (default 12)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=170.0)
     a = p.parse_args(argv)

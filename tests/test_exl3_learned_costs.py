@@ -294,7 +294,7 @@ def capturing_cost(steady):
 
 def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeypatch, tmp_path):
     from toolkit.runtime import exl3_policy
-    from toolkit.runtime.exl3_policy import CALIBRATION_WARM, TABLE_VERSION
+    from toolkit.runtime.exl3_policy import TABLE_VERSION
 
     clock, raw = Clock(), []
     monkeypatch.setattr(FakeGenerator, "clock", clock)
@@ -305,9 +305,33 @@ def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeyp
     be.clock = clock
     table = be.cost_table(2)
     steady = {w: 16.0 + 0.2 * w for w in (0, 1, 3, 5, 7)}
-    assert table.ms[2] == pytest.approx(steady) and CALIBRATION_WARM >= 3
+    assert table.ms[2] == pytest.approx(steady)
     assert all(t == pytest.approx(steady[w]) for w, ts in raw[0].items() for t in ts)     # not one slow round timed
     assert [p.name.endswith(f"-v{TABLE_VERSION}.json") for p in (tmp_path / "costs").glob("*.json")] == [True]
     monkeypatch.setattr(FakeGenerator, "cost", staticmethod(capturing_cost(lambda w, rows: 16.0 + 0.1 * w * rows)))
     again = make_backend(monkeypatch, tmp_path)
     assert again.cost_table(2).ms[2] == pytest.approx(steady) and len(raw) == 1        # read back from the cache
+
+
+def test_the_decoding_like_calibration_times_text_prompts_in_stretches_without_syncing(monkeypatch, tmp_path):
+    """CALIBRATION: each job prefills the built-in text from another prompt on, every width runs `stretch` rounds
+    in a row of which the first `settle` are not timed, and no device synchronize brackets a round."""
+    from toolkit.runtime import exl3_policy
+    from toolkit.runtime.exl3_policy import CALIBRATION, calibration_widths, text_prompts, time_calibration
+
+    clock = Clock()
+    monkeypatch.setattr(FakeGenerator, "clock", clock)
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(capturing_cost(lambda w, rows: 16.0 + 0.1 * w * rows)))
+    be = make_backend(monkeypatch, tmp_path)
+    be.clock = clock
+    be.raw_encode = lambda text: [3 + ord(ch) % 90 for ch in text]
+    syncs = []
+    be.sync = lambda: syncs.append(1)
+    prompts = text_prompts(be, 3)
+    assert len({tuple(p) for p in prompts}) == 3 and all(len(p) > exl3_policy.CALIBRATION_CONTEXT for p in prompts)
+    ws = calibration_widths(be.block_size)
+    times = time_calibration(be, 2, ws, CALIBRATION)
+    per_width = CALIBRATION.reps * (CALIBRATION.stretch - CALIBRATION.settle)
+    assert CALIBRATION.text and not CALIBRATION.sync and not syncs
+    assert {w: len(ts) for w, ts in times.items()} == {w: per_width for w in ws}
+    assert all(t == pytest.approx(16.0 + 0.2 * w) for w, ts in times.items() for t in ts)   # no slow round timed

@@ -5,13 +5,14 @@ the current number of jobs, from the cost curve t_round(w, c) of that concurrenc
 job keeps its own `Hindsight` (its proposals resolve against its own emitted tokens) and all of them feed the one
 `Acceptance` of the policy, which belongs to the backend and drafter pair and learns across generate calls.
 
-Costs come from `time_rounds`: steady-state iterate() rounds of `c` dummy jobs (prompts of `context` ids, no
-stop tokens) at fixed widths, interleaved width by width so drift spreads evenly, median per width. `calibrate`
-first runs `CALIBRATION_WARM` untimed passes, so that every (c, w) shape has run eagerly and had its CUDA graph
-captured: the table times replayed rounds, as decoding sees them (`TABLE_VERSION` in the cache key says so). The
-backend runs it once per concurrency at first use and caches the table per model pair, GPU, options and
-concurrency through runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with
-more repetitions.
+Costs come from `time_rounds`, as `CALIBRATION` says: `c` jobs prefill the built-in chat and code prompts as
+plain text (so drafts are accepted about as in decoding), then every width runs a stretch of rounds in a row, its
+first rounds untimed (a new (c, w) shape runs eagerly, then captures its CUDA graph), over a few passes that
+interleave the widths so drift spreads evenly; a round is timed as decoding times it, without a device
+synchronize; median per width. (`TABLE`, the timer before TABLE_VERSION 3, used dummy ids that accept every
+draft and one round per width in turn; on the SmolLM2 pair it read ~2x decoding's rounds.) The backend runs it
+once per concurrency at first use and caches the table per model pair, GPU, options and concurrency through
+runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with more repetitions.
 
 That table is only the prior (`learn_costs`, on by default; the backend's `learn_costs` attribute turns it off).
 Every decoding iterate() whose jobs all emitted and none was prefilling is timed into runtime/learned_costs.py
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from ..core.errors import ToolkitError
 from .backend import GenSettings
@@ -45,7 +47,26 @@ CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
-TABLE_VERSION = 2                  # of the cached tables' meaning (2: replayed rounds, warmed up); in the cache key
+TABLE_VERSION = 3                  # of the cached tables' meaning (3: CALIBRATION's decoding-like rounds); in the cache key
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How `calibrate` times its rounds. text: prompts of built-in chat and code text instead of dummy ids (drafts
+    accepted as in decoding); stretch/settle: rounds in a row per width per pass, the first `settle` untimed;
+    sync: a device synchronize around each timed iterate() (decoding times it without)."""
+
+    text: bool = False
+    stretch: int = 1
+    settle: int = 0
+    sync: bool = True
+    reps: int = CALIBRATION_REPS
+    warm: int = CALIBRATION_WARM
+
+
+TABLE = Calibration()              # the timer as tables of TABLE_VERSION 2 were made
+DECODE_LIKE = Calibration(text=True, stretch=4, settle=2, sync=False, reps=3, warm=1)
+CALIBRATION = DECODE_LIKE          # what the backends' tables use (TABLE_VERSION 3)
 EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at least
 EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
 SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
@@ -260,16 +281,32 @@ def medians(times: dict[int, list[float]]) -> dict[int, float]:
     return {w: statistics.median(ts) for w, ts in times.items()}
 
 
-def calibrate(be, concurrency: int, reps: int = CALIBRATION_REPS, context: int = CALIBRATION_CONTEXT,
-              widths: Sequence[int] | None = None, emitted: dict[int, float] | None = None,
-              warm: int = CALIBRATION_WARM) -> dict[int, float]:
+def text_prompts(be, concurrency: int) -> list[list[int]]:
+    """One prompt per job: the built-in chat and code prompts as plain text, each job starting at another one."""
+    from ..assets.prompts import CHAT, CODE
+
+    texts = [*CHAT, *CODE]
+    return [be.raw_encode(" ".join(texts[j % len(texts):] + texts[:j % len(texts)])) for j in range(concurrency)]
+
+
+def time_calibration(be, concurrency: int, widths: Sequence[int], how: Calibration = CALIBRATION,
+                     context: int = CALIBRATION_CONTEXT, emitted: dict[int, list[float]] | None = None
+                     ) -> dict[int, list[float]]:
+    """time_rounds as `how` says: ms of every timed round per width."""
+    return time_rounds(be, concurrency, widths, reps=how.reps, warm=how.warm, context=context, emitted=emitted,
+                       prompts=text_prompts(be, concurrency) if how.text else None, stretch=how.stretch,
+                       settle=how.settle, sync=how.sync)
+
+
+def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: Sequence[int] | None = None,
+              emitted: dict[int, float] | None = None, how: Calibration = CALIBRATION) -> dict[int, float]:
     """Median ms per round at each calibration width for `concurrency` jobs (w = 0: an AR round of the
-    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost), after `warm`
-    untimed passes (graphs captured); `emitted`, when given, gets the mean tokens a job emitted per round per width."""
+    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost), timed as `how`
+    says after its untimed passes (graphs captured); `emitted`, when given, gets the mean tokens a job emitted
+    per round per width."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
     seen: dict[int, list[float]] = {}
-    ms = medians(time_rounds(be, concurrency, ws, reps=reps, warm=warm, context=context, emitted=seen))
+    ms = medians(time_calibration(be, concurrency, ws, how, context, seen))
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     return ms
-
