@@ -9,7 +9,7 @@ this times each alone, in one process, interleaved over repetitions, at the same
 - `stretch`: dummy prompts, 4 rounds in a row per width, the first 2 untimed;
 - `text`: the built-in chat and code text instead of the dummy ids (drafts accepted about as in decoding);
 - `nosync`: the table without the device synchronize around each iterate();
-- `recipe`: all three together, exl3_policy.CALIBRATION (the table the backend now makes);
+- `recipe`: all three together, exl3_policy.DECODE_LIKE (the candidate for the backend's tables);
 - `decode`: decoding's own rounds (experiments.switch_cost.run_schedule: one fixed width, held-out prompts).
 
 Per (c, variant, width): median ms and mean tokens a job emitted per round. After
@@ -36,10 +36,10 @@ VARIANTS = ("table", "stretch", "text", "nosync", "recipe", "decode")
 
 def recipes() -> dict:
     """The calibration of each timer variant (exl3_policy.Calibration)."""
-    from toolkit.runtime.exl3_policy import CALIBRATION, TABLE, Calibration
+    from toolkit.runtime.exl3_policy import DECODE_LIKE, TABLE, Calibration
 
     return {"table": TABLE, "stretch": Calibration(stretch=4, settle=2, reps=3, warm=1),
-            "text": Calibration(text=True), "nosync": Calibration(sync=False), "recipe": CALIBRATION}
+            "text": Calibration(text=True), "nosync": Calibration(sync=False), "recipe": DECODE_LIKE}
 
 
 def time_variant(be, name: str, c: int, texts: list[list[int]], rounds: int) -> dict[int, tuple[list[float], list[float]]]:

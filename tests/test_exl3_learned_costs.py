@@ -314,10 +314,10 @@ def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeyp
 
 
 def test_the_decoding_like_calibration_times_text_prompts_in_stretches_without_syncing(monkeypatch, tmp_path):
-    """CALIBRATION: each job prefills the built-in text from another prompt on, every width runs `stretch` rounds
+    """DECODE_LIKE: each job prefills the built-in text from another prompt on, every width runs `stretch` rounds
     in a row of which the first `settle` are not timed, and no device synchronize brackets a round."""
     from toolkit.runtime import exl3_policy
-    from toolkit.runtime.exl3_policy import CALIBRATION, calibration_widths, text_prompts, time_calibration
+    from toolkit.runtime.exl3_policy import DECODE_LIKE as CALIBRATION, calibration_widths, text_prompts, time_calibration
 
     clock = Clock()
     monkeypatch.setattr(FakeGenerator, "clock", clock)

@@ -5,14 +5,16 @@ the current number of jobs, from the cost curve t_round(w, c) of that concurrenc
 job keeps its own `Hindsight` (its proposals resolve against its own emitted tokens) and all of them feed the one
 `Acceptance` of the policy, which belongs to the backend and drafter pair and learns across generate calls.
 
-Costs come from `time_rounds`, as `CALIBRATION` says: `c` jobs prefill the built-in chat and code prompts as
-plain text (so drafts are accepted about as in decoding), then every width runs a stretch of rounds in a row, its
-first rounds untimed (a new (c, w) shape runs eagerly, then captures its CUDA graph), over a few passes that
-interleave the widths so drift spreads evenly; a round is timed as decoding times it, without a device
-synchronize; median per width. (`TABLE`, the timer before TABLE_VERSION 3, used dummy ids that accept every
-draft and one round per width in turn; on the SmolLM2 pair it read ~2x decoding's rounds.) The backend runs it
-once per concurrency at first use and caches the table per model pair, GPU, options and concurrency through
-runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with more repetitions.
+Costs come from `time_rounds`, as `CALIBRATION` says: steady-state iterate() rounds of `c` dummy jobs (prompts
+of `context` ids, no stop tokens) at fixed widths, interleaved width by width so drift spreads evenly, median per
+width, after `CALIBRATION_WARM` untimed passes (every (c, w) shape has run eagerly and had its CUDA graph
+captured: the table times replayed rounds, as decoding sees them; `TABLE_VERSION` in the cache key says so). On
+the SmolLM2 pair this table reads ~2x decoding's rounds; `DECODE_LIKE` (built-in text prompts, stretches of rounds
+per width with the first untimed, no device synchronize) is the candidate replacement, which
+experiments/calib_check measures against each change alone and against decoding, not yet run on a GPU. The
+backend runs it once per concurrency at first use and caches the table per model pair, GPU, options and
+concurrency through runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with
+more repetitions.
 
 That table is only the prior (`learn_costs`, on by default; the backend's `learn_costs` attribute turns it off).
 Every decoding iterate() whose jobs all emitted and none was prefilling is timed into runtime/learned_costs.py
@@ -47,7 +49,7 @@ CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
-TABLE_VERSION = 3                  # of the cached tables' meaning (3: CALIBRATION's decoding-like rounds); in the cache key
+TABLE_VERSION = 2                  # of the cached tables' meaning (2: replayed rounds, warmed up); in the cache key
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Calibration:
 
 TABLE = Calibration()              # the timer as tables of TABLE_VERSION 2 were made
 DECODE_LIKE = Calibration(text=True, stretch=4, settle=2, sync=False, reps=3, warm=1)
-CALIBRATION = DECODE_LIKE          # what the backends' tables use (TABLE_VERSION 3)
+CALIBRATION = TABLE                # what the backends' tables use; DECODE_LIKE waits for experiments/calib_check
 EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at least
 EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
 SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
