@@ -21,15 +21,12 @@ Per (c, variant, width): median ms and mean tokens a job emitted per round. Afte
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 from experiments.harness import Run
+from experiments.switch_cost import open_pair, pair_args, run_schedule
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 3, 7, 15)
 VARIANTS = ("table", "stretch", "text", "nosync", "recipe", "decode")
 
@@ -44,7 +41,6 @@ def recipes() -> dict:
 
 def time_variant(be, name: str, c: int, texts: list[list[int]], rounds: int) -> dict[int, tuple[list[float], list[float]]]:
     """{width: (ms per timed round, tokens a job emitted per round)} of one variant at c jobs."""
-    from experiments.switch_cost import run_schedule
     from toolkit.runtime.exl3_policy import time_calibration
 
     if name == "decode":
@@ -67,16 +63,8 @@ def summarize(samples: dict) -> dict:
 
 
 def measure(run: Run, a) -> dict:
-    from toolkit.assets.padding import pad
-    from toolkit.runtime.exl3_backend import Exl3Backend
-
-    pt, pd = a.work / "pad" / "target", a.work / "pad" / "draft"
-    for src, dst in ((a.target, pt), (a.draft, pd)):
-        if not (dst / "config.json").is_file():
-            pad(str(src), str(dst))
-    be = Exl3Backend.from_dirs(pt, pd, max_concurrency=max(a.concurrency), cache_tokens=16384)
-    held = json.loads((a.draft / "heldout.json").read_text())
-    texts = [be.encode(t) for ts in held.values() for t in ts]
+    be, held = open_pair(a, max(a.concurrency))
+    texts = [be.encode(t) for t in held]
     samples: dict = {f"c{c}": {v: {w: ([], []) for w in WIDTHS} for v in VARIANTS} for c in a.concurrency}
     try:
         for rep in range(a.reps):
@@ -98,9 +86,7 @@ def measure(run: Run, a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.calib_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", type=Path, default=SMOL / "speed")
-    p.add_argument("--target", type=Path, default=SMOL / "smollm2-135m-instruct")
-    p.add_argument("--draft", type=Path, default=ROOT / "toolkit" / "data" / "smollm2_dflash")
+    pair_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=12, help="timed decoding rounds per width (default 12)")
     p.add_argument("--reps", type=int, default=3)

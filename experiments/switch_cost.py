@@ -88,7 +88,15 @@ def summary(samples: list[list[tuple[int, float, float]]], settle: int) -> dict:
             "tok_s_per_job": [round(x, 1) for x in rep_tps], "per_width": per}
 
 
-def measure(run: Run, a) -> dict:
+def pair_args(p: argparse.ArgumentParser) -> None:
+    """--work, --target, --draft: where the staged SmolLM2 pair lies (experiments.smol_device stage)."""
+    p.add_argument("--work", type=Path, default=SMOL / "speed")
+    p.add_argument("--target", type=Path, default=SMOL / "smollm2-135m-instruct")
+    p.add_argument("--draft", type=Path, default=ROOT / "toolkit" / "data" / "smollm2_dflash")
+
+
+def open_pair(a, max_concurrency: int):
+    """The padded pair on exllamav3 (padded into a.work on first use) and the drafter's held-out prompt texts."""
     from toolkit.assets.padding import pad
     from toolkit.runtime.exl3_backend import Exl3Backend
 
@@ -96,9 +104,13 @@ def measure(run: Run, a) -> dict:
     for src, dst in ((a.target, pt), (a.draft, pd)):
         if not (dst / "config.json").is_file():
             pad(str(src), str(dst))
-    be = Exl3Backend.from_dirs(pt, pd, max_concurrency=max(a.concurrency), cache_tokens=16384)
+    be = Exl3Backend.from_dirs(pt, pd, max_concurrency=max_concurrency, cache_tokens=16384)
     held = json.loads((a.draft / "heldout.json").read_text())
-    texts = [p for ps in held.values() for p in ps]
+    return be, [t for ts in held.values() for t in ts]
+
+
+def measure(run: Run, a) -> dict:
+    be, texts = open_pair(a, max(a.concurrency))
     scheds = schedules(a.rounds)
     samples: dict[str, dict[str, list]] = {f"c{c}": {n: [] for n in scheds} for c in a.concurrency}
     for rep in range(a.reps):
@@ -120,9 +132,7 @@ def measure(run: Run, a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.switch_cost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", type=Path, default=SMOL / "speed")
-    p.add_argument("--target", type=Path, default=SMOL / "smollm2-135m-instruct")
-    p.add_argument("--draft", type=Path, default=ROOT / "toolkit" / "data" / "smollm2_dflash")
+    pair_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--rounds", type=int, default=48, help="rounds per schedule and repetition (default 48)")
     p.add_argument("--settle", type=int, default=6, help="rounds left out of the medians at the start (default 6)")
