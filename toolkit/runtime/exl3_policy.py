@@ -249,7 +249,7 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
                 break
             gen.iterate()
         else:
-            raise ToolkitError(f"timing {concurrency} jobs: the dummy prompts did not finish prefilling")
+            raise ToolkitError(f"timing {concurrency} jobs: the timing prompts did not finish prefilling")
         for p in range(warm + reps):
             for w in widths:
                 if speculative:
