@@ -242,6 +242,28 @@ def test_gpu_like_rounds_under_a_steep_table_end_within_a_few_percent_of_the_bes
     assert sum(a != b for a, b in zip(widths[100:], widths[101:])) <= 16     # no churn: each change pays warm-up
 
 
+
+class DearDrafting(GpuRounds):
+    """GpuRounds where an AR round costs 80 % of a drafting round."""
+
+    def __call__(self, w: int) -> float:
+        return super().__call__(w) * (0.8 if w == 0 else 1.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("accept", [0.1, 0.25])
+def test_under_a_table_twice_as_dear_a_losing_drafter_times_ar_and_falls_back_to_it(seed, accept):
+    """The table's AR entry (32 ms) holds every observed drafting width (~17 ms) up to it, so drafting always looks
+    like a gain until an AR round is timed: a cost probe of w = 0 must time it (it was 0.88-0.91x AR without)."""
+    table = CostTable({1: {w: 2 * (16.0 + 0.3 * w) for w in (0, 1, 3, 5, 7, 11, 15)}})
+    policy = BatchPolicy(B, table)
+    log = simulate(policy, DearDrafting(seed), 600, seed, accept)
+    ar = simulate(BatchPolicy(B, table, fixed_width=0), DearDrafting(seed), 600, seed, accept)
+    assert 0 in policy.learned.settled(1)
+    if accept < 0.2:                              # a clear loss (0.25: about break-even at w = 1-3)
+        assert sum(w == 0 for w, _, _ in log[60:]) > 0.5 * 540
+    assert tokens_per_ms(log[60:]) >= 0.95 * tokens_per_ms(ar[60:])
+
 # -- decode_many end to end ----------------------------------------------------------------------------------------
 
 def calibrated_steep_backend(monkeypatch, tmp_path, learn: bool):

@@ -26,7 +26,10 @@ the costs does not make the policy churn (each new width pays warm-up rounds). A
 picks, so while drafting it also makes cost probes, at most one every `explore_every` drafting rounds, over the
 coarse widths of `probe_widths` (2^k - 1 and B-1, so that few shapes ever need warming up): B-1 while it is wider
 than every settled width and would beat the current width w even at w's cost; the widest coarse width up to half
-the narrowest settled one while it would beat w even at an AR step's cost. A probe verifies its width for
+the narrowest settled one while it would beat w even at an AR step's cost; w = 0 (AR) while its cost was never
+settled and it would beat w even at `AR_FLOOR` of w's cost (a table too dear at every width holds every drafting
+width up to its AR entry, so while only drafting rounds are seen, drafting at a loss would look like a gain). A
+probe verifies its width for
 `PROBE_ROUNDS` rounds at most, until that width settles (the warm-up rounds and `min_seen` kept ones); each still
 emits the target's own tokens. Once the ends are settled (again after they go stale) probing stops. Fixed-width
 runs learn and probe nothing.
@@ -73,6 +76,7 @@ EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at
 EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
 SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
 PROBE_ROUNDS = WARMUP + MIN_SEEN + 1   # rounds a cost probe runs at most: enough for its width to settle
+AR_FLOOR = 0.5                     # an AR round costs at least this share of a drafting round (cost probes of w=0)
 
 
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
@@ -160,6 +164,8 @@ class BatchPolicy(Policy):
             return wide
         if 0 < narrow != w and E[narrow] / t[0] > bar:
             return narrow
+        if 0 not in self.learned.settled(c) and 1 / (AR_FLOOR * t[w]) > bar:
+            return 0                              # AR never timed, and it could win at the least it may cost
         return w
 
     def cost_report(self) -> dict:
