@@ -211,7 +211,7 @@ def test_a_cost_probe_runs_its_coarse_width_until_it_settles():
     p = BatchPolicy(B, TABLE)
     widths = drive(p, flat, 120, 0)
     first = widths.index(B - 1)                                        # the table starts it narrow, then the probe
-    assert len(set(widths[:first])) == 1 and first >= EXPLORE_EVERY
+    assert len(set(widths[:first])) == 1 and first >= EXPLORE_EVERY - 1         # the probe: the EXPLORE_EVERY-th drafting round
     assert widths[first:first + WARMUP + MIN_SEEN] == [B - 1] * (WARMUP + MIN_SEEN)
     assert min(widths[first:]) >= 12                                   # found as cheap as the narrow width: kept
     assert probe_widths(16) == [1, 3, 7, 15] and probe_widths(8) == [1, 3, 7] and probe_widths(6) == [1, 3, 5]
@@ -263,6 +263,15 @@ def test_under_a_table_twice_as_dear_a_losing_drafter_times_ar_and_falls_back_to
     if accept < 0.2:                              # a clear loss (0.25: about break-even at w = 1-3)
         assert sum(w == 0 for w, _, _ in log[60:]) > 0.5 * 540
     assert tokens_per_ms(log[60:]) >= 0.95 * tokens_per_ms(ar[60:])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_picks_only_widths_whose_shapes_the_calibration_or_a_probe_ran(seed):
+    """Every other width's first rounds would run eagerly and capture a CUDA graph mid-answer (2026-12-05, H100:
+    auto's first repetition at c=8 ran 0.25x B=16 while it tried 12 widths at each job count)."""
+    for table, menu in ((TABLE, {0, 1, 3, 5, 7, 11, 15}), (CostTable({1: {0: 13.0, 4: 15.0, 12: 20.0}}), {0, 1, 3, 4, 7, 12, 15})):
+        p = BatchPolicy(B, table)
+        assert set(drive(p, GpuRounds(seed), 400, seed)) <= menu and p.menu == sorted(menu)
 
 # -- decode_many end to end ----------------------------------------------------------------------------------------
 

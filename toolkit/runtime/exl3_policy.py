@@ -1,7 +1,8 @@
 """The drafting policy on exllamav3: one verify width per iterate() for all jobs, round costs timed per concurrency.
 
 exllamav3 verifies a rectangular window (every job the same width), so the width is chosen once per iterate for
-the current number of jobs, from the cost curve t_round(w, c) of that concurrency. Acceptance is pooled: each
+the current number of jobs, from the cost curve t_round(w, c) of that concurrency, among the widths the table
+measured and the cost probes' coarse ones (`BatchPolicy.set_concurrency`: their shapes' CUDA graphs exist). Acceptance is pooled: each
 job keeps its own `Hindsight` (its proposals resolve against its own emitted tokens) and all of them feed the one
 `Acceptance` of the policy, which belongs to the backend and drafter pair and learns across generate calls.
 
@@ -114,6 +115,16 @@ class BatchPolicy(Policy):
         if c != self.concurrency:
             self.concurrency, self.probe = c, None
             self.set_concurrency(c)
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """Policy.set_concurrency, with the widths to pick from cut to those the table measured at `concurrency`
+        and the cost probes' coarse widths: the calibration ran their (jobs, width) shapes and captured their CUDA
+        graphs (a probe does so once), where any other width's first rounds would run eagerly and capture a graph
+        of their own, mid-answer."""
+        if self.costs is not None:
+            measured = {w for w in self.costs.widths(concurrency) if w < self.block_size}
+            self.menu = sorted(measured | set(probe_widths(self.block_size)) | {0})
+        super().set_concurrency(concurrency)
 
     def rescale(self, drift: float = 1.0) -> None:
         """The cost curve in use: the table's at this concurrency, corrected by the learned costs when learning."""

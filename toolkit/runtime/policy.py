@@ -72,6 +72,10 @@ class CostTable:
             out.append(max(out[-1], pts.get(w) or interpolate(spec, w)))
         return out
 
+    def widths(self, concurrency: int = 1) -> list[int]:
+        """The widths measured at the nearest measured concurrency (those `curve` does not interpolate)."""
+        return sorted(self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))])
+
     def to_json(self) -> dict:
         return {"device": self.device, "ms": {str(c): {str(w): t for w, t in sorted(p.items())} for c, p in sorted(self.ms.items())}}
 
@@ -274,6 +278,7 @@ class Policy:
         self.drift = 1.0                                          # the drafting rounds' cost factor in use
         self._best: tuple | None = None                           # (acceptance count, version, best width)
         self.version = 0
+        self.menu: list[int] | None = None                        # the widths best() may pick (None: all)
         self.set_concurrency(concurrency)
 
     @classmethod
@@ -328,7 +333,8 @@ class Policy:
         key = (self.acceptance.count, self.version)
         if self._best is None or self._best[:2] != key:
             s = self.scores()
-            self._best = (*key, max(range(len(s)), key=lambda w: (s[w], -w)))     # ties go to the narrower width
+            menu = self.menu or range(len(s))
+            self._best = (*key, max(menu, key=lambda w: (s[w], -w)))     # ties go to the narrower width
         return self._best[2]
 
     def begin(self, first_token: int) -> None:
