@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from toolkit.bench import bench, main
+from toolkit.runtime.policy import CostTable
 
 
 def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:
@@ -27,7 +30,8 @@ def test_auto_cells_record_their_cost_curves_on_the_torch_backend(tmp_path, monk
     assert auto["block_size"] == "auto" and "costs" not in fixed
     curves_ok(auto["costs"], {"1"}, r["native_block_size"])
     table = json.loads(next((tmp_path / "costs").glob("*.json")).read_text())["ms"]["1"]
-    assert all(auto["costs"]["start"]["1"][w] >= round(t, 3) for w, t in table.items())   # the measured table's curve
+    curve = CostTable({1: table}).curve(r["native_block_size"])                           # the measured table's curve
+    assert [auto["costs"]["start"]["1"][str(w)] for w in range(len(curve))] == pytest.approx(curve, abs=1e-3)
     drift = auto["costs"]["drift"]
     learned = {int(w): t for w, t in auto["costs"]["learned"]["1"].items()}
     start = {int(w): t for w, t in auto["costs"]["start"]["1"].items()}

@@ -116,7 +116,9 @@ def test_cost_curve_interpolates_and_is_monotone():
     t = CostTable({1: {0: 10, 1: 12, 5: 20}})
     assert t.curve(8) == pytest.approx([10, 12, 14, 16, 18, 20, 22, 24])      # linear, then the last slope
     t = CostTable({1: {0: 10, 2: 15, 4: 13}})
-    assert t.curve(6) == pytest.approx([10, 15, 15, 15, 15, 15])              # flat below, never decreasing
+    assert t.curve(6) == pytest.approx([10, 14, 14, 14, 14, 14])              # a dearer narrower width is pooled
+    t = CostTable({1: {0: 19, 1: 19, 3: 25, 5: 18, 7: 18.5, 11: 18.5, 15: 19}})     # one slow width (H100, 2026-12-05)
+    assert max(t.curve(16)) < 21 and all(a <= b for a, b in zip(t.curve(16), t.curve(16)[1:]))
     assert CostTable({1: {0: 10, 1: 8}}).curve(3) == pytest.approx([10, 10, 10])  # drafting never beats AR's cost
     t = CostTable({1: {0: 1, 1: 2}, 4: {0: 3, 1: 4}})
     assert t.curve(2, concurrency=3) == [3, 4] and t.curve(2, concurrency=2) == [1, 2]

@@ -7,15 +7,15 @@ job keeps its own `Hindsight` (its proposals resolve against its own emitted tok
 `Acceptance` of the policy, which belongs to the backend and drafter pair and learns across generate calls.
 
 Costs come from `time_rounds`, as `CALIBRATION` says: steady-state iterate() rounds of `c` dummy jobs (prompts
-of `context` ids, no stop tokens) at fixed widths, interleaved width by width so drift spreads evenly, median per
-width, after `CALIBRATION_WARM` untimed passes (every (c, w) shape has run eagerly and had its CUDA graph
-captured: the table times replayed rounds, as decoding sees them; `TABLE_VERSION` in the cache key says so). On
-the SmolLM2 pair this table reads ~2x decoding's rounds; `DECODE_LIKE` (built-in text prompts, stretches of rounds
-per width with the first untimed, no device synchronize) is the candidate replacement, which
-experiments/calib_check measures against each change alone and against decoding, not yet run on a GPU. The
-backend runs it once per concurrency at first use and caches the table per model pair, GPU, options and
-concurrency through runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with
-more repetitions.
+of `context` ids, no stop tokens) at fixed widths, interleaved width by width so drift spreads evenly, the 25th
+percentile per width (as learned costs take them), after `CALIBRATION_WARM` untimed passes (every (c, w) shape
+has run eagerly and had its CUDA graph captured: the table times replayed rounds, as decoding sees them;
+`TABLE_VERSION` in the cache key says so). experiments/calib_check timed this table, `DECODE_LIKE` (built-in
+text prompts, stretches of rounds per width with the first untimed, no device synchronize) and decoding's own
+rounds on the SmolLM2 pair (H100, 2026-12-05): both timers came within ~10 % of decoding at c = 1 and 8, so the
+backend keeps `TABLE`, the cheaper one (session 12's ~2x gap did not show again). The backend runs it once per
+concurrency at first use and caches the table per model pair, GPU, options and concurrency through
+runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with more repetitions.
 
 That table is only the prior (`learn_costs`, on by default; the backend's `learn_costs` attribute turns it off).
 Every decoding iterate() whose jobs all emitted and none was prefilling is timed into runtime/learned_costs.py
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from ..core.errors import ToolkitError
 from .backend import GenSettings
 from .events import Round
-from .learned_costs import MIN_SEEN, WARMUP, LearnedCosts, as_ms
+from .learned_costs import MIN_SEEN, QUANTILE, WARMUP, LearnedCosts, as_ms, low_quantile
 from .policy import Hindsight, Policy
 
 PAGE = 256                         # exllamav3's cache page size
@@ -53,7 +53,8 @@ CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
-TABLE_VERSION = 2                  # of the cached tables' meaning (2: replayed rounds, warmed up); in the cache key
+TABLE_VERSION = 3                  # of the cached tables' meaning (2: replayed rounds, warmed up; 3: their low
+                                   # quantile, as learned costs are taken); in the cache key
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Calibration:
 
 TABLE = Calibration()              # the timer as tables of TABLE_VERSION 2 were made
 DECODE_LIKE = Calibration(text=True, stretch=4, settle=2, sync=False, reps=3, warm=1)
-CALIBRATION = TABLE                # what the backends' tables use; DECODE_LIKE waits for experiments/calib_check
+CALIBRATION = TABLE                # what the backends' tables use (calib_check, 2026-12-05: both near decoding)
 EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at least
 EXPLORE_MARGIN = 0.02              # a probed width must promise this much more tokens per ms than the current one
 SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
@@ -319,13 +320,14 @@ def time_calibration(be, concurrency: int, widths: Sequence[int], how: Calibrati
 
 def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: Sequence[int] | None = None,
               emitted: dict[int, float] | None = None, how: Calibration = CALIBRATION) -> dict[int, float]:
-    """Median ms per round at each calibration width for `concurrency` jobs (w = 0: an AR round of the
+    """ms per round at each calibration width for `concurrency` jobs, the low quantile of its timed rounds that
+    learned costs use (learned_costs.QUANTILE: host jitter only adds to a round) (w = 0: an AR round of the
     speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost), timed as `how`
     says after its untimed passes (graphs captured); `emitted`, when given, gets the mean tokens a job emitted
     per round per width."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
     seen: dict[int, list[float]] = {}
-    ms = medians(time_calibration(be, concurrency, ws, how, context, seen))
+    ms = {w: low_quantile(ts, QUANTILE) for w, ts in time_calibration(be, concurrency, ws, how, context, seen).items()}
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     return ms

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .policy import monotone
+
 if TYPE_CHECKING:
     from .policy import Policy
 
@@ -109,20 +111,6 @@ def low_quantile(xs: Sequence[float], q: float) -> float:
     pos = q * (len(v) - 1)
     i = int(pos)
     return v[i] if i + 1 >= len(v) else v[i] + (v[i + 1] - v[i]) * (pos - i)
-
-
-def monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
-    """(width, ms) through sorted (width, ms, weight) points, made non-decreasing by pooling adjacent violators into
-    their weighted mean (isotonic regression): noise in one width's cost does not raise every wider one."""
-    blocks: list[list] = []                              # [total weight, weighted sum, widths]
-    for w, t, n in points:
-        blocks.append([n, n * t, [w]])
-        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][0] > blocks[-1][1] / blocks[-1][0]:
-            n2, s2, w2 = blocks.pop()
-            blocks[-1][0] += n2
-            blocks[-1][1] += s2
-            blocks[-1][2] += w2
-    return [(w, s / n) for n, s, ws in blocks for w in ws]
 
 
 def estimate(w: int, lo: tuple[int, float] | None, hi: tuple[int, float] | None, prior: Sequence[float]) -> float:

@@ -47,7 +47,11 @@ class CostTable:
     """Measured ms per round: {concurrency: {verify width w: ms}}, w = 0 the AR step.
 
     Widths that were not measured are interpolated linearly between measured ones >= 1 (flat below the smallest,
-    the last slope above the largest); the curve is made non-decreasing, since verifying more never costs less.
+    the last slope above the largest). The curve is non-decreasing: measured drafting widths that cost more than a
+    wider one are pooled with it into their mean (`monotone`), since one slow width must not raise every wider one
+    (2026-12-05, H100: w=3 read 25 ms, w=7-15 18-19, and the old running maximum charged 25 ms to all of them;
+    exllamav3's rounds at w=3 do cost ~1 ms more than at w=7 on the SmolLM2 pair), and no drafting width costs
+    less than the AR step.
     """
 
     ms: dict[int, dict[int, float]]
@@ -66,10 +70,10 @@ class CostTable:
     def curve(self, block_size: int, concurrency: int = 1) -> list[float]:
         """t_round(w) in ms for w = 0..block_size-1 at the nearest measured concurrency."""
         pts = self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))]
-        spec = sorted((w, t) for w, t in pts.items() if w > 0)
+        spec = monotone([(w, t, 1) for w, t in sorted(pts.items()) if w > 0])
         out = [pts[0]]
         for w in range(1, block_size):
-            out.append(max(out[-1], pts.get(w) or interpolate(spec, w)))
+            out.append(max(out[-1], interpolate(spec, w)))
         return out
 
     def widths(self, concurrency: int = 1) -> list[int]:
@@ -93,6 +97,20 @@ def interpolate(points: list[tuple[int, float]], w: int) -> float:
             return t0 + (t1 - t0) * (w - w0) / (w1 - w0)
     (w0, t0), (w1, t1) = points[-2], points[-1]
     return t1 + max(t1 - t0, 0.0) * (w - w1) / (w1 - w0)
+
+
+def monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
+    """(width, ms) through sorted (width, ms, weight) points, made non-decreasing by pooling adjacent violators into
+    their weighted mean (isotonic regression): noise in one width's cost does not raise every wider one."""
+    blocks: list[list] = []                              # [total weight, weighted sum, widths]
+    for w, t, n in points:
+        blocks.append([n, n * t, [w]])
+        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][0] > blocks[-1][1] / blocks[-1][0]:
+            n2, s2, w2 = blocks.pop()
+            blocks[-1][0] += n2
+            blocks[-1][1] += s2
+            blocks[-1][2] += w2
+    return [(w, s / n) for n, s, ws in blocks for w in ws]
 
 
 def measure_widths(block_size: int) -> list[int]:
