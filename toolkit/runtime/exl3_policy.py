@@ -124,7 +124,9 @@ class BatchPolicy(Policy):
         of their own, mid-answer."""
         if self.costs is not None:
             measured = {w for w in self.costs.widths(concurrency) if w < self.block_size}
-            self.menu = sorted(measured | set(probe_widths(self.block_size)) | {0})
+            menu = sorted(measured | set(probe_widths(self.block_size)) | {0})
+            if menu != self.menu:
+                self.menu, self._best = menu, None         # best() caches by acceptance and costs, not by menu
         super().set_concurrency(concurrency)
 
     def rescale(self, drift: float = 1.0) -> None:

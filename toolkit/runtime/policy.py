@@ -69,16 +69,20 @@ class CostTable:
 
     def curve(self, block_size: int, concurrency: int = 1) -> list[float]:
         """t_round(w) in ms for w = 0..block_size-1 at the nearest measured concurrency."""
-        pts = self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))]
+        pts = self.nearest(concurrency)
         spec = monotone([(w, t, 1) for w, t in sorted(pts.items()) if w > 0])
         out = [pts[0]]
         for w in range(1, block_size):
             out.append(max(out[-1], interpolate(spec, w)))
         return out
 
+    def nearest(self, concurrency: int = 1) -> dict[int, float]:
+        """{w: ms} of the measured concurrency nearest `concurrency` (ties: the lower one)."""
+        return self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))]
+
     def widths(self, concurrency: int = 1) -> list[int]:
         """The widths measured at the nearest measured concurrency (those `curve` does not interpolate)."""
-        return sorted(self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))])
+        return sorted(self.nearest(concurrency))
 
     def to_json(self) -> dict:
         return {"device": self.device, "ms": {str(c): {str(w): t for w, t in sorted(p.items())} for c, p in sorted(self.ms.items())}}
