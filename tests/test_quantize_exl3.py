@@ -16,6 +16,7 @@ from toolkit.core.errors import ToolkitError, run_cli
 from toolkit.dflash import DFlashConfig
 from toolkit.quant import memory as mem
 from toolkit.quant import quantize
+from toolkit.quant import speed as spd
 from toolkit.quantize import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,9 @@ def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
     assert len(engine.calls) == 2 and engine.calls[0]["target"] == exl3 and engine.calls[1]["max_concurrency"] == 1
     # tau and speed per bitrate on the engine, the BF16 drafter as reference, the width sweep and its pick
     sweep = report["exl3_widths"]
-    assert [c["draft_tokens"] for c in sweep] == [3, 7, 15]
+    # (the tiny pair fills a window of 3 but never one of 7: 15 would accept the same tokens, and is skipped)
+    assert [c["draft_tokens"] for c in sweep] == [3, 7]
+    assert spd.window_filled(sweep[0], 3) and not spd.window_filled(sweep[1], 7)
     best = max(sweep, key=lambda c: (c["speedup"], -c["draft_tokens"]))
     assert report["recommended_draft_tokens"] == best["draft_tokens"] and report["bf16"]["exl3"] == best
     for row in [report["bf16"], *report["results"]]:
@@ -87,6 +90,7 @@ def test_exl3_target_end_to_end(tmp_path, pair, exl3, monkeypatch):
     assert engine.calls[0]["max_chunk"] == 256 < engine.calls[0]["cache_tokens"]
     md = (out / "report.md").read_text()
     assert "τ exllamav3" in md and f"`{exl3}` (4.00 bpw)" in md and "recommended:" in md and "| speed |" in md
+    assert "draft tokens 15 not measured: no round at 7 accepted its whole window" in md
     # the same numbers as the BF16 path on the same weights: taps, continuation, embedding and head agree
     fakes.install(monkeypatch)
     hf = run(tmp_path, pair, pair[0], out="out-hf", also_uncalibrated=True)
@@ -318,7 +322,6 @@ def test_swapped_drafters_measure_as_fresh_loads(tmp_path, pair, exl3, monkeypat
     """speed swaps each bitrate into one load of the target: each drafter's τ, acceptance and output (against the
     one AR baseline of that load) are what a load of the target with that drafter alone measures."""
     from test_quantize_pipeline import HELD
-    from toolkit.quant import speed as spd
     from toolkit.runtime.backend import encode_chat
     from toolkit.runtime.torch_backend import load_hf_tokenizer
 
@@ -372,3 +375,27 @@ def test_phases_measure_each_part_of_a_step_and_keep_its_peak(monkeypatch):
     assert row["estimated_bytes"] == 20 * GIB and all(p["seconds"] >= 0.15 for p in row["phases"])
     plain = {"step": "plan", "peak_allocated_bytes": None}
     assert mem.Phases().fold(plain) == plain                         # a step without phases: its row as it was
+
+
+def test_sweep_stops_after_a_window_no_round_filled(monkeypatch):
+    """Greedy rounds that never accept a whole window of 3 accept the same tokens at 7 or 15: those are skipped."""
+    acc = {3: [0.6, 0.2, 0.0], 7: [0.6, 0.2, 0.1, 0.0, 0, 0, 0], 15: [0.5] * 15}
+    seen = []
+
+    def measure(be, setup, widths, ar):
+        seen.extend(widths)
+        return {w: {"accept_per_position": acc[w], "speedup": 1.0} for w in widths}
+
+    monkeypatch.setattr(spd, "measure", measure)
+    got, skipped = spd.sweep(None, None, [15, 3, 7], None)
+    assert seen == [3] and list(got) == [3] and skipped == [7, 15]
+    acc[3] = [0.6, 0.2, 0.05]
+    seen.clear()
+    got, skipped = spd.sweep(None, None, [3, 7, 15], None)
+    assert seen == [3, 7] and list(got) == [3, 7] and skipped == [15]
+    acc[7][-1] = 0.01
+    seen.clear()
+    assert spd.sweep(None, None, [3, 7, 15], None) == ({w: {"accept_per_position": acc[w], "speedup": 1.0}
+                                                       for w in (3, 7, 15)}, []) and seen == [3, 7, 15]
+    # a cell whose acceptance list is shorter than its width never filled it
+    assert not spd.window_filled({"accept_per_position": [1.0]}, 3) and spd.window_filled({"accept_per_position": [1, 1, .1]}, 3)

@@ -297,8 +297,11 @@ def speed(run: Run) -> None:
     ref_dir = spd.shadow_reference(run.model_dir, run.work / "bf16-reference", run.tap_shift)
     with spd.loaded(engine.ENGINE, setup, ref_dir) as be:       # one target load; the drafters are swapped in
         ar = spd.baseline(be, setup)
-        sweep = spd.measure(be, setup, spd.widths_for(c.block_size, r.draft_tokens), ar)
+        sweep, skipped = spd.sweep(be, setup, spd.widths_for(c.block_size, r.draft_tokens), ar)
         run.exl3_widths = [sweep[w] for w in sorted(sweep)]
+        if skipped:
+            run.notes.append(f"draft tokens {', '.join(map(str, skipped))} not measured: no round at {max(sweep)} "
+                             "accepted its whole window, so a wider one accepts the same tokens at a higher cost")
         run.recommended = spd.best_width(sweep) or max(sweep)
         run.bf16_exl3 = sweep.get(run.recommended)
         for item in tqdm(run.items, desc="speed", unit="bitrate", disable=not run.progress, leave=False):

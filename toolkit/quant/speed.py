@@ -110,6 +110,24 @@ def measure(be: Backend, setup: SpeedSetup, widths: list[int], ar: Baseline) -> 
     return out
 
 
+def window_filled(c: dict, width: int) -> bool:
+    """Whether some round at `width` accepted every drafted token (position width-1 was accepted at least once)."""
+    acc = c.get("accept_per_position") or []
+    return len(acc) >= width and acc[width - 1] > 0
+
+
+def sweep(be: Backend, setup: SpeedSetup, widths: list[int], ar: Baseline) -> tuple[dict[int, dict], list[int]]:
+    """`measure` from the narrowest width up, stopping after a width whose window no round filled: greedy rounds at
+    any wider width then accept the same tokens and only verify more rows. (measured cells, the widths skipped)."""
+    out: dict[int, dict] = {}
+    ws = sorted(widths)
+    for i, w in enumerate(ws):
+        out.update(measure(be, setup, [w], ar))
+        if not window_filled(out[w], w):
+            return out, ws[i + 1:]
+    return out, []
+
+
 def widths_for(block_size: int, asked: list[int] | None) -> list[int]:
     """Draft widths to sweep with the reference: the recipe's, else 3, 7 and the full B-1 (each cut to B-1)."""
     full = block_size - 1
