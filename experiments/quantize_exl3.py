@@ -8,9 +8,9 @@ timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per 
     # or, for a run with Triton's kernel cache warm (a machine that served the target before): also the target
     # step's exllamav3 work once (~150 s; 2026-12-04's profile: ~100 s of a cold target step is Triton compiling)
     source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape --stage --warm
-    # call 2, the same warm machine: /tmp/q36 is reused (no synthesis), the recipe runs: ~620 s after a cold
-    # call 1 (2026-12-04: target 127, calibrate 9, convert 237, check 36, speed ~190; cut in speed at 595 s), less
-    # after `--warm` (about 95 s of the cold target step was Triton compiling)
+    # call 2, the same warm machine: /tmp/q36 is reused (no synthesis), the recipe runs: 554.5 s after a cold
+    # call 1 (2026-12-05, H100: target 107, calibrate 8, convert 248, check 27, speed 143), less after `--warm`
+    # (about 95 s of the cold target step is Triton compiling)
     source .device/on-device.sh && timeout $((595 - SECONDS)) python -m experiments.quantize_exl3 shape
 
 `$((595 - SECONDS))` gives python what on-device.sh left of the call (bash's SECONDS counts from the call's start),
