@@ -57,7 +57,7 @@ class Seq:
 class FakeJob:
     def __init__(self, input_ids, max_new_tokens, sampler, seed, stop_conditions, identifier):
         self.sequences = [types.SimpleNamespace(sequence_ids=Seq(input_ids[0].tolist()))]
-        self.max_new, self.stop, self.new_tokens, self.draft_stats = max_new_tokens, set(stop_conditions), 0, []
+        self.max_new_tokens, self.stop, self.new_tokens, self.draft_stats = max_new_tokens, set(stop_conditions), 0, []
         self.prefilled = False
 
     def is_prefill_done(self):
@@ -134,7 +134,7 @@ class FakeGenerator:
                 t = target_next(ids[-1])
                 ids.append(t)
                 job.new_tokens += 1
-                if t in job.stop or job.new_tokens >= job.max_new:
+                if t in job.stop or job.new_tokens >= job.max_new_tokens:
                     self.active_jobs.remove(job)
                     break
                 if i == w or int(drafted[j, i]) != t:

@@ -154,7 +154,7 @@ class KvFakeGenerator(FakeGenerator):
                 t = target_next(ids[-1])
                 ids.append(t)
                 job.new_tokens, n = job.new_tokens + 1, n + 1
-                if t in job.stop or job.new_tokens >= job.max_new:
+                if t in job.stop or job.new_tokens >= job.max_new_tokens:
                     done.append(job)
                     break
                 if i == w or int(draft_tokens[r, i]) != t:

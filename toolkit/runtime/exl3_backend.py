@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -152,6 +153,7 @@ class Exl3Backend(Backend):
         self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
         self.policies: dict[tuple[bool, str], BatchPolicy] = {}    # (greedy, options tag) -> its policy
         self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds (exl3_policy)
+        self.shapes: Counter = Counter()  # (jobs, width) -> rounds run: the CUDA graphs exllamav3 holds (exl3_hook)
         self.set_options(options or Exl3Options())
 
     @classmethod
@@ -260,6 +262,8 @@ class Exl3Backend(Backend):
                 kw["max_chunk_size"] = self.max_chunk
             g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
             self._gen_key = key
+            if hooked:
+                g.shapes = self.shapes            # graphs belong to the model's cache layers, not to one Generator
             if spec and hooked:
                 g.set_defer(self.options.defer_draft_kv)    # AR rounds' drafter K/V: kept and batched, or per round
         if spec and hooked:
@@ -302,7 +306,7 @@ class Exl3Backend(Backend):
         pol = self.policies.get(key)
         if pol is None:
             pol = self.policies[key] = BatchPolicy(self.block_size, table, concurrency=concurrency,
-                                                   learn_costs=self.learn_costs)
+                                                   learn_costs=self.learn_costs, shapes=self.shapes)
         pol.costs, pol.concurrency = table, None          # set_concurrency again on the next round
         return pol
 
@@ -353,7 +357,7 @@ class Exl3Backend(Backend):
         try:
             while gen.num_remaining_jobs():
                 if policy is not None:
-                    policy.use_concurrency(gen.num_remaining_jobs())
+                    policy.use_concurrency(gen.num_remaining_jobs(), gen.tokens_left())
                     gen.set_width(policy.width(), B - 1)
                 t0 = self.clock()
                 results = gen.iterate()

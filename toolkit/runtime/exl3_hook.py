@@ -5,7 +5,10 @@ exllamav3 keeps only counts: `record_draft_stats=True` appends (position, window
 that the next round overwrites. The smallest capture point is the return value of
 `Generator.iterate_draftmodel_dflash_gen`: a host tensor [rows, window] whose rows are the prefilled active
 jobs in `active_jobs` order (the same order `iterate_gen` verifies them in). A subclass copies it and the
-drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`.
+drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`. Given a `shapes`
+counter it also counts the rounds run per (decoding jobs, width asked): exllamav3 runs a new shape eagerly,
+captures its graphs, then replays them, and the policy charges a shape's first rounds to the width that would
+need them (exl3_policy.BatchPolicy).
 
 The same subclass sets the verify width per round, which is how the drafting policy runs on exllamav3 without
 rebuilding the Generator: each `iterate()` drafts `row_limited(num_draft_tokens)` ids (0 = a plain decode step
@@ -23,6 +26,7 @@ iterate_gen is exllamav3's own.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..core.errors import ToolkitError
@@ -71,6 +75,7 @@ def recording_generator_class(generator_cls: type) -> type:
         t_draft_ms: float = 0.0
         capture_s: float = 0.0            # time spent in the capture itself this round (outside exllamav3's code)
         kv_backlog: KvBacklog | None = None   # set: AR rounds' drafter K/V updates are deferred (exl3_defer)
+        shapes: Counter | None = None     # set: (decoding jobs, width asked) -> iterate() rounds run at that shape
 
         def set_defer(self, on: bool) -> None:
             """Defer the drafter's K/V update of AR rounds (on) or update it every round, as exllamav3 does."""
@@ -102,7 +107,15 @@ def recording_generator_class(generator_cls: type) -> type:
 
         def iterate(self):
             self.drafted, self.proposals, self.t_draft_ms, self.capture_s = {}, {}, 0.0, 0.0
+            if self.shapes is not None:           # exllamav3 keeps a CUDA graph per (jobs, q_len) slot
+                rows = sum(1 for job in self.active_jobs if job.is_prefill_done())
+                if rows:
+                    self.shapes[rows, self.num_draft_tokens if self.draft_model is not None else 0] += 1
             return super().iterate()
+
+        def tokens_left(self) -> int | None:
+            """Tokens the active job closest to its max_new_tokens may still emit (None: no active job)."""
+            return min((job.max_new_tokens - job.new_tokens for job in self.active_jobs), default=None)
 
         def iterate_draftmodel_dflash_gen(self, results, window):
             # exllamav3's dynamic truncation reads the window it is given: leave it alone then

@@ -34,11 +34,22 @@ probe verifies its width for
 `PROBE_ROUNDS` rounds at most, until that width settles (the warm-up rounds and `min_seen` kept ones); each still
 emits the target's own tokens. Once the ends are settled (again after they go stale) probing stops. Fixed-width
 runs learn and probe nothing.
+
+A (jobs, width) shape costs more in its first `NEW_SHAPE_ROUNDS` rounds: exllamav3 runs it eagerly, captures its
+CUDA graphs, then replays them (2026-12-05, H200, c = 8: `auto`'s cold first repetition ran 0.46x B=16 while it
+met ~6 widths at each job count as answers ended). The backend counts the rounds run per shape (`shapes`, kept by
+its Generator, calibration included), and the policy charges a width whose shape is not yet warm at the current
+job count its warm-up rounds still to run, at the median excess measured on earlier new shapes (NEW_SHAPE_PRIOR
+rounds of that width before two were measured), spread over the rounds it would run before the job closest to its
+max_new_tokens ends (`HORIZON` at most). So the policy leaves a warm width only for one that repays its capture;
+at a change of job count every shape is new, all widths pay alike, and the width in use stays unless another
+wins by SWITCH_MARGIN.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -79,6 +90,9 @@ EXPLORE_MARGIN = 0.02              # a probed width must promise this much more 
 SWITCH_MARGIN = 0.03               # leave the width in use only for one promising this much more tokens per ms
 PROBE_ROUNDS = WARMUP + MIN_SEEN + 1   # rounds a cost probe runs at most: enough for its width to settle
 AR_FLOOR = 0.5                     # an AR round costs at least this share of a drafting round (cost probes of w=0)
+NEW_SHAPE_ROUNDS = CALIBRATION_WARM    # rounds of a new (jobs, width) shape that cost more than its later ones
+NEW_SHAPE_PRIOR = 4.0              # their cost beyond steady rounds, in rounds of that width, until one is measured
+HORIZON = 32                       # rounds ahead, at most, over which a new shape's extra cost is spread
 
 
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
@@ -95,8 +109,11 @@ def probe_widths(block_size: int) -> list[int]:
 class BatchPolicy(Policy):
     """A `Policy` for a batching engine: per-job hindsight, pooled acceptance, one width per round of all jobs."""
 
-    def __init__(self, *a, explore_every: int = EXPLORE_EVERY, **kw):
+    def __init__(self, *a, explore_every: int = EXPLORE_EVERY, shapes: Counter | None = None, **kw):
         kw.setdefault("learn_costs", True)
+        self.shapes = shapes                      # (jobs, width) -> rounds run (None: every shape counts as warm)
+        self.left: int | None = None              # tokens the closest-to-done job may still emit (None: unknown)
+        self.excess: deque = deque(maxlen=16)     # ms a new shape's round took beyond the curve's steady cost
         super().__init__(*a, **kw)
         self.jobs: dict[Hashable, Hindsight] = {}
         self.concurrency = None
@@ -112,10 +129,38 @@ class BatchPolicy(Policy):
     def end_job(self, key: Hashable) -> None:
         self.jobs.pop(key, None)                  # its unresolved proposals are censored
 
-    def use_concurrency(self, c: int) -> None:
+    def use_concurrency(self, c: int, left: int | None = None) -> None:
+        """The next round has `c` jobs; the closest to its max_new_tokens may still emit `left` tokens."""
+        self.left = left
         if c != self.concurrency:
             self.concurrency, self.probe = c, None
             self.set_concurrency(c)
+
+    def warmup_ms(self, w: int) -> float:
+        """What width w still costs at this job count beyond its steady rounds: its shape's warm-up rounds not yet
+        run (an eager run, a CUDA graph capture, the first replay), each at the measured excess of such rounds
+        (the median of the last ones), or at NEW_SHAPE_PRIOR rounds of w in all while fewer than two were measured."""
+        if self.shapes is None:
+            return 0.0
+        todo = max(0, NEW_SHAPE_ROUNDS - self.shapes.get((self.concurrency or 1, w), 0))
+        if not todo:
+            return 0.0
+        per = statistics.median(self.excess) if len(self.excess) >= 2 else NEW_SHAPE_PRIOR * self.t[w] / NEW_SHAPE_ROUNDS
+        return todo * max(per, 0.0)
+
+    def amortized(self, w: int, expected: float) -> float:
+        """warmup_ms(w) per round over the rounds width w would run before the closest job ends (HORIZON at most)."""
+        extra = self.warmup_ms(w)
+        if not extra:
+            return 0.0
+        rounds = HORIZON if self.left is None else min(HORIZON, max(1.0, self.left / max(expected, 1.0)))
+        return extra / rounds
+
+    def scores(self) -> list[float]:
+        """Expected tokens per ms for each width, a shape not yet warm at this job count charged its warm-up rounds
+        spread over the rounds ahead (`amortized`): switching to it pays only if it keeps paying until then."""
+        E = self.acceptance.expected_tokens()
+        return [e / (t + self.amortized(w, e)) for w, (e, t) in enumerate(zip(E, self.t))]
 
     def set_concurrency(self, concurrency: int) -> None:
         """Policy.set_concurrency, with the widths to pick from cut to those the table measured at `concurrency`
@@ -140,12 +185,12 @@ class BatchPolicy(Policy):
             self.space_probes()
 
     def best(self) -> int:
-        """Policy.best with hysteresis: the width in use stays unless the best beats it by SWITCH_MARGIN."""
-        b, cur = super().best(), self.current
-        if cur is not None and cur != b and cur < self.block_size:
-            s = self.scores()
-            if s[b] <= (1 + SWITCH_MARGIN) * s[cur]:
-                b = cur
+        """The menu's width with the most expected tokens per ms (`scores`; ties go to the narrower one), with
+        hysteresis: the width in use stays unless the best beats it by SWITCH_MARGIN."""
+        s, cur = self.scores(), self.current
+        b = max(self.menu or range(len(s)), key=lambda w: (s[w], -w))
+        if cur is not None and cur != b and cur < self.block_size and s[b] <= (1 + SWITCH_MARGIN) * s[cur]:
+            b = cur
         self.current = b
         return b
 
@@ -171,14 +216,14 @@ class BatchPolicy(Policy):
         """A coarse width whose cost is only extrapolated and which could beat w at the least it may cost; else w."""
         c, E, t = self.concurrency or 1, self.acceptance.expected_tokens(), self.t
         seen = [x for x in self.learned.settled(c) if x > 0] or [w]
-        bar = (1 + EXPLORE_MARGIN) * E[w] / t[w]
+        bar = (1 + EXPLORE_MARGIN) * E[w] / (t[w] + self.amortized(w, E[w]))
         wide = self.block_size - 1
         narrow = max((x for x in probe_widths(self.block_size) if x <= min(seen) // 2), default=0)
-        if wide > max(seen) and wide != w and E[wide] / t[w] > bar:
+        if wide > max(seen) and wide != w and E[wide] / (t[w] + self.amortized(wide, E[wide])) > bar:
             return wide
-        if 0 < narrow != w and E[narrow] / t[0] > bar:
+        if 0 < narrow != w and E[narrow] / (t[0] + self.amortized(narrow, E[narrow])) > bar:
             return narrow
-        if 0 not in self.learned.settled(c) and 1 / (AR_FLOOR * t[w]) > bar:
+        if 0 not in self.learned.settled(c) and 1 / (AR_FLOOR * t[w] + self.amortized(0, 1.0)) > bar:
             return 0                              # AR never timed, and it could win at the least it may cost
         return w
 
@@ -192,6 +237,8 @@ class BatchPolicy(Policy):
                "learned": {c: as_ms(lc.curve(c, v) if lc else v) for c, v in start.items()}}
         if lc is not None:
             out["observed"] = {c: lc.observed(c) for c in sorted(lc.rounds)}
+        if self.excess:
+            out["new_shape_excess_ms"] = round(statistics.median(self.excess), 3)   # per warm-up round
         return out
 
     def observe_round(self, items: Sequence[tuple[Hashable, Sequence[int], Round]], ms: float | None = None) -> None:
@@ -213,6 +260,8 @@ class BatchPolicy(Policy):
         c = self.concurrency or len(items)
         if self.learned is not None and ms and len(items) == c and not any(r.prefill for _, _, r in items):
             width = self.asked if self.asked is not None else max(len(r.drafted) for _, _, r in items)
+            if self.shapes is not None and self.shapes.get((c, width), 0) <= NEW_SHAPE_ROUNDS:
+                self.excess.append(ms - self.t[width])        # a warm-up round of its shape (counted with this one)
             self.learned.observe(c, width, ms)
             self.rescale()
         self.asked = None
