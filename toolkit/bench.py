@@ -11,9 +11,10 @@ with --timing-only (implied for synthetic checkpoints, whose acceptance means no
 defaults (B-1 drafts every round) and for the policy's best width. It prints a table and writes bench.json and
 bench.png into --out; each cell of bench.json holds its tok/s per repetition ("tok_s_reps"), and each `auto` cell
 "costs": the policy's round costs per concurrency and width, the table it started from and the curve it had
-learned at the cell's end, and "auto_over_best_fixed": its tok/s over the best fixed block's (by median) in each
-repetition, paired because both ran in it (median, min-max printed). Without --target/--draft it uses
-the shipped tiny pair. On the torch backend jobs run one after another (it has no batching): use it for small
+learned at the cell's end (on exllamav3 also the rounds observed per width and "new_shape_excess_ms", what a
+new (jobs, width) shape's warm-up rounds took beyond steady ones), and "auto_over_best_fixed": its tok/s over
+the best fixed block's (by median) in each repetition, paired because both ran in it (median, min-max printed).
+Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one after another (it has no batching): use it for small
 models.
 """
 
