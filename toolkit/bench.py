@@ -14,8 +14,8 @@ bench.png into --out; each cell of bench.json holds its tok/s per repetition ("t
 learned at the cell's end (on exllamav3 also the rounds observed per width and "new_shape_excess_ms", what a
 new (jobs, width) shape's warm-up rounds took beyond steady ones), and "auto_over_best_fixed": its tok/s over
 the best fixed block's (by median) in each repetition, paired because both ran in it (median, min-max printed).
-Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one after another (it has no batching): use it for small
-models.
+Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one after another (it has
+no batching): use it for small models.
 """
 
 from __future__ import annotations
