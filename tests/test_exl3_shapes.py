@@ -20,31 +20,48 @@ B = 16
 FLAT = CostTable({4: {0: 16.0, 1: 18.0, 3: 18.0, 7: 18.0, 15: 18.0}})
 
 
-def confident(shapes: Counter | None) -> BatchPolicy:
-    """A policy at 4 jobs whose drafter has been right on its whole block: the widest width wins when warm."""
+def confident(shapes: Counter | None, accept: float | None = None) -> BatchPolicy:
+    """A policy at 4 jobs whose drafter has been right on its whole block (or, with `accept`, whose expected tokens
+    are those of that per-position acceptance): the widest width wins when warm."""
     p = BatchPolicy(B, FLAT, concurrency=4, shapes=shapes)
     for _ in range(40):
         p.acceptance.update(B - 1)
+    if accept is not None:
+        p.acceptance.expected_tokens = lambda: [sum(accept ** i for i in range(w + 1)) for w in range(B)]
     p.use_concurrency(4)
     return p
 
 
 def test_a_width_whose_shape_never_ran_pays_its_warm_up_rounds_spread_over_the_rounds_ahead():
     shapes = Counter({(4, 3): NEW_SHAPE_ROUNDS})
-    p = confident(shapes)
-    E = p.acceptance.expected_tokens()
-    assert p.warmup_ms(3) == 0.0 and p.warmup_ms(15) == pytest.approx(NEW_SHAPE_PRIOR * 18.0)
-    assert p.scores()[15] == pytest.approx(E[15] / (18.0 + NEW_SHAPE_PRIOR * 18.0 / HORIZON))
+    p = confident(shapes, accept=0.8)
+    E, prior = p.acceptance.expected_tokens(), NEW_SHAPE_PRIOR * 18.0
+    assert p.warmup_ms(3) == 0.0 and p.warmup_ms(15) == pytest.approx(prior)
+    assert p.past == NEW_SHAPE_ROUNDS                       # the rounds that warmed w=3 ran at this job count
+    assert p.scores()[15] == pytest.approx(E[15] / (18.0 + prior / (HORIZON + NEW_SHAPE_ROUNDS)))
     assert p.best() == 15                                   # a long way to go: the capture pays for itself
     p.current = 3
-    p.use_concurrency(4, left=8)                            # the closest job ends within one round of w=15
-    assert p.scores()[15] == pytest.approx(E[15] / (18.0 + NEW_SHAPE_PRIOR * 18.0))
+    p.use_concurrency(4, left=4)                            # the closest job ends within a round of w=15
+    rounds = 4 / E[15] + NEW_SHAPE_ROUNDS
+    assert p.scores()[15] == pytest.approx(E[15] / (18.0 + prior / rounds))
     assert p.best() == 3
     shapes[4, 15] = 1                                       # its eager round ran: two warm-up rounds left
-    assert p.warmup_ms(15) == pytest.approx(NEW_SHAPE_PRIOR * 18.0 * 2 / NEW_SHAPE_ROUNDS)
+    p.use_concurrency(4, left=4)
+    assert p.warmup_ms(15) == pytest.approx(prior * 2 / NEW_SHAPE_ROUNDS)
     shapes[4, 15] = NEW_SHAPE_ROUNDS
     assert p.warmup_ms(15) == 0.0 and p.best() == 15
     assert confident(None).warmup_ms(15) == 0.0             # no shape count: every shape is taken as warm
+
+
+def test_a_job_count_that_keeps_coming_back_makes_a_new_shape_cheap():
+    shapes = Counter({(4, 3): 200})                         # one job count, 200 rounds so far (a chat app's one job)
+    p = confident(shapes, accept=0.8)
+    p.current = 3
+    p.use_concurrency(4, left=4)
+    assert p.past == 200 and p.best() == 15
+    shapes[3, 3] = NEW_SHAPE_ROUNDS                         # another job count knows none of those rounds
+    p.use_concurrency(3, left=4)
+    assert p.past == NEW_SHAPE_ROUNDS and p.best() == 3
 
 
 def test_the_warm_up_cost_is_learnt_from_the_first_rounds_of_new_shapes():

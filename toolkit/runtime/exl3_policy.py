@@ -40,10 +40,12 @@ CUDA graphs, then replays them (2026-12-05, H200, c = 8: `auto`'s cold first rep
 met ~6 widths at each job count as answers ended). The backend counts the rounds run per shape (`shapes`, kept by
 its Generator, calibration included), and the policy charges a width whose shape is not yet warm at the current
 job count its warm-up rounds still to run, at the median excess measured on earlier new shapes (NEW_SHAPE_PRIOR
-rounds of that width before two were measured), spread over the rounds it would run before the job closest to its
-max_new_tokens ends (`HORIZON` at most). So the policy leaves a warm width only for one that repays its capture;
-at a change of job count every shape is new, all widths pay alike, and the width in use stays unless another
-wins by SWITCH_MARGIN.
+rounds of that width before two were measured), spread over the rounds it may run at that job count: those before
+the job closest to its max_new_tokens ends (`HORIZON` at most), plus as many as ran at that job count before. So
+the policy leaves a warm width only for one that repays its capture, a job count seen for the first time (one of
+a batch's last jobs) keeps to few shapes, and one that keeps coming back (one job in a chat app) soon explores
+freely; at a change of job count every shape is new, all widths pay alike, and the width in use stays unless
+another wins by SWITCH_MARGIN.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class BatchPolicy(Policy):
         kw.setdefault("learn_costs", True)
         self.shapes = shapes                      # (jobs, width) -> rounds run (None: every shape counts as warm)
         self.left: int | None = None              # tokens the closest-to-done job may still emit (None: unknown)
+        self.past = 0                             # rounds run at the current job count so far, every width
         self.excess: deque = deque(maxlen=16)     # ms a new shape's round took beyond the curve's steady cost
         super().__init__(*a, **kw)
         self.jobs: dict[Hashable, Hindsight] = {}
@@ -135,6 +138,7 @@ class BatchPolicy(Policy):
         if c != self.concurrency:
             self.concurrency, self.probe = c, None
             self.set_concurrency(c)
+        self.past = sum(n for (j, _), n in self.shapes.items() if j == c) if self.shapes else 0
 
     def warmup_ms(self, w: int) -> float:
         """What width w still costs at this job count beyond its steady rounds: its shape's warm-up rounds not yet
@@ -149,12 +153,14 @@ class BatchPolicy(Policy):
         return todo * max(per, 0.0)
 
     def amortized(self, w: int, expected: float) -> float:
-        """warmup_ms(w) per round over the rounds width w would run before the closest job ends (HORIZON at most)."""
+        """warmup_ms(w) per round over the rounds width w may run at this job count: those before the closest job
+        ends (HORIZON at most: answers often stop early), and as many again as ran at this job count before (a job
+        count that keeps coming back, such as one job in a chat app, soon makes a capture cheap)."""
         extra = self.warmup_ms(w)
         if not extra:
             return 0.0
-        rounds = HORIZON if self.left is None else min(HORIZON, max(1.0, self.left / max(expected, 1.0)))
-        return extra / rounds
+        ahead = HORIZON if self.left is None else min(HORIZON, self.left / max(expected, 1.0))
+        return extra / max(1.0, ahead + self.past)
 
     def scores(self) -> list[float]:
         """Expected tokens per ms for each width, a shape not yet warm at this job count charged its warm-up rounds
