@@ -137,3 +137,20 @@ def test_charging_new_shapes_makes_the_step_down_faster_and_never_slower(monkeyp
     for (ms_a, new_a), (ms_b, new_b) in zip(aware, blind):
         assert ms_a <= ms_b * 1.001 and len(new_a) <= len(new_b)
     assert sum(ms for ms, _ in aware) < 0.95 * sum(ms for ms, _ in blind)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_at_one_job_count_the_charge_soon_fades_and_costs_nothing(seed):
+    """The single-job simulations of test_exl3_learned_costs (GpuRounds: a new width's first rounds 40 ms, later
+    ones 16-21 ms) with the shapes counted as the Generator would: within 1 % of the uncharged policy."""
+    from test_exl3_learned_costs import TABLE as STEEP, GpuRounds, simulate, tokens_per_ms
+
+    dear = CostTable({1: {w: 2 * (16.0 + 0.3 * w) for w in (0, 1, 3, 5, 7, 11, 15)}})
+    for table in (dear, STEEP):
+        blind = simulate(BatchPolicy(B, table), GpuRounds(seed), 600, seed)
+        p = BatchPolicy(B, table, shapes=Counter())
+        observe = p.observe_round
+        p.observe_round = lambda items, ms=None: (p.shapes.update([(1, p.asked)]), observe(items, ms))
+        charged = simulate(p, GpuRounds(seed), 600, seed)
+        assert sum(p.shapes.values()) == 600
+        assert tokens_per_ms(charged) >= 0.99 * tokens_per_ms(blind)
