@@ -1,15 +1,15 @@
 """Why the drafting policy's calibration table costs ~2x the rounds decoding sees (issue 16, SmolLM2 pair).
 
 Session 12's pair bench: at c=1 the table said AR 30.2 ms and w=12-15 48.2 ms, decoding's rounds cost 14.2 ms
-(AR) and 17-18 ms (w=12-15). The table's timer (exl3_policy.time_rounds) differs from decoding in four ways;
+(AR) and 17-18 ms (w=12-15). The table's timer (exl3_calibrate.time_rounds) differs from decoding in four ways;
 this times each alone, in one process, interleaved over repetitions, at the same widths:
 
-- `table`: the timer as calibrate ran it up to TABLE_VERSION 2 (exl3_policy.TABLE: dummy prompts, one round per
+- `table`: the timer as calibrate ran it up to TABLE_VERSION 2 (exl3_calibrate.TABLE: dummy prompts, one round per
   width in turn, synchronized);
 - `stretch`: dummy prompts, 4 rounds in a row per width, the first 2 untimed;
 - `text`: the built-in chat and code text instead of the dummy ids (drafts accepted about as in decoding);
 - `nosync`: the table without the device synchronize around each iterate();
-- `recipe`: all three together, exl3_policy.DECODE_LIKE (the candidate for the backend's tables);
+- `recipe`: all three together, exl3_calibrate.DECODE_LIKE (the candidate for the backend's tables);
 - `decode`: decoding's own rounds (experiments.switch_cost.run_schedule: one fixed width, held-out prompts).
 
 Per (c, variant, width): median ms and mean tokens a job emitted per round. After
@@ -32,8 +32,8 @@ VARIANTS = ("table", "stretch", "text", "nosync", "recipe", "decode")
 
 
 def recipes() -> dict:
-    """The calibration of each timer variant (exl3_policy.Calibration)."""
-    from toolkit.runtime.exl3_policy import DECODE_LIKE, TABLE, Calibration
+    """The calibration of each timer variant (exl3_calibrate.Calibration)."""
+    from toolkit.runtime.exl3_calibrate import DECODE_LIKE, TABLE, Calibration
 
     return {"table": TABLE, "stretch": Calibration(stretch=4, settle=2, reps=3, warm=1),
             "text": Calibration(text=True), "nosync": Calibration(sync=False), "recipe": DECODE_LIKE}
@@ -41,7 +41,7 @@ def recipes() -> dict:
 
 def time_variant(be, name: str, c: int, texts: list[list[int]], rounds: int) -> dict[int, tuple[list[float], list[float]]]:
     """{width: (ms per timed round, tokens a job emitted per round)} of one variant at c jobs."""
-    from toolkit.runtime.exl3_policy import time_calibration
+    from toolkit.runtime.exl3_calibrate import time_calibration
 
     if name == "decode":
         out = {}

@@ -72,7 +72,7 @@ class PartTimer:
 def start_jobs(be, c: int, context: int, max_new: int):
     """c dummy jobs on the hooked Generator at verify width WIDTH (the drafter's whole block kept), prefilled."""
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.exl3_policy import dummy_prompts
+    from toolkit.runtime.exl3_calibrate import dummy_prompts
 
     gen = be.generator(be.block_size - 1)
     prompts = dummy_prompts(c, context, be.vocab_size)

@@ -12,7 +12,7 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
    `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever
    (sparse_draft_head=32768, draft_max_rows=8, chunked_verify), >= 10 repetitions interleaved: every
    repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
-   round per width then one timed pass over the widths (toolkit.runtime.exl3_policy.time_rounds, the same timer
+   round per width then one timed pass over the widths (toolkit.runtime.exl3_calibrate.time_rounds, the same timer
    as the backend's calibration); medians and spread per cell;
 3. torch.profiler at c=1, w=7: GPU-idle time per round of exllamav3's Generator, of our recording subclass (the
    capture), and of our whole policy path (full-block capture, Round assembly, hindsight): what our code adds;
@@ -176,7 +176,7 @@ def load_shape(a):
 def time_shape(run: Run, be, a) -> dict:
     """The interleaved repetitions: every (c, setting) timed once per repetition; partial results kept."""
     from toolkit.runtime.exl3_options import Exl3Options, parse_lever
-    from toolkit.runtime.exl3_policy import medians, time_rounds
+    from toolkit.runtime.exl3_calibrate import medians, time_rounds
 
     sets = [("stock", Exl3Options())] + [parse_lever(x) for x in a.levers]
     ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
@@ -231,7 +231,8 @@ def profile_rounds(step, rounds: int) -> dict:
 def profile_host(be, a) -> dict:
     """GPU idle per round at c=1, w=7: exllamav3's Generator, our recording subclass, our whole policy path."""
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.exl3_policy import BatchPolicy, dummy_prompts
+    from toolkit.runtime.exl3_calibrate import dummy_prompts
+    from toolkit.runtime.exl3_policy import BatchPolicy
     from toolkit.runtime.policy import CostTable
 
     n, w = a.profile_rounds, 7

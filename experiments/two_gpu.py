@@ -12,7 +12,7 @@ Not run yet (no two-GPU machine was lent when it was written). One call on kind 
    the two H200s, each device's target budget capped at 16 GB as a home user's cards would be, the drafter on
    cuda:0 on top of its budget: `used_gib` per device shows what a 16 GB card would have to hold), and `split 16,16, tensor-parallel`: load through Exl3Backend.from_dirs(split=...), record the memory
    pre-check's per-device estimate, then t_AR (the Generator without drafter) and t_round at B=8 and B=16
-   (w = 7 and 15) for c = 1 and 4 (exl3_policy.time_rounds: steady-state dummy jobs with 1k-token prompts,
+   (w = 7 and 15) for c = 1 and 4 (exl3_calibrate.time_rounds: steady-state dummy jobs with 1k-token prompts,
    --reps interleaved repetitions, medians), and the peak memory per device (torch's peak allocated and the
    device's used memory after the timing);
 3. the ratios split / one GPU per cell.
@@ -98,7 +98,7 @@ def time_placement(run: Run, a, name: str, kw: dict) -> dict:
     """Load the pair with this placement, time t_AR and t_round(B) per c, and the peak memory per device."""
     from experiments.harness import free_cuda
     from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_policy import medians, time_rounds
+    from toolkit.runtime.exl3_calibrate import medians, time_rounds
     from toolkit.runtime.gpu_split import GpuSplit
 
     split = GpuSplit.of(**kw)

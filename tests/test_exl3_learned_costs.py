@@ -324,14 +324,14 @@ def capturing_cost(steady):
 
 
 def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeypatch, tmp_path):
-    from toolkit.runtime import exl3_policy
-    from toolkit.runtime.exl3_policy import TABLE_VERSION
+    from toolkit.runtime import exl3_calibrate
+    from toolkit.runtime.exl3_calibrate import TABLE_VERSION
 
     clock, raw = Clock(), []
     monkeypatch.setattr(FakeGenerator, "clock", clock)
     monkeypatch.setattr(FakeGenerator, "cost", staticmethod(capturing_cost(lambda w, rows: 16.0 + 0.1 * w * rows)))
-    timer = exl3_policy.time_rounds
-    monkeypatch.setattr(exl3_policy, "time_rounds", lambda *a, **k: raw.append(timer(*a, **k)) or raw[-1])
+    timer = exl3_calibrate.time_rounds
+    monkeypatch.setattr(exl3_calibrate, "time_rounds", lambda *a, **k: raw.append(timer(*a, **k)) or raw[-1])
     be = make_backend(monkeypatch, tmp_path)
     be.clock = clock
     table = be.cost_table(2)
@@ -347,8 +347,8 @@ def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeyp
 def test_the_decoding_like_calibration_times_text_prompts_in_stretches_without_syncing(monkeypatch, tmp_path):
     """DECODE_LIKE: each job prefills the built-in text from another prompt on, every width runs `stretch` rounds
     in a row of which the first `settle` are not timed, and no device synchronize brackets a round."""
-    from toolkit.runtime import exl3_policy
-    from toolkit.runtime.exl3_policy import DECODE_LIKE as CALIBRATION, calibration_widths, text_prompts, time_calibration
+    from toolkit.runtime import exl3_calibrate
+    from toolkit.runtime.exl3_calibrate import DECODE_LIKE as CALIBRATION, calibration_widths, text_prompts, time_calibration
 
     clock = Clock()
     monkeypatch.setattr(FakeGenerator, "clock", clock)
@@ -359,7 +359,7 @@ def test_the_decoding_like_calibration_times_text_prompts_in_stretches_without_s
     syncs = []
     be.sync = lambda: syncs.append(1)
     prompts = text_prompts(be, 3)
-    assert len({tuple(p) for p in prompts}) == 3 and all(len(p) > exl3_policy.CALIBRATION_CONTEXT for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 3 and all(len(p) > exl3_calibrate.CALIBRATION_CONTEXT for p in prompts)
     ws = calibration_widths(be.block_size)
     times = time_calibration(be, 2, ws, CALIBRATION)
     per_width = CALIBRATION.reps * (CALIBRATION.stretch - CALIBRATION.settle)

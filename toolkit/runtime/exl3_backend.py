@@ -13,7 +13,7 @@ knobs as follows:
   computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. No Generator is rebuilt between
   widths, fixed or auto: one speculative Generator (built for B-1) serves every width, and one without drafter
   is the AR baseline.
-- t_round(w, c) is measured on the loaded model at first use of each concurrency c (exl3_policy.calibrate),
+- t_round(w, c) is measured on the loaded model at first use of each concurrency c (exl3_calibrate.calibrate),
   cached per model pair, GPU and options; between calibrated concurrencies the nearest one is used. That table is
   the prior: the policy corrects it per width from the iterate() times it observes (`learn_costs`, on by default).
 - `draft_max_rows` (exllamav3's static row ceiling) is what our per-c cost table subsumes; it stays a lever.
@@ -48,7 +48,8 @@ from .exl3_hook import (
 )
 from .exl3_memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .exl3_options import Exl3Options, set_chunked_verify
-from .exl3_policy import PAGE, TABLE_VERSION, BatchPolicy, calibrate
+from .exl3_calibrate import PAGE, TABLE_VERSION, calibrate
+from .exl3_policy import BatchPolicy
 from .gpu_split import GpuSplit, device_count
 from .policy import CostTable, cached_costs, cost_key, device_name
 
@@ -274,7 +275,7 @@ class Exl3Backend(Backend):
 
     def cost_file_key(self, concurrency: int) -> str:
         """Cost cache key: model folders, GPU, block, options (and the placement, when not one GPU), concurrency
-        and the table's version (exl3_policy.TABLE_VERSION)."""
+        and the table's version (exl3_calibrate.TABLE_VERSION)."""
         tag = self.options.tag + ("" if self.split.default else f"|{self.split.tag}")
         tag = hashlib.sha256(tag.encode()).hexdigest()[:8]
         return f"{cost_key(self.folders, self.device, 'exl3', self.block_size)}-c{concurrency}-{tag}-v{TABLE_VERSION}"

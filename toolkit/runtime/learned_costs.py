@@ -1,6 +1,6 @@
 """Round costs learnt online per verify width and concurrency, from the rounds a drafting policy observes.
 
-The policy starts from a timed table (exllamav3: dummy prompts at a 256-token context, exl3_policy.calibrate),
+The policy starts from a timed table (exllamav3: dummy prompts at a 256-token context, exl3_calibrate.calibrate),
 which can rise with the width much more than real decoding rounds do. `LearnedCosts` keeps, per concurrency c and
 width w, the last `keep` observed round times, except *warm-up* rounds: the first `warmup` observed rounds after
 the (c, w) of the observed rounds changed (another width, or another job count), which covers the first rounds
