@@ -134,30 +134,37 @@ def profile_draft(gen, rounds: int) -> dict:
 
 
 def measure(run: Run, be, a) -> dict:
+    """The interleaved repetitions (each c on fresh jobs: the backend has one Generator), then the profiles."""
     timer = PartTimer(be)
     out = run.results.setdefault("draft_step", {})
     per = {c: {"step": [], "synced": [], "host": []} for c in a.concurrency}
-    gens = {}
-    try:
-        for rep in Repetitions(run, a.reps, a.reserve_s):
-            for c in a.concurrency:
-                if c not in gens:
-                    gens[c] = start_jobs(be, c, a.context, max_new(a))
-                gen = gens[c]
+    reps = Repetitions(run, a.reps, a.reserve_s)
+    for rep in reps:
+        for c in a.concurrency:
+            gen = start_jobs(be, c, a.context, max_new(a))
+            try:
                 per[c]["step"].append(statistics.median(draft_window(gen, a.rounds)))
                 for mode in ("synced", "host"):
                     timer.mode = mode
                     draft_window(gen, a.rounds)
                     timer.mode = None
                     per[c][mode].append(timer.take())
-            out.update(reps_done=rep + 1, **{f"c{c}": summarize(v) for c, v in per.items()})
-            run.save()
-        for c, gen in gens.items():
-            out[f"c{c}"]["profile"] = profile_draft(gen, a.profile_rounds)
-            run.save()
-    finally:
-        for gen in gens.values():
+            finally:
+                timer.mode = None
+                gen.clear_queue()
+        out.update(reps_done=rep + 1, rep_seconds=round(reps.lap(), 1),
+                   **{f"c{c}": summarize(v) for c, v in per.items()})
+        run.log(f"repetition {rep + 1}: " + ", ".join(f"c={c} step {v['step'][-1]:.2f} ms" for c, v in per.items()))
+        run.save()
+    import torch
+
+    for c in a.concurrency if torch.cuda.is_available() else ():     # the profile times CUDA kernels
+        gen = start_jobs(be, c, a.context, max_new(a))
+        try:
+            out.setdefault(f"c{c}", {})["profile"] = profile_draft(gen, a.profile_rounds)
+        finally:
             gen.clear_queue()
+        run.save()
     return out
 
 
@@ -175,8 +182,9 @@ def summarize(cell: dict) -> dict:
 
 
 def max_new(a) -> int:
-    """New tokens each job may need: every timed and warm-up round accepting its whole window, at worst."""
-    return ((a.reps * 3 + 1) * a.rounds + a.profile_rounds + 16) * (WIDTH + 1)
+    """New tokens a job may need in one repetition or profile (fresh jobs each time), every round accepting its
+    whole window at worst."""
+    return (3 * a.rounds + a.profile_rounds + 8 + max(a.concurrency)) * (WIDTH + 1)
 
 
 def load(a):

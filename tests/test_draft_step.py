@@ -44,3 +44,20 @@ def test_the_summary_takes_medians_over_repetitions_and_sums_the_parts():
     assert s["step_ms"] == 5.0 and s["step_ms_reps"] == [5.0, 4.0, 6.0]
     assert s["parts"] == {"a": {"synced_ms": 2.0, "host_ms": 0.5}, "head": {"synced_ms": 2.0, "host_ms": 0.5}}
     assert s["synced_sum_ms"] == pytest.approx(4.0) and s["host_sum_ms"] == pytest.approx(1.0)
+
+
+def test_measure_runs_fresh_jobs_per_concurrency_and_repetition_on_the_stand_in_generator(monkeypatch, tmp_path):
+    from exl3_fakes import make_backend
+
+    from experiments.draft_step import measure
+    from experiments.harness import Run
+
+    be = make_backend(monkeypatch, tmp_path)
+    be.draft.modules, be.draft.sample_from_state = [], lambda state, params: state
+    a = types.SimpleNamespace(concurrency=[1, 4], reps=3, rounds=4, context=64, profile_rounds=4, reserve_s=0.0)
+    run = Run("draft_step.json", out=tmp_path)
+    out = measure(run, be, a)
+    assert out["reps_done"] == 3 and set(out) >= {"c1", "c4"}
+    assert all(len(out[k]["step_ms_reps"]) == 3 and out[k]["step_ms"] >= 0 for k in ("c1", "c4"))
+    assert be._gen.num_remaining_jobs() == 0                     # every job set was cleared
+    assert (tmp_path / "draft_step.json").is_file()
