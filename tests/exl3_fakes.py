@@ -70,6 +70,7 @@ class FakeGenerator:
     block = 7                                     # the drafter's B-1: computed whole every drafting round
     good = staticmethod(lambda last, block: last % (block + 2))
     cost = staticmethod(lambda w, rows: 10.0 + 2.0 * w * rows)
+    spec_overhead = 0.0                           # ms every round of a Generator with a drafter costs more
     clock: Clock | None = None
     built: list = []                              # every constructed generator (class-level log)
 
@@ -126,7 +127,7 @@ class FakeGenerator:
         w = drafted.shape[-1] if drafted is not None else 0
         self.widths.append(w)
         if self.clock is not None:
-            self.clock.t += self.cost(w, len(self.active_jobs)) / 1000.0
+            self.clock.t += (self.cost(w, len(self.active_jobs)) + (self.spec_overhead if self.draft_model is not None else 0.0)) / 1000.0
         for j, job in enumerate(list(self.active_jobs)):
             ids = job.sequences[0].sequence_ids.ids
             accepted = 0

@@ -13,6 +13,10 @@ knobs as follows:
   computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. No Generator is rebuilt between
   widths, fixed or auto: one speculative Generator (built for B-1) serves every width, and one without drafter
   is the AR baseline.
+- a request runs on the AR baseline's Generator instead (no drafter at all) after requests of as many jobs
+  settled on AR: the policy's AR rounds on the speculative Generator cost more than plain steps (the drafter's
+  K/V follows the target), so runs of 1, 4, then 16 plain requests follow each one that settled on AR, and one
+  that drafted ends the runs (BatchPolicy.plain_request / end_request).
 - t_round(w, c) is measured on the loaded model at first use of each concurrency c (exl3_calibrate.calibrate),
   cached per model pair, GPU and options; between calibrated concurrencies the nearest one is used. That table is
   the prior: the policy corrects it per width from the iterate() times it observes (`learn_costs`, on by default).
@@ -343,6 +347,8 @@ class Exl3Backend(Backend):
         width = self.plan(settings, speculative)
         jobs = self._jobs(prompts, settings)                     # every prompt is checked before any calibration
         policy = self.policy(settings, len(prompts)) if width is None else None
+        if policy is not None and policy.plain_request(len(prompts)):
+            return self.decode_many(prompts, jobs, 0)            # recent requests settled on AR: no drafter at all
         return self.decode_many(prompts, jobs, width or 0, policy)
 
     def decode_many(self, prompts: list[list[int]], jobs: list, width: int, policy: BatchPolicy | None = None
@@ -352,6 +358,7 @@ class Exl3Backend(Backend):
         gen = self.generator(B - 1 if policy is not None else width)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
         if policy is not None:
+            policy.begin_request()
             for i, p in enumerate(prompts):
                 policy.begin_job(i, p[-1])
         gen.enqueue(jobs)
@@ -387,6 +394,7 @@ class Exl3Backend(Backend):
             if policy is not None:
                 for i in range(len(prompts)):
                     policy.end_job(i)
+                policy.end_request(len(prompts))
 
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         for _, r in self.generate_many([list(prompt_ids)], settings, speculative):

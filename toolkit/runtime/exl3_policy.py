@@ -38,6 +38,14 @@ the policy leaves a warm width only for one that repays its capture, a job count
 a batch's last jobs) keeps to few shapes, and one that keeps coming back (one job in a chat app) soon explores
 freely; at a change of job count every shape is new, all widths pay alike, and the width in use stays unless
 another wins by SWITCH_MARGIN.
+
+The policy's AR rounds run on the speculative Generator, which keeps the drafter's K/V up to date: on the real
+shape they cost 1.09-1.34x a plain AR step (docs/performance.md), too much for "never more than 5 % slower than
+AR" where drafting cannot win. So requests are judged whole too: a request that settled on AR (`AR_REQUEST_SHARE`
+of its rounds AR, and AR still the best width at its job count at its end) sends the next 1, then 4, then 16
+(`AR_RUN_GROWTH`, `MAX_AR_REQUESTS`) requests of as many jobs to the drafter-less Generator (`plain_request`),
+and a request that drafted ends the runs. A losing drafter then costs about 1/(run + 1) of the extra (3 % over
+40 requests of 25 % dearer AR rounds on the stand-in, tests/test_exl3_plain_requests.py).
 """
 
 from __future__ import annotations
@@ -59,6 +67,9 @@ AR_FLOOR = 0.5                     # an AR round costs at least this share of a 
 NEW_SHAPE_ROUNDS = CALIBRATION_WARM    # rounds of a new (jobs, width) shape that cost more than its later ones
 NEW_SHAPE_PRIOR = 4.0              # their cost beyond steady rounds, in rounds of that width, until one is measured
 HORIZON = 32                       # rounds ahead, at most, over which a new shape's extra cost is spread
+AR_REQUEST_SHARE = 0.75            # a request "settled on AR": this share of its rounds AR, and AR still best at its end
+AR_RUN_GROWTH = 4                  # each request in a row that settles on AR makes the next run of plain ones this longer
+MAX_AR_REQUESTS = 16               # requests in a row decoded on the drafter-less Generator, at most, before another try
 
 
 def probe_widths(block_size: int) -> list[int]:
@@ -76,6 +87,9 @@ class BatchPolicy(Policy):
         self.left: int | None = None              # tokens the closest-to-done job may still emit (None: unknown)
         self.past = 0                             # rounds run at the current job count so far, every width
         self.excess: deque = deque(maxlen=16)     # ms a new shape's round took beyond the curve's steady cost
+        self.request = [0, 0]                     # AR rounds and all decode rounds of the request under way
+        self.fallback: dict[int, list[int]] = {}  # jobs per request -> [plain AR requests still to serve, next run]
+        self.plain_served = 0                     # requests decoded on the drafter-less Generator so far
         super().__init__(*a, **kw)
         self.jobs: dict[Hashable, Hindsight] = {}
         self.concurrency = None
@@ -98,6 +112,32 @@ class BatchPolicy(Policy):
             self.concurrency, self.probe = c, None
             self.set_concurrency(c)
         self.past = sum(n for (j, _), n in self.shapes.items() if j == c) if self.shapes else 0
+
+    def plain_request(self, jobs: int) -> bool:
+        """Whether a request of `jobs` jobs should decode on the drafter-less Generator: recent requests of that
+        many jobs settled on AR, whose rounds on the speculative Generator cost more than plain AR steps (the
+        drafter's K/V follows the target; 1.09-1.34x on the real shape). Counts the request down when so."""
+        state = self.fallback.get(jobs)
+        if state is None or state[0] <= 0:
+            return False
+        state[0] -= 1
+        self.plain_served += 1
+        return True
+
+    def begin_request(self) -> None:
+        self.request = [0, 0]
+
+    def end_request(self, jobs: int) -> None:
+        """A speculative request of `jobs` jobs ended: if it settled on AR, the next 1, 4, 16 (AR_RUN_GROWTH,
+        MAX_AR_REQUESTS) such requests decode plain AR, so a drafter that loses costs about 1/(run + 1) of the
+        extra (under 2 % at 16 runs of 30 % dearer AR rounds); a request that drafted starts the run again at 1."""
+        ar, rounds = self.request
+        state = self.fallback.setdefault(jobs, [0, 1])
+        self.use_concurrency(jobs)                # judged at the request's job count, not at its last one
+        if rounds and ar >= AR_REQUEST_SHARE * rounds and self.best() == 0:
+            state[0], state[1] = state[1], min(AR_RUN_GROWTH * state[1], MAX_AR_REQUESTS)
+        elif rounds:
+            state[0], state[1] = 0, 1
 
     def warmup_ms(self, w: int) -> float:
         """What width w still costs at this job count beyond its steady rounds: its shape's warm-up rounds not yet
@@ -204,6 +244,8 @@ class BatchPolicy(Policy):
             out["observed"] = {c: lc.observed(c) for c in sorted(lc.rounds)}
         if self.excess:
             out["new_shape_excess_ms"] = round(statistics.median(self.excess), 3)   # per warm-up round
+        if self.plain_served:
+            out["plain_ar_requests"] = self.plain_served
         return out
 
     def observe_round(self, items: Sequence[tuple[Hashable, Sequence[int], Round]], ms: float | None = None) -> None:
@@ -230,6 +272,9 @@ class BatchPolicy(Policy):
             self.learned.observe(c, width, ms)
             self.rescale()
         self.asked = None
+        if not any(r.prefill for _, _, r in items):
+            self.request[0] += not drafted
+            self.request[1] += 1
         self.ar_rounds = 0 if drafted else self.ar_rounds + 1
         if self.probing and self.best() == 0:
             self.back_off(accepted)
