@@ -82,6 +82,18 @@ def test_a_request_mostly_drafted_or_too_short_to_tell_changes_nothing():
     assert served(p, 1) == [False]
 
 
+def test_a_near_tie_or_an_ar_cost_never_measured_starts_no_run():
+    p = losing()
+    p.acceptance.expected_tokens = lambda: [1.0] + [1.37] * (B - 1)    # drafting 2 % behind AR: a near tie
+    request(p, 40, 2)
+    assert served(p, 1) == [False]
+    q = losing()
+    request(q, ar_rounds=4, drafted_rounds=1)      # 4 AR rounds: 2 warm-up, 2 kept, AR's cost not settled yet
+    assert served(q, 1) == [False]
+    request(q, ar_rounds=40, drafted_rounds=2)
+    assert served(q, 2) == [True, False]
+
+
 # -- end to end -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("jobs", [1, 3])

@@ -42,9 +42,9 @@ another wins by SWITCH_MARGIN.
 The policy's AR rounds run on the speculative Generator, which keeps the drafter's K/V up to date: on the real
 shape they cost 1.09-1.34x a plain AR step (docs/performance.md), too much for "never more than 5 % slower than
 AR" where drafting cannot win. So requests are judged whole too: a request that settled on AR (`AR_REQUEST_SHARE`
-of its rounds AR, and AR still the best width at its job count at its end) sends the next 1, then 4, then 16
-(`AR_RUN_GROWTH`, `MAX_AR_REQUESTS`) requests of as many jobs to the drafter-less Generator (`plain_request`),
-and a request that drafted ends the runs. A losing drafter then costs about 1/(run + 1) of the extra (3 % over
+of its rounds AR, and at its end AR's measured cost beating every drafting width by `AR_REQUEST_MARGIN` at its
+job count) sends the next 1, then 4, then 16 (`AR_RUN_GROWTH`, `MAX_AR_REQUESTS`) requests of as many jobs to the
+drafter-less Generator (`plain_request`), and a request that drafted ends the runs. A losing drafter then costs about 1/(run + 1) of the extra (3 % over
 40 requests of 25 % dearer AR rounds on the stand-in, tests/test_exl3_plain_requests.py).
 """
 
@@ -67,7 +67,8 @@ AR_FLOOR = 0.5                     # an AR round costs at least this share of a 
 NEW_SHAPE_ROUNDS = CALIBRATION_WARM    # rounds of a new (jobs, width) shape that cost more than its later ones
 NEW_SHAPE_PRIOR = 4.0              # their cost beyond steady rounds, in rounds of that width, until one is measured
 HORIZON = 32                       # rounds ahead, at most, over which a new shape's extra cost is spread
-AR_REQUEST_SHARE = 0.75            # a request "settled on AR": this share of its rounds AR, and AR still best at its end
+AR_REQUEST_SHARE = 0.75            # a request "settled on AR": this share of its rounds AR ...
+AR_REQUEST_MARGIN = 0.05           # ... and AR beating every drafting width by this much tokens per ms
 AR_RUN_GROWTH = 4                  # each request in a row that settles on AR makes the next run of plain ones this longer
 MAX_AR_REQUESTS = 16               # requests in a row decoded on the drafter-less Generator, at most, before another try
 
@@ -133,11 +134,20 @@ class BatchPolicy(Policy):
         extra (under 2 % at 16 runs of 30 % dearer AR rounds); a request that drafted starts the run again at 1."""
         ar, rounds = self.request
         state = self.fallback.setdefault(jobs, [0, 1])
-        self.use_concurrency(jobs)                # judged at the request's job count, not at its last one
-        if rounds and ar >= AR_REQUEST_SHARE * rounds and self.best() == 0:
+        if rounds and ar >= AR_REQUEST_SHARE * rounds and self.ar_wins(jobs):
             state[0], state[1] = state[1], min(AR_RUN_GROWTH * state[1], MAX_AR_REQUESTS)
         elif rounds:
             state[0], state[1] = 0, 1
+
+    def ar_wins(self, jobs: int) -> bool:
+        """Whether AR beats every drafting width of the menu by AR_REQUEST_MARGIN at `jobs` jobs, with AR's cost
+        measured there (learned, not only tabled) when costs are learnt: a long run of plain requests learns
+        nothing, so it needs a clear loss, not a near tie."""
+        self.use_concurrency(jobs)                # judged at the request's job count, not at its last one
+        if self.learned is not None and 0 not in self.learned.settled(jobs):
+            return False
+        s = self.scores()
+        return max(s[w] for w in (self.menu or range(len(s))) if w > 0) < (1 - AR_REQUEST_MARGIN) * s[0]
 
     def warmup_ms(self, w: int) -> float:
         """What width w still costs at this job count beyond its steady rounds: its shape's warm-up rounds not yet
