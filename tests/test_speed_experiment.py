@@ -93,7 +93,11 @@ def test_pair_targets():
     cells[3] = {**cells[3], "auto_over_best_fixed": paired}                 # c=8: paired rep by rep, 0.99
     t = pair_targets({"concurrency": [1, 8], "cells": cells})
     assert t["8"]["auto_over_best_fixed"] == 0.99 and t["8"]["within_3pct_of_best_fixed"] is True
-    assert t["8"]["paired"] == {k: paired[k] for k in ("block_size", "median", "min", "max", "n")} and "paired" not in t["1"]
+    assert t["8"]["paired"] == {**{k: paired[k] for k in ("block_size", "median", "min", "max", "n")},
+                                "first": 0.99, "later_median": 0.995} and "paired" not in t["1"]
+    cells[0] = {**cells[0], "costs": {"start": {}, "new_shape_excess_ms": 41.5, "plain_ar_requests": 3}}
+    assert pair_targets({"concurrency": [1], "cells": cells})["1"]["new_shape_excess_ms"] == 41.5
+    assert pair_targets({"concurrency": [1], "cells": cells})["1"]["plain_ar_requests"] == 3
     cells[3]["auto_over_best_fixed"] = {**paired, "median": 0.96}
     assert pair_targets({"concurrency": [8], "cells": cells})["8"]["within_3pct_of_best_fixed"] is False
 
