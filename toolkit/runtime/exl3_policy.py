@@ -146,7 +146,7 @@ class BatchPolicy(Policy):
         self.use_concurrency(jobs)                # judged at the request's job count, not at its last one
         if self.learned is not None and 0 not in self.learned.settled(jobs):
             return False
-        s = self.scores()
+        s = super().scores()                      # steady costs: a capture still to pay is no reason to give up
         return max(s[w] for w in (self.menu or range(len(s))) if w > 0) < (1 - AR_REQUEST_MARGIN) * s[0]
 
     def warmup_ms(self, w: int) -> float:
