@@ -97,6 +97,8 @@ def profile_draft(gen, rounds: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from experiments.speed import busy
+
     inner = gen.iterate_draftmodel_dflash_gen
 
     def marked(*a, **k):
@@ -113,24 +115,20 @@ def profile_draft(gen, rounds: int) -> dict:
     events = prof.events()
     steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "dflash_draft_step")
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    busy, per_kernel = 0.0, defaultdict(float)
-    for s, t in steps:
-        spans = sorted((max(e.time_range.start, s), min(e.time_range.end, t)) for e in kernels
-                       if e.time_range.end > s and e.time_range.start < t)
-        end = s
-        for a, b in spans:
-            busy += max(0.0, b - max(a, end))
-            end = max(end, b)
-        for e in kernels:
-            if s <= e.time_range.start < t:
-                per_kernel[e.name] += (e.time_range.end - e.time_range.start) / 1000.0
+    gpu, launches, per_kernel = 0.0, 0, defaultdict(float)
+    for s, t in steps:                            # kernel spans clipped to the step; kernels that started in it
+        gpu += busy([(max(e.time_range.start, s), min(e.time_range.end, t)) for e in kernels
+                     if e.time_range.end > s and e.time_range.start < t])
+        started = [e for e in kernels if s <= e.time_range.start < t]
+        launches += len(started)
+        for e in started:
+            per_kernel[e.name] += (e.time_range.end - e.time_range.start) / 1000.0
     n = max(len(steps), 1)
-    wall = sum(t - s for s, t in steps) / 1000.0
+    wall, gpu = sum(t - s for s, t in steps) / 1000.0, gpu / 1000.0
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
-    return {"steps": len(steps), "step_ms": round(wall / n, 3), "gpu_busy_ms": round(busy / 1000.0 / n, 3),
-            "gpu_idle_ms": round((wall - busy / 1000.0) / n, 3),
-            "kernels_ms_per_step": {k: round(v / n, 4) for k, v in top},
-            "kernel_launches_per_step": round(sum(1 for e in kernels if any(s <= e.time_range.start < t for s, t in steps)) / n, 1)}
+    return {"steps": len(steps), "step_ms": round(wall / n, 3), "gpu_busy_ms": round(gpu / n, 3),
+            "gpu_idle_ms": round((wall - gpu) / n, 3), "kernels_ms_per_step": {k: round(v / n, 4) for k, v in top},
+            "kernel_launches_per_step": round(launches / n, 1)}
 
 
 def measure(run: Run, be, a) -> dict:

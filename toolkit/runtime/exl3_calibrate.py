@@ -49,6 +49,7 @@ TABLE = Calibration()              # the timer as tables of TABLE_VERSION 2 were
 DECODE_LIKE = Calibration(text=True, stretch=4, settle=2, sync=False, reps=3, warm=1)
 CALIBRATION = TABLE                # what the backends' tables use (calib_check, 2026-12-05: both near decoding)
 
+
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
     """The widths to time for a drafter of block B: `widths` clipped to B-1 (0, the AR step, always)."""
     return sorted({0} | {min(w, block_size - 1) for w in widths if w >= 0})

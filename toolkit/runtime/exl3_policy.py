@@ -24,8 +24,8 @@ the narrowest settled one while it would beat w even at an AR step's cost; w = 0
 settled and it would beat w even at `AR_FLOOR` of w's cost (a table too dear at every width holds every drafting
 width up to its AR entry, so while only drafting rounds are seen, drafting at a loss would look like a gain). A
 probe verifies its width for `PROBE_ROUNDS` rounds at most, until that width settles (the warm-up rounds and
-`min_seen` kept ones); each still emits the target's own tokens. Once the ends are settled (again after they go stale) probing stops. Fixed-width
-runs learn and probe nothing.
+`min_seen` kept ones); each still emits the target's own tokens. Once the ends are settled (again after they go
+stale) probing stops. Fixed-width runs learn and probe nothing.
 
 A (jobs, width) shape costs more in its first `NEW_SHAPE_ROUNDS` rounds: exllamav3 runs it eagerly, captures its
 CUDA graphs, then replays them (2026-12-05, H200, c = 8: `auto`'s cold first repetition ran 0.46x B=16 while it
@@ -86,7 +86,7 @@ class BatchPolicy(Policy):
         kw.setdefault("learn_costs", True)
         self.shapes = shapes                      # (jobs, width) -> rounds run (None: every shape counts as warm)
         self.left: int | None = None              # tokens the closest-to-done job may still emit (None: unknown)
-        self.past = 0                             # rounds run at the current job count so far, every width
+        self._past: int | None = None             # `past`, counted once per round when a cold width needs it
         self.excess: deque = deque(maxlen=16)     # ms a new shape's round took beyond the curve's steady cost
         self.request = [0, 0]                     # AR rounds and all decode rounds of the request under way
         self.fallback: dict[int, list[int]] = {}  # jobs per request -> [plain AR requests still to serve, next run]
@@ -112,7 +112,15 @@ class BatchPolicy(Policy):
         if c != self.concurrency:
             self.concurrency, self.probe = c, None
             self.set_concurrency(c)
-        self.past = sum(n for (j, _), n in self.shapes.items() if j == c) if self.shapes else 0
+        self._past = None
+
+    @property
+    def past(self) -> int:
+        """Rounds run at the current job count so far, every width (counted only when a cold width is priced)."""
+        if self._past is None:
+            c = self.concurrency or 1
+            self._past = sum(n for (j, _), n in self.shapes.items() if j == c) if self.shapes else 0
+        return self._past
 
     def plain_request(self, jobs: int) -> bool:
         """Whether a request of `jobs` jobs should decode on the drafter-less Generator: recent requests of that
@@ -275,14 +283,15 @@ class BatchPolicy(Policy):
         if self.fixed_width is not None:
             return
         c = self.concurrency or len(items)
-        if self.learned is not None and ms and len(items) == c and not any(r.prefill for _, _, r in items):
+        decoding = not any(r.prefill for _, _, r in items)
+        if self.learned is not None and ms and len(items) == c and decoding:
             width = self.asked if self.asked is not None else max(len(r.drafted) for _, _, r in items)
             if self.shapes is not None and self.shapes.get((c, width), 0) <= NEW_SHAPE_ROUNDS:
                 self.excess.append(ms - self.t[width])        # a warm-up round of its shape (counted with this one)
             self.learned.observe(c, width, ms)
             self.rescale()
         self.asked = None
-        if not any(r.prefill for _, _, r in items):
+        if decoding:
             self.request[0] += not drafted
             self.request[1] += 1
         self.ar_rounds = 0 if drafted else self.ar_rounds + 1
