@@ -94,10 +94,7 @@ def draft_window(gen, rounds: int) -> list[float]:
 
 def profile_draft(gen, rounds: int) -> dict:
     """GPU busy/idle ms per drafter step and its kernels, under torch.profiler."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from experiments.speed import busy
 
     inner = gen.iterate_draftmodel_dflash_gen
 
@@ -112,9 +109,20 @@ def profile_draft(gen, rounds: int) -> dict:
                 gen.iterate()
     finally:
         del gen.iterate_draftmodel_dflash_gen
-    events = prof.events()
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "dflash_draft_step")
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    return step_accounting(prof.events())
+
+
+def step_accounting(events, mark: str = "dflash_draft_step") -> dict:
+    """Per step marked `mark`: wall, GPU-busy and GPU-idle ms, kernel launches and the kernels by total ms.
+    record_function also leaves a GPU-side range named `mark`: the steps are its CPU ranges and the kernels
+    exclude it (session 18 counted it as one long kernel and every step twice)."""
+    from torch.autograd import DeviceType
+
+    from experiments.speed import busy
+
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == mark and e.device_type == DeviceType.CPU)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name != mark]
     gpu, launches, per_kernel = 0.0, 0, defaultdict(float)
     for s, t in steps:                            # kernel spans clipped to the step; kernels that started in it
         gpu += busy([(max(e.time_range.start, s), min(e.time_range.end, t)) for e in kernels

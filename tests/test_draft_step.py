@@ -61,3 +61,24 @@ def test_measure_runs_fresh_jobs_per_concurrency_and_repetition_on_the_stand_in_
     assert all(len(out[k]["step_ms_reps"]) == 3 and out[k]["step_ms"] >= 0 for k in ("c1", "c4"))
     assert be._gen.num_remaining_jobs() == 0                     # every job set was cleared
     assert (tmp_path / "draft_step.json").is_file()
+
+
+def test_the_step_accounting_skips_the_markers_gpu_range_and_counts_each_step_once():
+    from torch.autograd import DeviceType
+
+    from experiments.draft_step import step_accounting
+
+    ev = lambda name, dev, s, t: types.SimpleNamespace(name=name, device_type=dev,
+                                                       time_range=types.SimpleNamespace(start=s, end=t))
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [ev("step", cpu, 0, 4000), ev("step", gpu, 100, 3900),          # one step: its CPU range and GPU range
+              ev("gemm", gpu, 500, 1500), ev("gemm", gpu, 1200, 2000), ev("argmax", gpu, 3000, 3500),
+              ev("step", cpu, 10000, 12000), ev("step", gpu, 10100, 11900),
+              ev("gemm", gpu, 10500, 11500), ev("late", gpu, 11800, 12500),   # runs past the step: clipped
+              ev("outside", gpu, 20000, 21000)]
+    got = step_accounting(events, mark="step")
+    assert got["steps"] == 2 and got["step_ms"] == 3.0                      # (4 ms + 2 ms) / 2 steps
+    assert got["gpu_busy_ms"] == pytest.approx((2.0 + 1.2) / 2)              # union per step, not the marker's range
+    assert got["gpu_idle_ms"] == pytest.approx(3.0 - 1.6)
+    assert got["kernel_launches_per_step"] == 2.5 and "step" not in got["kernels_ms_per_step"]
+    assert got["kernels_ms_per_step"]["gemm"] == pytest.approx((1.0 + 0.8 + 1.0) / 2)
