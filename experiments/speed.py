@@ -10,7 +10,8 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 2. t_AR (the Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR round of
    the speculative Generator, drafter K/V kept: what the policy's AR rounds cost, reported against t_AR as
    `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever
-   (sparse_draft_head=32768, draft_max_rows=8, chunked_verify), >= 10 repetitions interleaved: every
+   (sparse_draft_head=32768, draft_max_rows=8, chunked_verify), after `--warmup` untimed passes (default 1: a
+   process's first pass meets every shape cold), >= 10 repetitions interleaved: every
    repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
    round per width then one timed pass over the widths (toolkit.runtime.exl3_calibrate.time_rounds, the same timer
    as the backend's calibration); medians and spread per cell;
@@ -190,16 +191,30 @@ def time_shape(run: Run, be, a) -> dict:
     ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
     per: dict[str, dict[int, dict[int, list[float]]]] = {t: {c: {w: [] for w in a.widths} for c in a.concurrency} for t, _ in sets}
     out = run.results.setdefault("timing", {})
-    reps = Repetitions(run, a.reps, a.reserve_s)
-    for rep in reps:
+
+    def one_pass(keep: bool) -> None:
         for c in a.concurrency:
             be.set_options(Exl3Options())
-            ar[c].append(medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0])
+            t_ar = medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0]
+            if keep:
+                ar[c].append(t_ar)
             for tag, opts in sets:
                 be.set_options(opts)
                 for w, ms in medians(time_rounds(be, c, a.widths, reps=a.passes, context=a.context)).items():
-                    per[tag][c][w].append(ms)
+                    if keep:
+                        per[tag][c][w].append(ms)
         be.set_options(Exl3Options())
+
+    # Untimed passes first: a process's first pass meets every shape cold (64 s against ~8 s later on the H100,
+    # session 18), and Repetitions sizes the budget by the longest repetition
+    for i in range(a.warmup):
+        t0 = time.time()
+        one_pass(keep=False)
+        out["warmup_seconds"] = out.get("warmup_seconds", []) + [round(time.time() - t0, 1)]
+        run.log(f"warm-up pass {i + 1}: {time.time() - t0:.0f} s (untimed)")
+    reps = Repetitions(run, a.reps, a.reserve_s)
+    for rep in reps:
+        one_pass(keep=True)
         rep_s = reps.lap()
         out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), context=a.context, widths=list(a.widths),
                    concurrency=list(a.concurrency), settings=[t for t, _ in sets],
@@ -351,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")
     s.add_argument("--profile-rounds", type=int, default=24, help="rounds under torch.profiler per variant (default 24)")
     s.add_argument("--reserve-s", type=float, default=60.0, help="budget kept for the profile and projection (default 60)")
+    s.add_argument("--warmup", type=int, default=1, help="untimed passes over every cell before the repetitions (default 1)")
     r = sub.add_parser("ar", help="AR rounds of the speculative Generator: per-token drafter K/V update vs defer_draft_kv")
     r.add_argument("--work", type=Path, default=WORK, help="where the synthetic checkpoints live (default /tmp/speed)")
     r.add_argument("--resynth", action="store_true", help="synthesise again even when present")

@@ -43,7 +43,7 @@ def shape_run(monkeypatch, tmp_path):
 
     be.generator = generator
     a = argparse.Namespace(concurrency=[1, 4], widths=[0, 1, 3, 7], levers=["sparse_draft_head=64"], reps=3, passes=1,
-                           context=32, reserve_s=0.0)
+                           context=32, reserve_s=0.0, warmup=1)
     run = Run("speed.json", out=tmp_path / "out")
     return run, time_shape(run, be, a), be
 
@@ -57,6 +57,7 @@ def test_timing_interleaves_settings_and_keeps_partial_results(shape_run):
         assert data["sets"]["sparse_draft_head=64"][c][3] == [pytest.approx(10.0 + 3.0 * c)] * 3
     saved = json.loads(run.path.read_text())["timing"]                      # written after every repetition
     assert saved["reps_done"] == 3 and saved["settings"] == ["stock", "sparse_draft_head=64"]
+    assert len(saved["warmup_seconds"]) == 1                                # one untimed pass, not among the 3
     assert saved["round_ms"]["stock"]["4"]["7"]["median"] == pytest.approx(66.0) and saved["ar_ms"]["1"]["n"] == 3
     assert be.options.tag == "stock"
 
