@@ -192,29 +192,34 @@ def time_shape(run: Run, be, a) -> dict:
     per: dict[str, dict[int, dict[int, list[float]]]] = {t: {c: {w: [] for w in a.widths} for c in a.concurrency} for t, _ in sets}
     out = run.results.setdefault("timing", {})
 
-    def one_pass(keep: bool) -> None:
+    def one_pass() -> tuple[dict[int, float], dict[tuple[str, int, int], float]]:
+        """t_AR per c, and t_round per (setting, c, w): one timed pass over every cell."""
+        t_ar, t_round = {}, {}
         for c in a.concurrency:
             be.set_options(Exl3Options())
-            t_ar = medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0]
-            if keep:
-                ar[c].append(t_ar)
+            t_ar[c] = medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0]
             for tag, opts in sets:
                 be.set_options(opts)
                 for w, ms in medians(time_rounds(be, c, a.widths, reps=a.passes, context=a.context)).items():
-                    if keep:
-                        per[tag][c][w].append(ms)
+                    t_round[tag, c, w] = ms
         be.set_options(Exl3Options())
+        return t_ar, t_round
 
     # Untimed passes first: a process's first pass meets every shape cold (64 s against ~8 s later on the H100,
     # session 18), and Repetitions sizes the budget by the longest repetition
     for i in range(a.warmup):
         t0 = time.time()
-        one_pass(keep=False)
-        out["warmup_seconds"] = out.get("warmup_seconds", []) + [round(time.time() - t0, 1)]
-        run.log(f"warm-up pass {i + 1}: {time.time() - t0:.0f} s (untimed)")
+        one_pass()
+        seconds = round(time.time() - t0, 1)
+        out.setdefault("warmup_seconds", []).append(seconds)
+        run.log(f"warm-up pass {i + 1}: {seconds:.0f} s (untimed)")
     reps = Repetitions(run, a.reps, a.reserve_s)
     for rep in reps:
-        one_pass(keep=True)
+        t_ar, t_round = one_pass()
+        for c, ms in t_ar.items():
+            ar[c].append(ms)
+        for (tag, c, w), ms in t_round.items():
+            per[tag][c][w].append(ms)
         rep_s = reps.lap()
         out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), context=a.context, widths=list(a.widths),
                    concurrency=list(a.concurrency), settings=[t for t, _ in sets],
