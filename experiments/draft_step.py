@@ -141,37 +141,46 @@ def step_accounting(events, mark: str = "dflash_draft_step") -> dict:
 
 
 def measure(run: Run, be, a) -> dict:
-    """The interleaved repetitions (each c on fresh jobs: the backend has one Generator), then the profiles."""
+    """The interleaved repetitions (each setting and c on fresh jobs: the backend has one Generator), then the
+    profiles. Stock settings are keyed c1, c4, ...; a lever's cells "<lever>/c1", ..."""
+    from toolkit.runtime.exl3_options import Exl3Options, parse_lever
+
     timer = PartTimer(be)
     out = run.results.setdefault("draft_step", {})
-    per = {c: {"step": [], "synced": [], "host": []} for c in a.concurrency}
+    sets = [("", Exl3Options())] + [(label + "/", opts) for label, opts in map(parse_lever, a.levers)]
+    per = {f"{t}c{c}": {"step": [], "synced": [], "host": []} for t, _ in sets for c in a.concurrency}
     reps = Repetitions(run, a.reps, a.reserve_s)
     for rep in reps:
-        for c in a.concurrency:
-            gen = start_jobs(be, c, a.context, max_new(a))
-            try:
-                per[c]["step"].append(statistics.median(draft_window(gen, a.rounds)))
-                for mode in ("synced", "host"):
-                    timer.mode = mode
-                    draft_window(gen, a.rounds)
+        for tag, opts in sets:
+            be.set_options(opts)
+            for c in a.concurrency:
+                cell = per[f"{tag}c{c}"]
+                gen = start_jobs(be, c, a.context, max_new(a))
+                try:
+                    cell["step"].append(statistics.median(draft_window(gen, a.rounds)))
+                    for mode in ("synced", "host"):
+                        timer.mode = mode
+                        draft_window(gen, a.rounds)
+                        timer.mode = None
+                        cell[mode].append(timer.take())
+                finally:
                     timer.mode = None
-                    per[c][mode].append(timer.take())
-            finally:
-                timer.mode = None
-                gen.clear_queue()
-        out.update(reps_done=rep + 1, rep_seconds=round(reps.lap(), 1),
-                   **{f"c{c}": summarize(v) for c, v in per.items()})
-        run.log(f"repetition {rep + 1}: " + ", ".join(f"c={c} step {v['step'][-1]:.2f} ms" for c, v in per.items()))
+                    gen.clear_queue()
+        out.update(reps_done=rep + 1, rep_seconds=round(reps.lap(), 1), **{k: summarize(v) for k, v in per.items()})
+        run.log(f"repetition {rep + 1}: " + ", ".join(f"{k} step {v['step'][-1]:.2f} ms" for k, v in per.items()))
         run.save()
     import torch
 
-    for c in a.concurrency if torch.cuda.is_available() else ():     # the profile times CUDA kernels
-        gen = start_jobs(be, c, a.context, max_new(a))
-        try:
-            out.setdefault(f"c{c}", {})["profile"] = profile_draft(gen, a.profile_rounds)
-        finally:
-            gen.clear_queue()
-        run.save()
+    for tag, opts in sets if torch.cuda.is_available() else ():     # the profile times CUDA kernels
+        be.set_options(opts)
+        for c in a.concurrency:
+            gen = start_jobs(be, c, a.context, max_new(a))
+            try:
+                out.setdefault(f"{tag}c{c}", {})["profile"] = profile_draft(gen, a.profile_rounds)
+            finally:
+                gen.clear_queue()
+            run.save()
+    be.set_options(Exl3Options())
     return out
 
 
@@ -208,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.draft_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=WORK, help="where the synthetic checkpoints live (default /tmp/speed)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--levers", nargs="*", default=[], help="levers timed against stock, interleaved (NAME[=VALUE], "
+                    "several joined by '+'), e.g. graph_draft_swa chunked_draft_mlp")
     ap.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10; fewer if the budget runs out)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds per mode and repetition (default 8)")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")

@@ -54,12 +54,19 @@ def test_measure_runs_fresh_jobs_per_concurrency_and_repetition_on_the_stand_in_
 
     be = make_backend(monkeypatch, tmp_path)
     be.draft.modules, be.draft.sample_from_state = [], lambda state, params: state
-    a = types.SimpleNamespace(concurrency=[1, 4], reps=3, rounds=4, context=64, profile_rounds=4, reserve_s=0.0)
+    a = types.SimpleNamespace(concurrency=[1, 4], reps=3, rounds=4, context=64, profile_rounds=4, reserve_s=0.0,
+                              levers=["sparse_draft_head=64"])
+    seen = []
+    be.set_options, set_options = (lambda o: (seen.append(o.tag), set_options(o))), be.set_options
     run = Run("draft_step.json", out=tmp_path)
     out = measure(run, be, a)
-    assert out["reps_done"] == 3 and set(out) >= {"c1", "c4"}
-    assert all(len(out[k]["step_ms_reps"]) == 3 and out[k]["step_ms"] >= 0 for k in ("c1", "c4"))
-    assert be._gen.num_remaining_jobs() == 0                     # every job set was cleared
+    cells = ("c1", "c4", "sparse_draft_head=64/c1", "sparse_draft_head=64/c4")
+    assert out["reps_done"] == 3 and set(out) >= set(cells)
+    assert all(len(out[k]["step_ms_reps"]) == 3 and out[k]["step_ms"] >= 0 for k in cells)
+    assert seen[:4] == ["stock", "sparse_draft_head=64"] * 2 and be.options.tag == "stock"   # interleaved, then reset
+    from exl3_fakes import FakeGenerator
+
+    assert all(g.num_remaining_jobs() == 0 for g in FakeGenerator.built)     # every job set was cleared
     assert (tmp_path / "draft_step.json").is_file()
 
 

@@ -23,7 +23,8 @@ knobs as follows:
 - `draft_max_rows` (exllamav3's static row ceiling) is what our per-c cost table subsumes; it stays a lever.
 - `dynamic_draft_tokens` (+ `draft_confidence`) is exllamav3's own confidence-based truncation: an alternative
   to our policy to compare against; with it on, "auto" offers B-1 each round and exllamav3 cuts it.
-- `sparse_draft_head`, `hybrid_draft_tokens` and our `chunked_verify` change what a round costs or drafts, not
+- `sparse_draft_head`, `hybrid_draft_tokens`, our `chunked_verify` and the drafter's `graph_draft_swa` and
+  `chunked_draft_mlp` (exl3_draft_levers) change what a round costs or drafts, not
   the width; see exl3_options.Exl3Options for each.
 - our `defer_draft_kv` makes the policy's AR rounds cheaper: exllamav3 updates the drafter's K/V from the
   target's taps for every token even at width 0; with it on, an AR stretch is written in one call before the
@@ -51,6 +52,7 @@ from .exl3_hook import (
     recording_generator_class,
 )
 from .exl3_memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
+from .exl3_draft_levers import set_draft_levers
 from .exl3_options import Exl3Options, set_chunked_verify
 from .exl3_calibrate import PAGE, TABLE_VERSION, calibrate
 from .exl3_policy import BatchPolicy
@@ -136,6 +138,7 @@ class Exl3Backend(Backend):
 
     name = "exllamav3"
     clock = staticmethod(time.perf_counter)
+    draft_classes: tuple[type, type] | None = None    # the drafter levers' module classes (None: exllamav3's)
 
     def __init__(self, exl, model, cache, tokenizer, hf_tokenizer, draft=None, draft_cache=None,
                  native_block: int = 1, max_context: int = 0, eos_ids: tuple[int, ...] = (), max_concurrency: int = 32,
@@ -227,6 +230,8 @@ class Exl3Backend(Backend):
         installed on or removed from the target's MoE layers)."""
         if options.chunked_verify or self.options.chunked_verify:
             set_chunked_verify(self.model, self.moe_class(), options.chunked_verify)
+        if self.draft is not None:
+            set_draft_levers(self.draft, options, self.options, self.draft_classes)
         if options != self.options and self._gen is not None:
             self._gen.close()
             self._gen = None

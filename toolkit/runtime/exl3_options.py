@@ -1,6 +1,7 @@
 """The exllamav3 backend's generator options (the levers of issue 16), each off by default until measured.
 
-Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; two are ours:
+Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; four are ours (the drafter's two in
+exl3_draft_levers: `graph_draft_swa`, `chunked_draft_mlp`):
 
 - `sparse_draft_head` (int, 0 = off): exllamav3's frequency-selected vocabulary subset for the drafter's head
   (the drafter borrows the target's lm_head). Verification keeps the full head, so output is unaffected; it only
@@ -48,6 +49,8 @@ class Exl3Options:
     draft_confidence: float = 0.4
     chunked_verify: bool = False
     defer_draft_kv: bool = False
+    graph_draft_swa: bool = False
+    chunked_draft_mlp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sparse_draft_head", "draft_max_rows", "hybrid_draft_tokens"):
@@ -81,12 +84,23 @@ LEVERS = {                          # lever name -> the value `--levers NAME` us
     "dynamic_draft_tokens": 0.4,    # the value is draft_confidence
     "chunked_verify": True,
     "defer_draft_kv": True,
+    "graph_draft_swa": True,
+    "chunked_draft_mlp": True,
 }
-SWITCHES = ("chunked_verify", "defer_draft_kv")     # levers that are only on or off
+SWITCHES = ("chunked_verify", "defer_draft_kv", "graph_draft_swa", "chunked_draft_mlp")   # only on or off
 
 
 def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Options]:
-    """"NAME" or "NAME=VALUE" -> (its label, `base` with that lever on)."""
+    """"NAME", "NAME=VALUE" or several joined by "+" -> (its label, `base` with those levers on)."""
+    opts, labels = base or Exl3Options(), []
+    for part in text.split("+"):
+        label, change = one_lever(part)
+        opts = replace(opts, **change)
+        labels.append(label)
+    return "+".join(labels), opts
+
+
+def one_lever(text: str) -> tuple[str, dict]:
     name, _, value = text.partition("=")
     name = name.strip().replace("-", "_")
     if name not in LEVERS:
@@ -103,8 +117,7 @@ def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Op
             change = {name: int(raw)}
     except ValueError:
         raise ToolkitError(f"lever {name}: bad value {raw!r}") from None
-    opts = replace(base or Exl3Options(), **change)
-    return f"{name}={raw}" if value.strip() else name, opts
+    return (f"{name}={raw}" if value.strip() else name), change
 
 
 # -- chunked_verify ---------------------------------------------------------------------------------------------

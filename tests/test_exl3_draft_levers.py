@@ -1,0 +1,104 @@
+"""The drafter's two levers (runtime/exl3_draft_levers): the causal flag around causal sliding-window layers, the
+row chunks on its dense MLPs, how the backend installs and removes them, and "+"-joined lever sets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exl3_fakes import FakeModel, make_backend
+
+from toolkit.core.errors import ToolkitError
+from toolkit.runtime.exl3_draft_levers import CausalWindowForward, set_draft_levers, set_graph_draft_swa
+from toolkit.runtime.exl3_options import ChunkedForward, Exl3Options, parse_lever
+
+
+class FakeSWA:
+    """A sliding-window layer that records the causal flag each call saw; `fail` raises inside the call."""
+
+    def __init__(self, window_right=0, sliding_window=4095, fail=False):
+        self.window_right, self.sliding_window, self.fail, self.seen = window_right, sliding_window, fail, []
+
+    def forward(self, x, params, out_dtype=None):
+        self.seen.append(params.get("causal"))
+        if self.fail:
+            raise RuntimeError("kernel failed")
+        return x + 1
+
+
+class FakeMLP:
+    """A dense MLP with a fused path (bc) for <= 8 rows; records the rows of each call."""
+
+    def __init__(self):
+        self.bc, self.calls = object(), []
+
+    def forward(self, x, params, out_dtype=None):
+        self.calls.append(x.numel() // x.shape[-1])
+        return x * 2
+
+
+def decode_params(**kw):
+    return {"attn_mode": "flash_attn", "causal": False, **kw}
+
+
+def test_causal_window_layers_see_the_causal_flag_and_the_block_keeps_its_own():
+    m = FakeSWA()
+    assert set_graph_draft_swa([m, FakeSWA(window_right=4095), object()], FakeSWA, True) == 2
+    assert isinstance(vars(m)["forward"], CausalWindowForward)
+    p = decode_params()
+    assert torch.equal(m.forward(torch.zeros(2), p), torch.ones(2))
+    assert m.seen == [True] and p["causal"] is False           # the full layer after it still reads False
+
+
+@pytest.mark.parametrize("layer, params", [
+    (FakeSWA(window_right=4095), decode_params()),                          # bidirectional in the block
+    (FakeSWA(sliding_window=-1), decode_params()),                          # no window: not a sliding layer
+    (FakeSWA(), decode_params(causal=True)),                                # exllamav3 graphs it already
+    (FakeSWA(), decode_params(attn_mode="flash_attn_nc")),                  # not the cached decode path
+    (FakeSWA(), decode_params(non_causal_spans=[(0, 4, True)])),            # spans carry their own direction
+])
+def test_other_calls_are_left_alone(layer, params):
+    set_graph_draft_swa([layer], FakeSWA, True)
+    before = params.get("causal")
+    layer.forward(torch.zeros(1), params)
+    assert layer.seen == [before] and params.get("causal") == before
+
+
+def test_the_flag_comes_back_when_the_layer_fails_and_the_wrap_comes_off():
+    m = FakeSWA(fail=True)
+    set_graph_draft_swa([m], FakeSWA, True)
+    p = decode_params()
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        m.forward(torch.zeros(1), p)
+    assert p["causal"] is False
+    set_graph_draft_swa([m], FakeSWA, False)
+    assert "forward" not in vars(m)
+
+
+def test_backend_installs_and_removes_the_drafter_levers(monkeypatch, tmp_path):
+    be = make_backend(monkeypatch, tmp_path)
+    swa, mlp = FakeSWA(), FakeMLP()
+    be.draft, be.draft_classes = FakeModel([swa, mlp]), (FakeSWA, FakeMLP)
+    be.set_options(Exl3Options(graph_draft_swa=True, chunked_draft_mlp=True))
+    assert isinstance(vars(swa)["forward"], CausalWindowForward) and isinstance(vars(mlp)["forward"], ChunkedForward)
+    mlp.forward(torch.zeros(1, 16, 4), {})
+    assert mlp.calls == [8, 8]                                  # the block's 16 rows in two fused calls
+    be.set_options(Exl3Options(chunked_draft_mlp=True))
+    assert "forward" not in vars(swa) and isinstance(vars(mlp)["forward"], ChunkedForward)
+    be.set_options(Exl3Options())
+    assert "forward" not in vars(mlp)
+
+
+def test_no_exllamav3_import_when_no_drafter_lever_is_on():
+    set_draft_levers(FakeModel([FakeSWA()]), Exl3Options(sparse_draft_head=64), Exl3Options())   # CPU: no exllamav3
+
+
+def test_levers_join_with_plus():
+    label, opts = parse_lever("graph_draft_swa+sparse_draft_head=32768")
+    assert label == "graph_draft_swa+sparse_draft_head=32768"
+    assert opts == Exl3Options(graph_draft_swa=True, sparse_draft_head=32768)
+    assert opts.tag == "sparse_draft_head=32768,graph_draft_swa" and opts.generator_kwargs() == {"sparse_draft_head": 32768}
+    assert parse_lever("chunked-draft-mlp")[1] == Exl3Options(chunked_draft_mlp=True)
+    with pytest.raises(ToolkitError, match="unknown lever 'bogus'"):
+        parse_lever("graph_draft_swa+bogus")
+    with pytest.raises(ToolkitError, match="lever graph_draft_swa: bad value 'no'"):
+        parse_lever("graph_draft_swa=no")
