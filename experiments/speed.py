@@ -334,6 +334,12 @@ def run_pair(run: Run, a) -> None:
         return [str(p if (p / "config.json").is_file() else pad(str(src), str(p))) for src, p in ((a.target, pt), (a.draft, pd))]
 
     run.step("pad", padded)
+    if a.draft_bits:                               # graph_draft_swa needs EXL3 projections
+        from experiments.draft_exl3 import exl3_draft
+
+        pd = run.step("draft_exl3", exl3_draft, pd, pd.with_name(f"draft-{a.draft_bits:g}bpw"), a.draft_bits, keep=False, need_s=60)
+        if pd is None:
+            return
     prompts = heldout_jsonl(a.draft / "heldout.json", a.work / "heldout.jsonl")
 
     def measure() -> dict:
@@ -394,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=8, help="held-out prompts per cell (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--levers", nargs="*", default=["dynamic_draft_tokens"], help="exllamav3 levers as extra cells")
+    p.add_argument("--draft-bits", type=float, default=0, help="bench an EXL3 copy of the drafter at these bits (0: as given)")
     for q in (s, r, p):
         q.add_argument("--budget-s", type=float, default=env_float("SPEED_BUDGET_S", 540),
                        help="start no step that does not fit in what is left of it (default: SPEED_BUDGET_S, else 540)")

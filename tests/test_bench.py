@@ -148,6 +148,10 @@ def test_projection_from_a_scripted_cost_table():
     assert project(table, 1, tau, 4, t_ar=8.0)["policy_speedup"] == pytest.approx(2.71 / 14 * 8)
     slow = project(CostTable({1: {0: 10.0, 1: 40.0, 3: 60.0}}), 1, 1.5, 4)
     assert slow["policy_width"] == 0 and slow["policy_speedup"] == 1.0        # no width wins: AR
+    dear = project(CostTable({1: {0: 12.0, 1: 24.0, 3: 40.0}}), 1, 1.5, 4, t_ar=10.0)   # spec AR rounds cost 12
+    assert dear["plain_ar"] and dear["policy_width"] == 0 and dear["policy_round_ms"] == 10.0
+    assert dear["policy_speedup"] == 1.0 and dear["policy_over_default"] == pytest.approx((1 / 10) / (1.5 / 40))
+    assert not project(table, 1, tau, 4)["plain_ar"]
     for tau, B in ((7.63, 16), (5.74, 8)):
         assert expected_tokens(alpha_for(tau, B), B)[-1] == pytest.approx(tau)
     assert alpha_for(1.0, 16) == 0.0 and alpha_for(16, 16) == 1.0

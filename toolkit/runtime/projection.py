@@ -66,20 +66,23 @@ def project(costs: CostTable, concurrency: int, tau: float, block_size: int, t_a
     """Projected speedups over AR at `tau` for exllamav3's default width (B-1) and the policy's best width.
 
     `costs` holds t_round(w) at this concurrency (w = 0 being what an AR round costs there); `t_ar` is the plain
-    AR step the speedups are measured against (default: the table's w = 0)."""
+    AR step the speedups are measured against (default: the table's w = 0). Where no round beats a plain AR step,
+    the policy decodes plain AR (the backend's plain requests): width 0 at t_ar, 1.0x, "plain_ar" True."""
     t = costs.curve(block_size, concurrency)
     t_ar = t[0] if t_ar is None else t_ar
     alpha = alpha_for(tau, block_size)
     n = expected_tokens(alpha, block_size)
     rate = [k / ms for k, ms in zip(n, t)]
     best = max(range(block_size), key=lambda w: (rate[w], -w))
+    plain = rate[best] * t_ar < 1.0
+    best_rate, best_ms = (1.0 / t_ar, t_ar) if plain else (rate[best], t[best])
     default = block_size - 1
     measured = sorted(w for w in costs.ms[concurrency] if w > 0) if concurrency in costs.ms else []
     return {
         "concurrency": concurrency, "tau": tau, "block_size": block_size, "alpha": round(alpha, 6),
         "t_ar_ms": t_ar, "default_width": default, "default_round_ms": t[default],
-        "default_speedup": rate[default] * t_ar, "policy_width": best, "policy_round_ms": t[best],
-        "policy_speedup": rate[best] * t_ar, "policy_over_default": rate[best] / rate[default],
+        "default_speedup": rate[default] * t_ar, "policy_width": 0 if plain else best, "policy_round_ms": best_ms,
+        "policy_speedup": best_rate * t_ar, "policy_over_default": best_rate / rate[default], "plain_ar": plain,
         "extrapolated": bool(measured) and default > measured[-1],
     }
 
