@@ -42,7 +42,17 @@ def load_shapes(paths: list[Path]) -> list[dict]:
         if d.get("mode") != "shape" or "timing" not in d:
             raise ToolkitError(f"--shape {p}: not a `speed shape` result (no timing)")
         out.append({"label": label(p), **d})
+        for r in (d.get("projection") or {}).get("rows", []):
+            plain_ar_floor(r)
     return out
+
+
+def plain_ar_floor(r: dict) -> None:
+    """A projection row as today's projection gives it: since 2026-12-06 the policy decodes plain AR (1.0x) where
+    no round beats a plain AR step; rows of earlier runs could project below 1.0x."""
+    if r.get("plain_ar") is None and r["policy_speedup"] < 1.0:
+        r.update(policy_width=0, policy_round_ms=r["t_ar_ms"], policy_speedup=1.0,
+                 policy_over_default=1.0 / r["default_speedup"], plain_ar=True)
 
 
 def load_pair(path: Path) -> dict:
@@ -118,7 +128,8 @@ def projection_table(shapes: list[dict]) -> str:
                 rows.append(head + ["n/a"] * 6)
                 continue
             rel = r["policy_speedup"] / base["default_speedup"] if base else None
-            rows.append(head + [num(r["default_round_ms"]), f"{num(r['default_speedup'], 2)}x", str(r["policy_width"]),
+            width = "plain AR" if r.get("plain_ar") else str(r["policy_width"])
+            rows.append(head + [num(r["default_round_ms"]), f"{num(r['default_speedup'], 2)}x", width,
                                 num(r["policy_round_ms"]), f"{num(r['policy_speedup'], 2)}x", f"{num(rel, 2)}x"])
     return table(["call", "c", "setting", "tau", "default w=B-1 ms", "default speedup", "policy w", "policy ms",
                   "policy speedup", "policy over stock default"], rows)
