@@ -248,7 +248,7 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
             assert set(c["width_histogram"]) == {"3"}
         if c["block_size"] == "auto":
             assert set(map(int, c["width_histogram"])) <= set(range(8))
-    assert r["cells"][-1]["options"] == "chunked_verify"
+    assert r["cells"][-1]["options"] == "chunked_verify,graph_draft_swa"   # on top of the adopted defaults
     rows = r["projection"]["rows"]
     assert {x["setting"] for x in rows} == {"stock", "draft_max_rows=4", "chunked_verify"}
     assert {x["name"] for x in rows} == {"DF-8", "tau 3@8"}                      # DF-16 needs w = 15: not measured

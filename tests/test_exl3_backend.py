@@ -25,6 +25,7 @@ from toolkit.runtime.exl3_hook import (
     recording_generator_class,
 )
 from toolkit.runtime.exl3_options import (
+    ADOPTED,
     ChunkedForward,
     Exl3Options,
     parse_lever,
@@ -240,7 +241,7 @@ def test_auto_learns_acceptance_and_settles_on_the_best_width(timed):
     assert all(r.proposed == (7 if r.drafted else 0) for r in rounds)           # the drafter's whole block was kept
     tail = {len(r.drafted) for r in rounds[len(rounds) // 2:]}
     assert tail == {3}                       # acceptance 1 up to 3 ids, 0 after; rounds cost 10 + 2w: w = 3 is best
-    pol = timed.policies[(True, "stock")]
+    pol = timed.policies[(True, ADOPTED.tag)]
     assert pol.acceptance.count > 50 and pol.jobs == {}
     assert all(a > 0.95 for a in pol.acceptance.rates[:3]) and all(a < 0.05 for a in pol.acceptance.rates[3:])
 
@@ -258,8 +259,8 @@ def test_auto_decodes_ar_where_speculation_cannot_win_and_still_probes(timed):
     assert len(ar) > 0.6 * len(rounds) and spec                     # at c=8 a round costs 10 + 16 w: AR, with probes
     assert all(r.proposed == 0 and r.accepted == 0 and len(r.tokens) == 1 for r in ar)
     assert all(r.proposed == 7 and len(r.drafted) == 7 and r.accepted == 3 for r in spec)
-    assert timed.policies[(True, "stock")].concurrency == 8
-    assert set(timed.costs["stock"]) == {8}
+    assert timed.policies[(True, ADOPTED.tag)].concurrency == 8
+    assert set(timed.costs[ADOPTED.tag]) == {8}
 
 
 def test_options_reach_exllamav3_and_rebuild_the_generator(fake_backend):

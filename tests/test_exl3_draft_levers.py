@@ -9,7 +9,7 @@ from exl3_fakes import FakeModel, make_backend
 
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.exl3_draft_levers import CausalWindowForward, set_draft_levers, set_graph_draft_swa
-from toolkit.runtime.exl3_options import ChunkedForward, Exl3Options, parse_lever
+from toolkit.runtime.exl3_options import ADOPTED, ChunkedForward, Exl3Options, parse_lever
 
 
 class FakeSWA:
@@ -100,5 +100,12 @@ def test_levers_join_with_plus():
     assert parse_lever("chunked-draft-mlp")[1] == Exl3Options(chunked_draft_mlp=True)
     with pytest.raises(ToolkitError, match="unknown lever 'bogus'"):
         parse_lever("graph_draft_swa+bogus")
-    with pytest.raises(ToolkitError, match="lever graph_draft_swa: bad value 'no'"):
-        parse_lever("graph_draft_swa=no")
+    assert parse_lever("graph_draft_swa=off", ADOPTED) == ("graph_draft_swa=off", Exl3Options())   # exllamav3's own
+    with pytest.raises(ToolkitError, match="lever graph_draft_swa: bad value 'maybe'"):
+        parse_lever("graph_draft_swa=maybe")
+
+
+def test_the_backend_defaults_to_the_adopted_levers(monkeypatch, tmp_path):
+    be = make_backend(monkeypatch, tmp_path)
+    assert be.options == ADOPTED and ADOPTED.graph_draft_swa and ADOPTED.tag == "graph_draft_swa"
+    assert make_backend(monkeypatch, tmp_path, options=Exl3Options()).options.tag == "stock"

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
+from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 from toolkit.runtime.exl3_policy import EXPLORE_EVERY, SWITCH_MARGIN, BatchPolicy, probe_widths
@@ -297,7 +298,7 @@ def test_decode_many_learns_from_the_iterate_times(monkeypatch, tmp_path, learn)
     rounds = list(be.generate([p], GenSettings(max_new_tokens=300)))
     assert tokens_of(rounds) == ar_reference([p], 300)
     tail = [len(r.drafted) for r in rounds[len(rounds) // 2:]]
-    report = cost_report(be.policies[(True, "stock")])
+    report = cost_report(be.policies[(True, ADOPTED.tag)])
     assert report["start"][1] == pytest.approx({w: 10.0 + 3.0 * w for w in range(8)})
     if learn:
         assert tail.count(7) >= 0.9 * len(tail)                      # 14 ms at any width: the widest wins
@@ -307,7 +308,7 @@ def test_decode_many_learns_from_the_iterate_times(monkeypatch, tmp_path, learn)
     else:
         assert max(tail) <= 3 and report["learned"] == report["start"] and "observed" not in report
     fixed = list(be.generate([p], GenSettings(max_new_tokens=40, block_size=5)))
-    assert {len(r.drafted) for r in fixed} == {4} and cost_report(be.policies[(True, "stock")]) == report
+    assert {len(r.drafted) for r in fixed} == {4} and cost_report(be.policies[(True, ADOPTED.tag)]) == report
 
 
 # -- calibration: replayed rounds, not captures ---------------------------------------------------------------------

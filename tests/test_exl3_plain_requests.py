@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
+from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 from toolkit.runtime.exl3_policy import MAX_AR_REQUESTS, BatchPolicy
@@ -122,5 +123,5 @@ def test_a_losing_drafter_costs_at_most_a_few_percent_over_ar_across_requests(mo
     be.cost_table(jobs)                            # the calibration, outside the timed requests
     auto = sum(timed(True) for _ in range(40))
     ar = sum(timed(False) for _ in range(40))
-    policy = be.policies[(True, "stock")]
+    policy = be.policies[(True, ADOPTED.tag)]
     assert policy.plain_served >= 32 and auto <= 1.05 * ar

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
+from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 from toolkit.runtime.exl3_policy import HORIZON, NEW_SHAPE_PRIOR, NEW_SHAPE_ROUNDS, BatchPolicy
@@ -124,7 +125,7 @@ def test_the_generator_counts_the_rounds_of_each_shape_calibration_included(monk
     assert all(be.shapes[8, w] >= NEW_SHAPE_ROUNDS for w in (0, 1, 3, 5, 7))   # the calibration's (warm + timed)
     assert {j for j, _ in be.shapes} == set(range(2, 9))     # the last two jobs end in the same round
     assert {(j, w) for w, j in new} <= set(be.shapes)        # every shape the stand-in ran was counted
-    assert be.policies[(True, "stock")].cost_report()["new_shape_excess_ms"] > 30.0
+    assert be.policies[(True, ADOPTED.tag)].cost_report()["new_shape_excess_ms"] > 30.0
 
 
 def test_charging_new_shapes_makes_the_step_down_faster_and_never_slower(monkeypatch, tmp_path):

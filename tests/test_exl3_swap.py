@@ -11,6 +11,7 @@ import shutil
 import pytest
 from exl3_fakes import ar_reference, install_loader
 
+from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
@@ -53,7 +54,7 @@ def test_swap_keeps_the_target_and_decodes_with_the_new_drafter(pair, tmp_path, 
     list(be.generate([7, 8], st))
     g_old = be._gen
     assert g_old.draft_model is old
-    be.costs["stock"], be.policies[(True, "stock")] = {1: {0: 1.0}}, object()
+    be.costs[ADOPTED.tag], be.policies[(True, ADOPTED.tag)] = {1: {0: 1.0}}, object()
     new = drafter(pair, tmp_path, "draft-b")
     swap_draft(be, new)
     # the old drafter unloaded, then only the new one loaded (the target not again), with a cache like the first

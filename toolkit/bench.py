@@ -43,7 +43,7 @@ from .runtime.benchgrid import (  # noqa: F401
     run_grid,
     run_jobs,
 )
-from .runtime.exl3_options import LEVERS, parse_lever
+from .runtime.exl3_options import ADOPTED, LEVERS, parse_lever
 from .runtime.factory import load_backend
 from .runtime.gpu_split import (
     DRAFT_HELP,
@@ -223,7 +223,7 @@ def bench(
     blocks = check_inputs(block_sizes, concurrency, limit, reps)
     if minutes is not None and minutes <= 0:
         raise ToolkitError(f"--minutes must be > 0, got {minutes}")
-    lever_opts = [parse_lever(x) for x in levers]
+    lever_opts = [parse_lever(x, ADOPTED) for x in levers]
     if lever_opts and backend != "exllamav3":
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
     taus = parse_taus(project_tau)
@@ -337,7 +337,8 @@ class BenchOptions:
     raw: bool = option(False, "tokenize prompts as is, without the chat template")
     quiet: bool = option(False, "no progress bar or table")
     reps: int = option(1, "repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)")
-    levers: list[str] = option([], "exllamav3 levers as extra cells against stock settings: "
+    levers: list[str] = option([], f"exllamav3 levers as extra cells against the toolkit's defaults ({ADOPTED.tag}; "
+                               "NAME=off turns one off, '+' joins several): "
                                + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()), metavar="NAME[=VALUE]")
     project_tau: list[str] = option([], "project the speedup at these tau from the measured costs: published "
                                     "(Qwen3.6-35B-A3B DF-16 7.63, DF-8 5.74) or e.g. 7.63@16", metavar="published|TAU@B")

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..core.target import read_optional
 from .backend import Backend, GenSettings
 from .events import Round, summarize, tokens_of
-from .exl3_options import Exl3Options
+from .exl3_options import ADOPTED, Exl3Options
 from .learned_costs import cost_report
 from .policy import CostTable, Policy
 from .projection import project, spread
@@ -95,11 +95,12 @@ def is_synthetic(*folders) -> bool:
 
 
 def use_options(be: Backend, options: Exl3Options | None) -> None:
-    """Switch an exllamav3 backend's generator options (stock when None); other backends take none."""
+    """Switch an exllamav3 backend's generator options (the toolkit's defaults, ADOPTED, when None); other backends
+    take none."""
     from .exl3_backend import Exl3Backend
 
     if isinstance(be, Exl3Backend):
-        be.set_options(options or Exl3Options())
+        be.set_options(options or ADOPTED)
 
 
 def auto_policy(be: Backend, settings: GenSettings) -> Policy | None:

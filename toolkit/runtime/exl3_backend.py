@@ -29,7 +29,8 @@ knobs as follows:
 - our `defer_draft_kv` makes the policy's AR rounds cheaper: exllamav3 updates the drafter's K/V from the
   target's taps for every token even at width 0; with it on, an AR stretch is written in one call before the
   drafter runs again (exl3_defer.py).
-Every lever is off by default until the benchmark shows it pays (python -m toolkit.bench --levers ...).
+Every lever is off by default until the benchmark shows it pays (python -m toolkit.bench --levers ...); the ones
+that did are on in exl3_options.ADOPTED, the backend's default (today: graph_draft_swa).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from .exl3_hook import (
 )
 from .exl3_memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .exl3_draft_levers import set_draft_levers
-from .exl3_options import Exl3Options, set_chunked_verify
+from .exl3_options import ADOPTED, Exl3Options, set_chunked_verify
 from .exl3_calibrate import PAGE, TABLE_VERSION, calibrate
 from .exl3_policy import BatchPolicy
 from .gpu_split import GpuSplit, device_count
@@ -162,7 +163,7 @@ class Exl3Backend(Backend):
         self.policies: dict[tuple[bool, str], BatchPolicy] = {}    # (greedy, options tag) -> its policy
         self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds (exl3_policy)
         self.shapes: Counter = Counter()  # (jobs, width) -> rounds run: the CUDA graphs exllamav3 holds (exl3_hook)
-        self.set_options(options or Exl3Options())
+        self.set_options(options or ADOPTED)
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,

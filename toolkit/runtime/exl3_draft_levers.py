@@ -65,6 +65,8 @@ def set_draft_levers(draft, options, before, classes: tuple[type, type] | None =
     imported when neither lever is or was on."""
     if not (options.graph_draft_swa or before.graph_draft_swa or options.chunked_draft_mlp or before.chunked_draft_mlp):
         return
+    if next(iter(draft), None) is None:           # no modules (a stand-in drafter): nothing to wrap
+        return
     swa_class, mlp_class = classes or exllamav3_classes()
     if options.graph_draft_swa or before.graph_draft_swa:
         set_graph_draft_swa(draft, swa_class, options.graph_draft_swa)

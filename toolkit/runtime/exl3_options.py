@@ -77,6 +77,10 @@ class Exl3Options:
         return ",".join(parts) or "stock"
 
 
+# The toolkit's defaults on exllamav3 (what generate, bench, eval_tau and the app use unless told otherwise): the
+# levers measured faster in the same run and lossless. `--levers graph_draft_swa=off` gives exllamav3's own.
+ADOPTED = Exl3Options(graph_draft_swa=True)
+
 LEVERS = {                          # lever name -> the value `--levers NAME` uses when none is given
     "sparse_draft_head": 32768,
     "draft_max_rows": 8,
@@ -108,9 +112,10 @@ def one_lever(text: str) -> tuple[str, dict]:
     raw = value.strip() or str(LEVERS[name])
     try:
         if name in SWITCHES:
-            if raw.lower() not in ("1", "true", "on", "yes"):
+            on = raw.lower() in ("1", "true", "on", "yes")
+            if not on and raw.lower() not in ("0", "false", "off", "no"):
                 raise ValueError
-            change = {name: True}
+            change = {name: on}
         elif name == "dynamic_draft_tokens":
             change = {"dynamic_draft_tokens": True, "draft_confidence": float(raw)}
         else:
