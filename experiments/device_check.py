@@ -35,7 +35,7 @@ from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "moe_chunked", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_chunked", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -196,6 +196,33 @@ def check_moe_chunked(ctx: Ctx) -> dict:
         free_cuda(be)
 
 
+def check_draft_swa(ctx: Ctx) -> dict:
+    """Issue 16's graph_draft_swa on the trained pair's EXL3 drafter (a causal sliding layer + a full one): B=16 with
+    the lever off and on. Passes when both are lossless and the lever drafts what the eager path drafts (same
+    speculative output, tau within 2 %: the graphed kernels round differently)."""
+    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.runtime.exl3_draft_levers import exllamav3_classes, set_graph_draft_swa
+    from toolkit.runtime.exl3_options import Exl3Options
+
+    be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_exl3"], cache_tokens=32 * 512, max_concurrency=32)
+    prompts = doc_prompts(be.tokenizer, n=ctx.nprompts)
+    try:
+        out, spec = {"swa_layers": set_graph_draft_swa(be.draft, exllamav3_classes()[0], False)}, {}
+        for on in (False, True):
+            be.set_options(Exl3Options(graph_draft_swa=on))
+            res = out["on" if on else "off"] = lossless(be, prompts, 16, f"exl3-drafter graph_draft_swa={on}", ctx.max_new)
+            res.pop("_ar")
+            spec[on] = res.pop("_spec")
+            ctx.run.steps["draft_swa_detail"] = out
+        out["same_spec_output"] = f"{sum(a == b for a, b in zip(spec[True], spec[False]))}/{len(prompts)}"
+        assert out["swa_layers"], "the drafter has no sliding-window layer: the check proves nothing"
+        assert out["on"]["ok"] and out["off"]["ok"], "not lossless"
+        assert abs(out["on"]["tau"] - out["off"]["tau"]) <= 0.02 * out["off"]["tau"], "the lever changed tau"
+        return out
+    finally:
+        free_cuda(be)
+
+
 def check_sampling(ctx: Ctx) -> dict:
     from toolkit.runtime.exl3_backend import Exl3Backend
 
@@ -339,7 +366,7 @@ def check_errors(ctx: Ctx) -> dict:
 
 
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
-         "moe_chunked": ("moe_chunked_verify", check_moe_chunked),
+         "moe_chunked": ("moe_chunked_verify", check_moe_chunked), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
 
