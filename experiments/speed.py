@@ -63,7 +63,7 @@ SHAPES = ROOT / "quantize" / "shapes"
 WORK = Path("/tmp/speed")
 SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 1, 3, 5, 7, 11, 15)
-SHAPE_LEVERS = ("sparse_draft_head", "draft_max_rows", "chunked_verify")
+SHAPE_LEVERS = ("graph_draft_swa", "sparse_draft_head", "draft_max_rows", "chunked_verify")
 
 
 # -- pure helpers (tested on the CPU) --------------------------------------------------------------------------
@@ -114,13 +114,20 @@ def ar_overhead(ar: dict[int, list[float]], stock: dict[int, dict[int, list[floa
 
 
 def shape_targets(rows: list[dict]) -> dict:
-    """Issue 16's real-shape targets at c=1, DF-16: policy >= 1.3x exllamav3's defaults and >= 2.2x AR."""
-    r = next((x for x in rows if x["setting"] == "stock" and x["concurrency"] == 1 and x["name"] == "DF-16"), None)
-    if r is None:
+    """Issue 16's real-shape targets at c=1, DF-16: the policy with the toolkit's defaults (ADOPTED, when timed as a
+    lever; else stock) >= 1.3x exllamav3's stock defaults and >= 2.2x AR."""
+    from toolkit.runtime.exl3_options import ADOPTED
+
+    pick = {x["setting"]: x for x in rows if x["concurrency"] == 1 and x["name"] == "DF-16"}
+    stock = pick.get("stock")
+    if stock is None:
         return {}
-    return {"policy_over_defaults": r["policy_over_default"], "needed_over_defaults": 1.3,
+    setting = ADOPTED.tag if ADOPTED.tag in pick else "stock"
+    r = pick[setting]
+    over = r["policy_speedup"] / stock["default_speedup"]
+    return {"setting": setting, "policy_over_defaults": over, "needed_over_defaults": 1.3,
             "policy_over_ar": r["policy_speedup"], "needed_over_ar": 2.2, "policy_width": r["policy_width"],
-            "pass": r["policy_over_default"] >= 1.3 and r["policy_speedup"] >= 2.2}
+            "pass": over >= 1.3 and r["policy_speedup"] >= 2.2}
 
 
 def pair_targets(result: dict) -> dict:

@@ -73,9 +73,12 @@ def test_projection_and_targets_from_the_timing(shape_run):
     assert r["policy_width"] == 3 and r["policy_speedup"] == pytest.approx(3.439 / 16 * 8)
     assert shape_targets(rows) == {}                                                    # DF-16 not in these rows
     assert ar_overhead(data["ar"], data["sets"]["stock"]) == {"1": pytest.approx(10 / 8), "4": pytest.approx(10 / 8)}
-    df16 = [{"setting": "stock", "concurrency": 1, "name": "DF-16", "policy_over_default": 1.5, "policy_speedup": 2.4,
+    df16 = [{"setting": "stock", "concurrency": 1, "name": "DF-16", "default_speedup": 1.6, "policy_speedup": 2.4,
              "policy_width": 7}]
     assert shape_targets(df16)["pass"] is True and shape_targets([{**df16[0], "policy_speedup": 2.0}])["pass"] is False
+    adopted = {**df16[0], "setting": "graph_draft_swa", "policy_speedup": 2.3, "default_speedup": 1.9}
+    t = shape_targets([{**df16[0], "policy_speedup": 2.0}, adopted])        # the defaults' policy against stock defaults
+    assert t["setting"] == "graph_draft_swa" and t["policy_over_defaults"] == pytest.approx(2.3 / 1.6) and t["pass"]
 
 
 def test_pair_targets():
