@@ -20,6 +20,7 @@ with a forced pattern of widths: tokens of AR, today and cut, and today's Round 
 from __future__ import annotations
 
 import statistics
+import time
 
 from experiments.harness import Repetitions
 
@@ -59,7 +60,8 @@ def summarize(samples: dict[int, dict[str, list[float]]]) -> dict:
 
 
 def time_variants(run, be, a) -> dict:
-    """The interleaved repetitions; partial results saved after each."""
+    """`a.warmup` untimed passes (the first meets every shape cold), then the interleaved repetitions; partial
+    results saved after each."""
     from toolkit.runtime.exl3_options import Exl3Options
     from toolkit.runtime.exl3_calibrate import time_rounds
 
@@ -67,19 +69,31 @@ def time_variants(run, be, a) -> dict:
     keys = ["ar"] + [f"{v}_{k}" for v in ("today", "cut") for k in ("w0_mean", "w0_median", "draft_median", "stretch_mean")]
     samples = {c: {k: [] for k in keys} for c in a.concurrency}
     out = run.results.setdefault("ar_rounds", {})
-    reps = Repetitions(run, a.reps, a.reserve_s)
-    for rep in reps:
+
+    def one_pass(rep: int) -> dict[int, dict[str, float]]:
+        """Per c: AR, then today's and the cut variant (alternating which goes first), one sample per key."""
+        got = {}
         for c in a.concurrency:
             be.set_options(Exl3Options())
             ar = time_rounds(be, c, [0], reps=a.passes * len(seq), context=a.context, speculative=False)[0]
-            samples[c]["ar"].append(statistics.fmean(ar))
-            order = ("today", "cut") if rep % 2 == 0 else ("cut", "today")
-            for v in order:
+            got[c] = {"ar": statistics.fmean(ar)}
+            for v in ("today", "cut") if rep % 2 == 0 else ("cut", "today"):
                 be.set_options(Exl3Options(defer_draft_kv=v == "cut"))
                 st = pass_stats(time_rounds(be, c, seq, reps=a.passes, context=a.context), a.stretch, a.draft_width)
-                for k, ms in st.items():
-                    samples[c][f"{v}_{k}"].append(ms)
+                got[c].update({f"{v}_{k}": ms for k, ms in st.items()})
         be.set_options(Exl3Options())
+        return got
+
+    for i in range(a.warmup):
+        t0 = time.time()
+        one_pass(i)
+        out.setdefault("warmup_seconds", []).append(round(time.time() - t0, 1))
+        run.log(f"warm-up pass {i + 1}: {out['warmup_seconds'][-1]:.0f} s (untimed)")
+    reps = Repetitions(run, a.reps, a.reserve_s)
+    for rep in reps:
+        for c, row in one_pass(rep).items():
+            for k, ms in row.items():
+                samples[c][k].append(ms)
         rep_s = reps.lap()
         out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), stretch=a.stretch, draft_width=a.draft_width,
                    context=a.context, concurrency=list(a.concurrency), cells=summarize(samples))

@@ -397,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--check-concurrency", type=int, nargs="+", default=[1, 4], help="c of the greedy check")
     r.add_argument("--check-tokens", type=int, default=96, help="new tokens per job in the greedy check (default 96)")
     r.add_argument("--reserve-s", type=float, default=40.0, help="budget kept for the greedy check (default 40)")
+    r.add_argument("--warmup", type=int, default=1, help="untimed passes over every cell before the repetitions (default 1)")
     p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")
     p.add_argument("--work", type=Path, default=SMOL / "speed", help="padded copies go here (default /tmp/smol-run/speed)")
     p.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")))

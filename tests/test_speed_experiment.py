@@ -127,7 +127,7 @@ def test_ar_mode_times_ar_today_and_cut_and_checks_the_output(monkeypatch, tmp_p
     monkeypatch.setattr(FakeDrafter, "update_kv_from_target", costly)
     be = make_kv_backend(monkeypatch, tmp_path)
     be.clock = clock
-    a = argparse.Namespace(concurrency=[1, 2], reps=3, passes=1, stretch=4, draft_width=3, context=32, reserve_s=0.0,
+    a = argparse.Namespace(concurrency=[1, 2], reps=3, passes=1, stretch=4, draft_width=3, context=32, reserve_s=0.0, warmup=1,
                            check_concurrency=[1, 2], check_tokens=20)
     run = Run("speed.json", out=tmp_path / "out")
     samples = time_variants(run, be, a)
@@ -150,3 +150,28 @@ def test_ar_mode_times_ar_today_and_cut_and_checks_the_output(monkeypatch, tmp_p
         assert row["today_equals_ar"] and row["cut_equals_ar"] and row["cut_equals_today"]
         assert row["rounds_differing"] == 0 and row["rounds"] > 0
     assert be.draft.calls and be.options.defer_draft_kv is False
+
+
+def test_speed_ar_warms_up_untimed_then_keeps_only_the_repetitions(monkeypatch, tmp_path):
+    import types
+
+    import toolkit.runtime.exl3_calibrate as cal
+    from experiments.ar_rounds import time_variants
+    from experiments.harness import Run
+
+    calls = []
+
+    def fake_time_rounds(be, c, widths, reps=1, context=0, speculative=True, **kw):
+        calls.append((c, speculative))
+        first = len(calls) <= 3                          # the warm-up pass: cold and slow
+        ms = 100.0 if first else 10.0
+        return {0: [ms] * reps} if not speculative else {w: [ms + w] for w in set(widths)}
+
+    monkeypatch.setattr(cal, "time_rounds", fake_time_rounds)
+    be = types.SimpleNamespace(set_options=lambda o: None)
+    a = types.SimpleNamespace(stretch=4, draft_width=7, concurrency=[1], reps=3, reserve_s=0.0, passes=1, context=64, warmup=1)
+    run = Run("speed.json", out=tmp_path)
+    samples = time_variants(run, be, a)
+    assert len(calls) == 3 * 4                           # one warm-up pass, three repetitions, 3 timings each
+    assert samples[1]["ar"] == [10.0, 10.0, 10.0] and len(run.results["ar_rounds"]["warmup_seconds"]) == 1
+    assert run.results["ar_rounds"]["reps_done"] == 3
