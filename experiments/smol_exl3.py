@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from experiments.harness import Run, device_name, env_float
+from experiments.pair_mode import heldout_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/smol-run")
@@ -34,12 +35,6 @@ RECIPE = ROOT / "quantize" / "smollm2-135m-dflash.toml"
 def tau_only(res: dict) -> dict:
     return {"tau": res["tau"], "prompts": res["prompts"], "complete": res["complete"],
             "accept_16": {c: d.get("16", {}).get("accept_per_position", [])[:4] for c, d in res["detail"].items()}}
-
-
-def heldout_jsonl(src: Path, dst: Path) -> Path:
-    held = json.loads(src.read_text())
-    dst.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for c, ps in held.items() for p in ps))
-    return dst
 
 
 def measure(run: Run, target: Path, draft: Path) -> None:

@@ -175,7 +175,7 @@ def pair_table(pair: dict) -> str:
 
 
 def pair_targets_table(pair: dict) -> str:
-    from experiments.speed import pair_targets
+    from experiments.pair_mode import pair_targets
 
     rows = []
     for c, t in pair_targets(pair).items():

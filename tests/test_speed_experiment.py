@@ -10,10 +10,10 @@ import pytest
 from exl3_fakes import Clock, FakeGenerator, timed_backend
 
 from experiments.harness import Run
+from experiments.pair_mode import pair_targets
 from experiments.speed import (
     ar_overhead,
     busy,
-    pair_targets,
     projection_rows,
     shape_targets,
     time_shape,
