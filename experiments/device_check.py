@@ -166,12 +166,27 @@ def check_moe(ctx: Ctx) -> dict:
         free_cuda(be)
 
 
+def off_and_on(ctx: Ctx, be, prompts, lever: str, names: tuple[str, str], label: str, out: dict, detail: str) -> int:
+    """lossless() at B=16 with the switch `lever` off, then on, into out[names[0]] and out[names[1]] (saved as
+    `detail` after each); returns how many speculative outputs the two runs share."""
+    from toolkit.runtime.exl3_options import Exl3Options
+
+    spec = {}
+    for on in (False, True):
+        be.set_options(Exl3Options(**{lever: on}))
+        res = out[names[on]] = lossless(be, prompts, 16, f"{label} {lever}={on}", ctx.max_new)
+        res.pop("_ar")
+        spec[on] = res.pop("_spec")
+        ctx.run.steps[detail] = out
+    return sum(a == b for a, b in zip(spec[True], spec[False]))
+
+
 def check_moe_chunked(ctx: Ctx) -> dict:
     """Issue 16's chunked_verify lever on the trained MoE target converted to EXL3 4.0 bpw (the fused MoE path it
     splits exists only for quantized experts): one job at B=16 verifies 16 rows, chunked into two passes of 8.
     Passes when the lever changes no output of the stock speculative run; both runs' agreement with AR is recorded."""
     from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_options import Exl3Options, chunkable
+    from toolkit.runtime.exl3_options import chunkable
 
     dst = WORK / "moe_exl3"
     out = {"convert": convert_exl3(ctx.fix["moe_target"], dst, 4.0) if not (dst / "config.json").is_file() else "kept"}
@@ -180,14 +195,8 @@ def check_moe_chunked(ctx: Ctx) -> dict:
     try:
         moe = [m for m in be.model if isinstance(m, be.moe_class())]
         out["moe_layers"], out["chunkable_layers"] = len(moe), sum(chunkable(m, {}) for m in moe)
-        spec = {}
-        for on in (False, True):
-            be.set_options(Exl3Options(chunked_verify=on))
-            res = out["chunked" if on else "stock"] = lossless(be, prompts, 16, f"moe_exl3 chunked_verify={on}", ctx.max_new)
-            res.pop("_ar")
-            spec[on] = res.pop("_spec")
-            ctx.run.steps["moe_chunked_detail"] = out
-        same = sum(a == b for a, b in zip(spec[True], spec[False]))      # near-ties can part stock from AR too (15:20 UTC run)
+        same = off_and_on(ctx, be, prompts, "chunked_verify", ("stock", "chunked"), "moe_exl3", out, "moe_chunked_detail")
+        # near-ties can part stock from AR too (15:20 UTC run)
         out["chunked_equals_stock"] = f"{same}/{len(prompts)}"
         assert out["chunkable_layers"], "no MoE layer of the EXL3 target can be chunked: the check proves nothing"
         assert same == len(prompts), f"chunked_verify changed {len(prompts) - same} outputs of the stock speculative run"
@@ -202,19 +211,13 @@ def check_draft_swa(ctx: Ctx) -> dict:
     speculative output, tau within 2 %: the graphed kernels round differently)."""
     from toolkit.runtime.exl3_backend import Exl3Backend
     from toolkit.runtime.exl3_draft_levers import exllamav3_classes, set_graph_draft_swa
-    from toolkit.runtime.exl3_options import Exl3Options
 
     be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_exl3"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=ctx.nprompts)
     try:
-        out, spec = {"swa_layers": set_graph_draft_swa(be.draft, exllamav3_classes()[0], False)}, {}
-        for on in (False, True):
-            be.set_options(Exl3Options(graph_draft_swa=on))
-            res = out["on" if on else "off"] = lossless(be, prompts, 16, f"exl3-drafter graph_draft_swa={on}", ctx.max_new)
-            res.pop("_ar")
-            spec[on] = res.pop("_spec")
-            ctx.run.steps["draft_swa_detail"] = out
-        out["same_spec_output"] = f"{sum(a == b for a, b in zip(spec[True], spec[False]))}/{len(prompts)}"
+        out = {"swa_layers": set_graph_draft_swa(be.draft, exllamav3_classes()[0], False)}
+        same = off_and_on(ctx, be, prompts, "graph_draft_swa", ("off", "on"), "exl3-drafter", out, "draft_swa_detail")
+        out["same_spec_output"] = f"{same}/{len(prompts)}"
         assert out["swa_layers"], "the drafter has no sliding-window layer: the check proves nothing"
         assert out["on"]["ok"] and out["off"]["ok"], "not lossless"
         assert abs(out["on"]["tau"] - out["off"]["tau"]) <= 0.02 * out["off"]["tau"], "the lever changed tau"

@@ -17,7 +17,7 @@ target's (greedy output identical to AR); the drafted ids can differ only by ker
 
 from __future__ import annotations
 
-from .exl3_options import set_chunked_verify
+from .exl3_options import set_chunked_verify, set_forward_wrap
 
 
 class CausalWindowForward:
@@ -46,17 +46,7 @@ def applies(module, params: dict) -> bool:
 
 def set_graph_draft_swa(model, swa_class: type, on: bool) -> int:
     """Install (on) or remove the causal-flag wrap on every `swa_class` module of the drafter; returns how many."""
-    n = 0
-    for m in model:
-        if not isinstance(m, swa_class):
-            continue
-        has = isinstance(vars(m).get("forward"), CausalWindowForward)
-        if on and not has:
-            m.forward = CausalWindowForward(m)
-        elif not on and has:
-            del m.forward
-        n += 1
-    return n
+    return set_forward_wrap(model, swa_class, CausalWindowForward, on)
 
 
 def set_draft_levers(draft, options, before, classes: tuple[type, type] | None = None) -> None:

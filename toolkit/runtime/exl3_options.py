@@ -177,13 +177,19 @@ class ChunkedForward:
 
 def set_chunked_verify(model, moe_class: type, on: bool) -> int:
     """Install (on) or remove the chunked forward on every `moe_class` module of `model`; returns how many."""
+    return set_forward_wrap(model, moe_class, ChunkedForward, on)
+
+
+def set_forward_wrap(model, module_class: type, wrap: type, on: bool) -> int:
+    """Install (on) or remove `wrap(module)` as the instance forward of every `module_class` module of `model`
+    (removing restores the class's own); returns how many such modules there are."""
     n = 0
     for m in model:
-        if not isinstance(m, moe_class):
+        if not isinstance(m, module_class):
             continue
-        has = isinstance(vars(m).get("forward"), ChunkedForward)
+        has = isinstance(vars(m).get("forward"), wrap)
         if on and not has:
-            m.forward = ChunkedForward(m)
+            m.forward = wrap(m)
         elif not on and has:
             del m.forward
         n += 1
