@@ -10,13 +10,15 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 2. t_AR (the Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR round of
    the speculative Generator, drafter K/V kept: what the policy's AR rounds cost, reported against t_AR as
    `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever
-   (sparse_draft_head=32768, draft_max_rows=8, chunked_verify), after `--warmup` untimed passes (default 1: a
+   (graph_draft_swa, sparse_draft_head=32768, draft_max_rows=8, chunked_verify; "A+B" joins levers), after
+   `--warmup` untimed passes (default 1: a
    process's first pass meets every shape cold), >= 10 repetitions interleaved: every
    repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
    round per width then one timed pass over the widths (toolkit.runtime.exl3_calibrate.time_rounds, the same timer
    as the backend's calibration); medians and spread per cell;
-3. torch.profiler at c=1, w=7: GPU-idle time per round of exllamav3's Generator, of our recording subclass (the
-   capture), and of our whole policy path (full-block capture, Round assembly, hindsight): what our code adds;
+3. host time at c=1, w=7: wall ms per round of exllamav3's Generator, of our recording subclass (the capture), and
+   of our whole policy path (full-block capture, Round assembly, hindsight), `--profile-reps` interleaved windows
+   each (medians: what our code adds), the last one under torch.profiler (GPU busy and idle);
 4. the projection at the published tau (DF-16 7.63, DF-8 5.74; geometric per-position acceptance, see
    toolkit.runtime.projection) for exllamav3's defaults and for the policy, per setting and c.
 Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
@@ -204,62 +206,91 @@ def time_shape(run: Run, be, a) -> dict:
     return {"ar": ar, "sets": per}
 
 
-def profile_rounds(step, rounds: int) -> dict:
-    """Wall, GPU-busy and GPU-idle ms per round over `rounds` calls of step(), under torch.profiler (CUDA)."""
+def sync() -> None:
     import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_window(step, rounds: int) -> float:
+    """ms per call of step() over `rounds` calls, the device drained before and after."""
+    sync()
     t0 = time.perf_counter()
     for _ in range(rounds):
         step()
-    torch.cuda.synchronize()
-    plain = time.perf_counter() - t0
+    sync()
+    return (time.perf_counter() - t0) / rounds * 1000.0
+
+
+def profile_rounds(step, rounds: int) -> dict:
+    """Wall, GPU-busy and GPU-idle ms per round over `rounds` calls of step(), under torch.profiler (CUDA)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    plain = timed_window(step, rounds)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = timed_window(step, rounds)
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    gpu = busy(spans) / 1e6
-    ms = lambda s: round(s / rounds * 1000.0, 3)
-    return {"rounds": rounds, "wall_ms": ms(plain), "profiled_wall_ms": ms(wall), "gpu_busy_ms": ms(gpu),
-            "gpu_idle_ms": ms(wall - gpu), "gpu_events": len(spans)}
+    gpu = busy(spans) / 1e3 / rounds
+    return {"rounds": rounds, "wall_ms": round(plain, 3), "profiled_wall_ms": round(wall, 3), "gpu_busy_ms": round(gpu, 3),
+            "gpu_idle_ms": round(wall - gpu, 3), "gpu_events": len(spans)}
 
 
-def profile_host(be, a) -> dict:
-    """GPU idle per round at c=1, w=7: exllamav3's Generator, our recording subclass, our whole policy path."""
-    from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.exl3_calibrate import dummy_prompts
+VARIANTS = ("exllamav3", "recording", "policy")
+
+
+def start_variant(be, name: str, prompts, st, w: int):
+    """(step, close) of one variant at width w, past 4 warm rounds: exllamav3's own Generator, our recording
+    subclass, or our whole policy path (decode_many with a policy forced to w)."""
     from toolkit.runtime.exl3_policy import BatchPolicy
     from toolkit.runtime.policy import CostTable
 
-    n, w = a.profile_rounds, 7
+    if name == "policy":
+        class Forced(BatchPolicy):
+            def width(self):
+                return w
+
+        it = be.decode_many(prompts, be._jobs(prompts, st), 0, Forced(be.block_size, CostTable({1: {0: 1.0, 1: 1.0}})))
+        step, close = (lambda: next(it)), it.close
+    else:
+        gen = be.generator(w, hooked=name == "recording")
+        gen.enqueue(be._jobs(prompts, st))
+        step, close = gen.iterate, gen.clear_queue
+    for _ in range(4):
+        step()
+    return step, close
+
+
+def profile_host(be, a) -> dict:
+    """Wall ms per round at c=1, w=7 of the three variants, `a.profile_reps` interleaved windows each (the order
+    rotating), their medians and what our code adds to them; the last window of each also under torch.profiler
+    (GPU busy and idle). GPU busy is the same kernels in every variant, so wall differences are host time."""
+    import statistics
+
+    from toolkit.runtime.backend import GenSettings
+    from toolkit.runtime.exl3_calibrate import dummy_prompts
+
+    n, w, reps = a.profile_rounds, 7, max(1, a.profile_reps)
     prompts = dummy_prompts(1, a.context, be.vocab_size)
     st = GenSettings(max_new_tokens=(n * 2 + 8) * (w + 1), block_size=None, stop_ids=())
-    out = {}
-    for name, hooked in (("exllamav3", False), ("recording", True)):
-        gen = be.generator(w, hooked=hooked)
-        gen.enqueue(be._jobs(prompts, st))
-        for _ in range(4):
-            gen.iterate()
-        out[name] = profile_rounds(gen.iterate, n)
-        gen.clear_queue()
-
-    class Forced(BatchPolicy):
-        def width(self):
-            return w
-
-    policy = Forced(be.block_size, CostTable({1: {0: 1.0, 1: 1.0}}))
-    it = be.decode_many(prompts, be._jobs(prompts, st), 0, policy)
-    for _ in range(4):
-        next(it)
-    out["policy"] = profile_rounds(lambda: next(it), n)
-    it.close()
-    out["added_by_capture_ms"] = round(out["recording"]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
-    out["added_by_policy_path_ms"] = round(out["policy"]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
+    walls, out = {v: [] for v in VARIANTS}, {}
+    for rep in range(reps):
+        for name in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
+            step, close = start_variant(be, name, prompts, st, w)
+            try:
+                if rep == reps - 1:
+                    out[name] = profile_rounds(step, n)
+                    walls[name].append(out[name]["wall_ms"])
+                else:
+                    walls[name].append(round(timed_window(step, n), 3))
+            finally:
+                close()
+    for name in VARIANTS:
+        out[name].update(wall_ms=round(statistics.median(walls[name]), 3), wall_ms_reps=walls[name])
+    for key, name in (("capture", "recording"), ("policy_path", "policy")):
+        out[f"added_by_{key}_ms"] = round(out[name]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
+        out[f"added_wall_by_{key}_ms"] = round(out[name]["wall_ms"] - out["exllamav3"]["wall_ms"], 3)
     return out
 
 
@@ -303,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10; fewer if the budget runs out)")
     s.add_argument("--passes", type=int, default=1, help="timed passes over the widths per repetition (default 1)")
     s.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")
-    s.add_argument("--profile-rounds", type=int, default=24, help="rounds under torch.profiler per variant (default 24)")
+    s.add_argument("--profile-rounds", type=int, default=24, help="rounds per timed window of each variant (default 24)")
+    s.add_argument("--profile-reps", type=int, default=5, help="interleaved windows per variant in the host-time "
+                   "profile; the last one under torch.profiler (default 5)")
     s.add_argument("--reserve-s", type=float, default=60.0, help="budget kept for the profile and projection (default 60)")
     s.add_argument("--warmup", type=int, default=1, help="untimed passes over every cell before the repetitions (default 1)")
     r = sub.add_parser("ar", help="AR rounds of the speculative Generator: per-token drafter K/V update vs defer_draft_kv")

@@ -175,3 +175,22 @@ def test_speed_ar_warms_up_untimed_then_keeps_only_the_repetitions(monkeypatch, 
     assert len(calls) == 3 * 4                           # one warm-up pass, three repetitions, 3 timings each
     assert samples[1]["ar"] == [10.0, 10.0, 10.0] and len(run.results["ar_rounds"]["warmup_seconds"]) == 1
     assert run.results["ar_rounds"]["reps_done"] == 3
+
+
+def test_host_profile_interleaves_the_three_variants_and_reports_medians(monkeypatch, tmp_path):
+    import types
+
+    import experiments.speed as speed
+    from exl3_fakes import make_backend
+
+    be = make_backend(monkeypatch, tmp_path)
+    started = []
+    real_start = speed.start_variant
+    monkeypatch.setattr(speed, "start_variant", lambda be, name, *a: (started.append(name), real_start(be, name, *a))[1])
+    monkeypatch.setattr(speed, "profile_rounds", lambda step, n: {"wall_ms": 9.0, "gpu_busy_ms": 5.0, "gpu_idle_ms": 4.0})
+    out = speed.profile_host(be, types.SimpleNamespace(profile_rounds=3, profile_reps=3, context=16))
+    assert started == ["exllamav3", "recording", "policy", "recording", "policy", "exllamav3", "policy", "exllamav3", "recording"]
+    for v in speed.VARIANTS:
+        assert len(out[v]["wall_ms_reps"]) == 3 and out[v]["wall_ms_reps"][-1] == 9.0     # the profiled window last
+        assert out[v]["wall_ms"] == sorted(out[v]["wall_ms_reps"])[1]
+    assert out["added_by_capture_ms"] == 0.0 and "added_wall_by_policy_path_ms" in out
