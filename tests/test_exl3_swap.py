@@ -15,6 +15,8 @@ from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
+from toolkit.runtime import exl3_swap
+from toolkit.runtime.exl3_options import Exl3Options
 from toolkit.runtime.exl3_swap import swap_draft
 from toolkit.runtime.gpu_split import GpuSplit
 
@@ -56,7 +58,10 @@ def test_swap_keeps_the_target_and_decodes_with_the_new_drafter(pair, tmp_path, 
     assert g_old.draft_model is old
     be.costs[ADOPTED.tag], be.policies[(True, ADOPTED.tag)] = {1: {0: 1.0}}, object()
     new = drafter(pair, tmp_path, "draft-b")
+    levers = []
+    monkeypatch.setattr(exl3_swap, "set_draft_levers", lambda *a: levers.append(a))
     swap_draft(be, new)
+    assert levers == [(be.draft, ADOPTED, Exl3Options(), None)]     # the adopted wraps go onto the new drafter
     # the old drafter unloaded, then only the new one loaded (the target not again), with a cache like the first
     assert log[2:] == [("unload", "draft"), ("draft-b", {"progressbar": False}, False)]
     assert be.model is target and be.cache is cache and be.draft.folder == "draft-b"

@@ -17,6 +17,8 @@ from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from . import gpu_split
 from .exl3_backend import Exl3Backend, load_drafter, load_failure
+from .exl3_draft_levers import set_draft_levers
+from .exl3_options import Exl3Options
 from .exl3_taps import free_gpu
 
 
@@ -54,6 +56,7 @@ def swap_draft(be: Exl3Backend, draft: str | Path) -> None:
             raise ToolkitError(f"exllamav3 cannot load drafter {draft}: {why}") from None
         raise
     be.draft, be.draft_cache = model, cache
+    set_draft_levers(model, be.options, Exl3Options(), be.draft_classes)   # the new drafter gets the options' wraps
     be.folders = (be.folders[0], draft)
     be.costs.clear()                          # measured for the old pair (and keyed by its folders)
     be.policies.clear()
