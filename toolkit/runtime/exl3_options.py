@@ -1,4 +1,5 @@
-"""The exllamav3 backend's generator options (the levers of issue 16), each off by default until measured.
+"""The exllamav3 backend's generator options (the levers of issue 16). Exl3Options() is exllamav3's own behaviour
+(every lever off); ADOPTED, the backend's default, has on the levers measured to pay and shown lossless.
 
 Four are exllamav3 1.6.5 Generator arguments, passed through unchanged; four are ours (the drafter's two in
 exl3_draft_levers: `graph_draft_swa`, `chunked_draft_mlp`):
