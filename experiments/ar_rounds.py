@@ -20,9 +20,8 @@ with a forced pattern of widths: tokens of AR, today and cut, and today's Round 
 from __future__ import annotations
 
 import statistics
-import time
 
-from experiments.harness import Repetitions
+from experiments.harness import Repetitions, warm_up
 
 STRETCH = 16          # AR rounds per stretch before the drafter runs again
 DRAFT_WIDTH = 7       # the drafted round that ends a stretch
@@ -84,11 +83,7 @@ def time_variants(run, be, a) -> dict:
         be.set_options(Exl3Options())
         return got
 
-    for i in range(a.warmup):
-        t0 = time.time()
-        one_pass(i)
-        out.setdefault("warmup_seconds", []).append(round(time.time() - t0, 1))
-        run.log(f"warm-up pass {i + 1}: {out['warmup_seconds'][-1]:.0f} s (untimed)")
+    warm_up(run, out, a.warmup, one_pass)
     reps = Repetitions(run, a.reps, a.reserve_s)
     for rep in reps:
         for c, row in one_pass(rep).items():

@@ -210,12 +210,13 @@ def check_draft_swa(ctx: Ctx) -> dict:
     the lever off and on. Passes when both are lossless and the lever drafts what the eager path drafts (same
     speculative output, tau within 2 %: the graphed kernels round differently)."""
     from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_draft_levers import exllamav3_classes, set_graph_draft_swa
+    from toolkit.runtime.exl3_draft_levers import exllamav3_classes
 
     be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_exl3"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=ctx.nprompts)
     try:
-        out = {"swa_layers": set_graph_draft_swa(be.draft, exllamav3_classes()[0], False)}
+        swa_class = exllamav3_classes()[0]
+        out = {"swa_layers": sum(isinstance(m, swa_class) for m in be.draft)}
         same = off_and_on(ctx, be, prompts, "graph_draft_swa", ("off", "on"), "exl3-drafter", out, "draft_swa_detail")
         out["same_spec_output"] = f"{same}/{len(prompts)}"
         assert out["swa_layers"], "the drafter has no sliding-window layer: the check proves nothing"

@@ -26,9 +26,8 @@ def exl3_draft(source: Path, out: Path, bits: float) -> Path:
             raise ToolkitError(f"converting {source} at {bits} bpw failed (exit {rc}); log {out.name}.log")
         tap_shift = (json.loads((source / "config.json").read_text()).get("dflash_config") or {}).get("tap_shift", 0)
         pin_tap_shift(part, int(tap_shift or 0))
-        for f in ("heldout.json",):                 # the bench reads the held-out prompts beside the drafter
-            if (source / f).is_file():
-                shutil.copy(source / f, part / f)
+        if (source / "heldout.json").is_file():      # the bench reads the held-out prompts beside the drafter
+            shutil.copy(source / "heldout.json", part / "heldout.json")
         part.rename(out)
     except BaseException:
         shutil.rmtree(part, ignore_errors=True)

@@ -115,6 +115,17 @@ class Run:
 
 
 
+def warm_up(run: Run, out: dict, passes: int, one_pass: Callable[[int], object]) -> None:
+    """one_pass(i) for i < passes, untimed, before the repetitions: a process's first pass meets every shape cold
+    (64 s against ~8 s later on the H100, session 18) and Repetitions sizes the budget by its longest repetition.
+    Their seconds go to out["warmup_seconds"]."""
+    for i in range(passes):
+        t0 = time.time()
+        one_pass(i)
+        out.setdefault("warmup_seconds", []).append(round(time.time() - t0, 1))
+        run.log(f"warm-up pass {i + 1}: {out['warmup_seconds'][-1]:.0f} s (untimed)")
+
+
 class Repetitions:
     """Interleaved repetitions inside a Run's budget: none starts unless the longest so far (+10 %) still fits with
     `reserve_s` to spare. Iterate for the repetition index; `lap()` at the end of one gives the longest so far."""

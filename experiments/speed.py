@@ -56,7 +56,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.harness import Repetitions, Run, device_name, env_float
+from experiments.harness import Repetitions, Run, device_name, env_float, warm_up
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
@@ -180,14 +180,7 @@ def time_shape(run: Run, be, a) -> dict:
         be.set_options(Exl3Options())
         return t_ar, t_round
 
-    # Untimed passes first: a process's first pass meets every shape cold (64 s against ~8 s later on the H100,
-    # session 18), and Repetitions sizes the budget by the longest repetition
-    for i in range(a.warmup):
-        t0 = time.time()
-        one_pass()
-        seconds = round(time.time() - t0, 1)
-        out.setdefault("warmup_seconds", []).append(seconds)
-        run.log(f"warm-up pass {i + 1}: {seconds:.0f} s (untimed)")
+    warm_up(run, out, a.warmup, lambda i: one_pass())
     reps = Repetitions(run, a.reps, a.reserve_s)
     for rep in reps:
         t_ar, t_round = one_pass()

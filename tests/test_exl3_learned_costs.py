@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
-from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
+from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.exl3_policy import EXPLORE_EVERY, SWITCH_MARGIN, BatchPolicy, probe_widths
 from toolkit.runtime.learned_costs import MIN_SEEN, WARMUP, LearnedCosts, cost_report
 from toolkit.runtime.policy import CostTable

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
-from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
+from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.runtime.exl3_policy import MAX_AR_REQUESTS, BatchPolicy
 from toolkit.runtime.policy import CostTable
 

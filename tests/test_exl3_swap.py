@@ -11,12 +11,11 @@ import shutil
 import pytest
 from exl3_fakes import ar_reference, install_loader
 
-from toolkit.runtime.exl3_options import ADOPTED
 from toolkit.core.errors import ToolkitError
+from toolkit.runtime import exl3_swap
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
-from toolkit.runtime import exl3_swap
-from toolkit.runtime.exl3_options import Exl3Options
+from toolkit.runtime.exl3_options import ADOPTED, Exl3Options
 from toolkit.runtime.exl3_swap import swap_draft
 from toolkit.runtime.gpu_split import GpuSplit
 
