@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from experiments.harness import Run
+from experiments.round_trace import RoundTrace, summarize
 
 
 def pair_targets(result: dict) -> dict:
@@ -81,4 +82,12 @@ def run_pair(run: Run, a) -> None:
                 "cells": [{k: c[k] for k in keep if k in c} for c in r["cells"]], "targets": pair_targets(r),
                 "reps": r["reps"], "reps_planned": r["reps_planned"]}
 
-    run.step("bench", measure, need_s=60)
+    trace = RoundTrace().install() if getattr(a, "trace", False) else None
+    try:
+        run.step("bench", measure, need_s=60)
+    finally:
+        if trace is not None:
+            trace.remove()
+            trace.write(run.path.parent / "trace.jsonl")
+            run.results["trace"] = summarize(trace.rows)
+            run.save()

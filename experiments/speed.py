@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--levers", nargs="*", default=["dynamic_draft_tokens"], help="exllamav3 levers as extra cells")
     p.add_argument("--draft-bits", type=float, default=0, help="bench an EXL3 copy of the drafter at these bits (0: as given)")
+    p.add_argument("--trace", action="store_true", help="write every iterate() (cell, width, jobs, ms, tokens) to trace.jsonl")
     for q in (s, r, p):
         q.add_argument("--budget-s", type=float, default=env_float("SPEED_BUDGET_S", 540),
                        help="start no step that does not fit in what is left of it (default: SPEED_BUDGET_S, else 540)")
