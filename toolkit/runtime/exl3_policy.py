@@ -88,6 +88,7 @@ class BatchPolicy(Policy):
         self.left: int | None = None              # tokens the closest-to-done job may still emit (None: unknown)
         self._past: int | None = None             # `past`, counted once per round when a cold width needs it
         self.excess: deque = deque(maxlen=16)     # ms a new shape's round took beyond the curve's steady cost
+        self.excess_seen, self._excess_median = 0, (-1, 0.0)      # excesses measured in all; (count, their median)
         self.request = [0, 0]                     # AR rounds and all decode rounds of the request under way
         self.fallback: dict[int, list[int]] = {}  # jobs per request -> [plain AR requests still to serve, next run]
         self.plain_served = 0                     # requests decoded on the drafter-less Generator so far
@@ -166,8 +167,14 @@ class BatchPolicy(Policy):
         todo = max(0, NEW_SHAPE_ROUNDS - self.shapes.get((self.concurrency or 1, w), 0))
         if not todo:
             return 0.0
-        per = statistics.median(self.excess) if len(self.excess) >= 2 else NEW_SHAPE_PRIOR * self.t[w] / NEW_SHAPE_ROUNDS
+        per = self.excess_ms() if len(self.excess) >= 2 else NEW_SHAPE_PRIOR * self.t[w] / NEW_SHAPE_ROUNDS
         return todo * max(per, 0.0)
+
+    def excess_ms(self) -> float:
+        """The median of the measured warm-up excesses, taken again only after a new one (every round prices it)."""
+        if self._excess_median[0] != self.excess_seen:
+            self._excess_median = (self.excess_seen, statistics.median(self.excess))
+        return self._excess_median[1]
 
     def amortized(self, w: int, expected: float) -> float:
         """warmup_ms(w) per round over the rounds width w may run at this job count: those before the closest job
@@ -181,9 +188,10 @@ class BatchPolicy(Policy):
 
     def scores(self) -> list[float]:
         """Expected tokens per ms for each width, a shape not yet warm at this job count charged its warm-up rounds
-        spread over the rounds ahead (`amortized`): switching to it pays only if it keeps paying until then."""
-        E = self.acceptance.expected_tokens()
-        return [e / (t + self.amortized(w, e)) for w, (e, t) in enumerate(zip(E, self.t))]
+        spread over the rounds ahead (`amortized`): switching to it pays only if it keeps paying until then. Only
+        the menu's widths are charged (best() picks among them; the others are never run)."""
+        E, menu = self.acceptance.expected_tokens(), set(self.menu or range(self.block_size))
+        return [e / (t + self.amortized(w, e)) if w in menu else e / t for w, (e, t) in enumerate(zip(E, self.t))]
 
     def set_concurrency(self, concurrency: int) -> None:
         """Policy.set_concurrency, with the widths to pick from cut to those the table measured at `concurrency`
@@ -288,6 +296,7 @@ class BatchPolicy(Policy):
             width = self.asked if self.asked is not None else max(len(r.drafted) for _, _, r in items)
             if self.shapes is not None and self.shapes.get((c, width), 0) <= NEW_SHAPE_ROUNDS:
                 self.excess.append(ms - self.t[width])        # a warm-up round of its shape (counted with this one)
+                self.excess_seen += 1
             self.learned.observe(c, width, ms)
             self.rescale()
         self.asked = None

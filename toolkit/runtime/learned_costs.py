@@ -64,6 +64,7 @@ class LearnedCosts:
         self.rounds: dict[int, int] = {}
         self.shape: tuple[int, int] | None = None        # (concurrency, width) of the last timed round
         self.streak = 0                                  # timed rounds in a row at that shape
+        self._curves: dict[int, tuple] = {}              # concurrency -> ((settled costs and weights, prior), their curve)
 
     def observe(self, concurrency: int, width: int, ms: float) -> None:
         """One round of `concurrency` jobs at verify width `width` took `ms` (kept unless a warm-up round)."""
@@ -89,6 +90,10 @@ class LearnedCosts:
         """t_round(w) for w = 0..len(prior)-1: the prior corrected by the settled widths (module docstring)."""
         got = self.settled(concurrency)
         ws = self.widths.get(concurrency, {})
+        key = (tuple((w, t, len(ws[w].times)) for w, t in got.items()), tuple(prior))
+        hit = self._curves.get(concurrency)
+        if hit is not None and hit[0] == key:            # many rounds change no settled cost; the policy asks every round
+            return list(hit[1])
         spec = monotone([(w, t, len(ws[w].times)) for w, t in got.items() if 0 < w < len(prior)])
         out, j = [got.get(0, prior[0])], 0
         for w in range(1, len(prior)):
@@ -96,6 +101,7 @@ class LearnedCosts:
                 j += 1                                   # spec[j]: the first settled width >= w
             lo, hi = spec[j - 1] if j else None, spec[j] if j < len(spec) else None
             out.append(max(out[-1], estimate(w, lo, hi, prior)))
+        self._curves[concurrency] = (key, tuple(out))
         return out
 
     def observed(self, concurrency: int) -> dict[int, dict]:
