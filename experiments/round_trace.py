@@ -1,11 +1,20 @@
 """Every iterate() of the exllamav3 backend's recording Generator, for `speed pair --trace`: which bench cell ran it,
 when it started, the width asked, the decoding jobs, its wall ms and the tokens it emitted. The pair bench's
 medians say that `auto` trails the best fixed width by 3 %; the trace says where (rounds at exploratory widths,
-dearer rounds at the same width, or time between rounds)."""
+dearer rounds at the same width, or time between rounds).
+
+    python -m experiments.round_trace docs/speed_2026-12-06-s20/trace_call10_trace.jsonl     (here, on the CPU)
+
+prints, per bench cell, its rounds and tokens, the summed iterate() ms, the host time between iterates, tokens
+per ms over both, and per width the rounds, median ms and tokens per round of its one-job rounds.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -73,21 +82,67 @@ class RoundTrace:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per cell: rounds, tokens, the summed iterate ms and per width (rounds, median ms, tokens per round) of
-    decoding rounds at one job (rows == 1, jobs == 1), the rounds where auto and the fixed widths compare directly."""
-    import statistics
-
+    """Per cell: rounds, tokens, the summed iterate() ms, the host ms between its consecutive iterates (median per
+    round and sum), tokens per ms over both, and per width (rounds, median ms, tokens per round) of its rounds with
+    one decoding job (rows == 1, jobs == 1), where auto and the fixed widths compare directly."""
     out: dict = {}
-    for r in rows:
-        c = out.setdefault(r["cell"], {"rounds": 0, "tokens": 0, "iterate_ms": 0.0, "one_job": {}})
+    for i, r in enumerate(rows):
+        c = out.setdefault(r["cell"], {"rounds": 0, "tokens": 0, "iterate_ms": 0.0, "gaps": [], "one_job": {}})
         c["rounds"] += 1
         c["tokens"] += r["emitted"]
         c["iterate_ms"] += r["ms"]
+        nxt = rows[i + 1] if i + 1 < len(rows) else None
+        if nxt is not None and nxt["cell"] == r["cell"]:
+            c["gaps"].append((nxt["t"] - r["t"]) * 1000.0 - r["ms"])
         if r["rows"] == 1 and r["jobs"] == 1:
             c["one_job"].setdefault(r["w"], []).append((r["ms"], r["emitted"]))
     for c in out.values():
+        gaps = c.pop("gaps")
+        c["gap_ms"] = round(statistics.median(gaps), 3) if gaps else 0.0
+        c["gaps_ms"] = round(sum(gaps), 1)
         c["iterate_ms"] = round(c["iterate_ms"], 1)
+        busy = c["iterate_ms"] + c["gaps_ms"]
+        c["tokens_per_ms"] = round(c["tokens"] / busy, 4) if busy > 0 else 0.0
         c["one_job"] = {w: {"rounds": len(v), "median_ms": round(statistics.median(m for m, _ in v), 3),
                             "tokens_per_round": round(sum(e for _, e in v) / len(v), 3)}
                         for w, v in sorted(c["one_job"].items())}
     return out
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def table(cells: dict) -> str:
+    """Markdown: one row per cell, then its one-job widths as "w: rounds x median ms, tokens/round"."""
+    lines = ["| cell | rounds | tokens | iterate ms | gap ms (median) | gaps ms | tokens/ms | one-job rounds by width |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, c in cells.items():
+        widths = "; ".join(f"w={w}: {x['rounds']} x {x['median_ms']:.2f} ms, {x['tokens_per_round']:.2f}"
+                           for w, x in c["one_job"].items())
+        lines.append(f"| {name} | {c['rounds']} | {c['tokens']} | {c['iterate_ms']:.0f} | {c['gap_ms']:.3f} | "
+                     f"{c['gaps_ms']:.0f} | {c['tokens_per_ms']:.4f} | {widths} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.round_trace", description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path, help="a trace.jsonl written by `python -m experiments.speed pair --trace`")
+    ap.add_argument("--cells", nargs="*", default=None, help="only cells whose name contains one of these (e.g. /n96)")
+    a = ap.parse_args(argv)
+    if not a.trace.is_file():
+        print(f"error: {a.trace} is not a file", file=sys.stderr)
+        return 2
+    try:
+        cells = summarize(read(a.trace))
+    except (ValueError, KeyError) as e:
+        print(f"error: {a.trace} is not a round trace ({e})", file=sys.stderr)
+        return 2
+    if a.cells:
+        cells = {k: v for k, v in cells.items() if any(s in k for s in a.cells)}
+    print(table(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ from toolkit.runtime.events import tokens_of
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "experiments"
 MODULES = sorted(m.name for m in pkgutil.iter_modules([str(HERE)]))
-LIBRARIES = {"harness", "exl3_timing", "perf_rig", "stream_shape", "ar_rounds", "lossless", "draft_exl3", "pair_mode", "round_trace"}      # imported by the scripts, not run
+LIBRARIES = {"harness", "exl3_timing", "perf_rig", "stream_shape", "ar_rounds", "lossless", "draft_exl3", "pair_mode"}      # imported by the scripts, not run
 SCRIPTS = [m for m in MODULES if m not in LIBRARIES]
 
 

@@ -3,6 +3,9 @@ emitted tokens add up to what the jobs decoded; removing the trace puts exllamav
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from exl3_fakes import Clock, FakeGenerator, make_backend
 
 import toolkit.runtime.benchgrid as bg
@@ -43,3 +46,22 @@ def test_every_iterate_is_a_row_of_its_cell(monkeypatch, tmp_path):
     assert [r["t"] for r in trace.rows] == sorted(r["t"] for r in trace.rows)
     path = trace.write(tmp_path / "trace.jsonl")
     assert len(path.read_text().splitlines()) == len(trace.rows)
+
+
+def test_the_cli_renders_a_trace_and_refuses_other_files(tmp_path, capsys):
+    from experiments.round_trace import main
+
+    rows = [{"cell": "8/c1/n96", "t": 0.0, "w": 7, "rows": 1, "jobs": 1, "ms": 10.0, "emitted": 3},
+            {"cell": "8/c1/n96", "t": 0.0105, "w": 7, "rows": 1, "jobs": 1, "ms": 12.0, "emitted": 1},
+            {"cell": "auto/c1/n96", "t": 0.03, "w": 3, "rows": 1, "jobs": 1, "ms": 8.0, "emitted": 2}]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = summarize(rows)
+    assert cells["8/c1/n96"]["gap_ms"] == pytest.approx(0.5) and cells["8/c1/n96"]["tokens_per_ms"] == pytest.approx(4 / 22.5, abs=1e-4)
+    assert cells["8/c1/n96"]["one_job"] == {7: {"rounds": 2, "median_ms": 11.0, "tokens_per_round": 2.0}}
+    assert main([str(trace), "--cells", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "| auto/c1/n96 | 1 | 2 | 8 |" in out and "8/c1/n96" not in out
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert main([str(tmp_path / "bad.jsonl")]) == 2 and main([str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err.count("error: ") == 2
