@@ -241,13 +241,14 @@ def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]
         span = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x" if xs else "-"        # a run without lever cells: "-"
         ranges = f"{span(spec)} / {span(lev)}"
         out.append(("pair, c=4 and 8: speedup range without / with lever", ranges, "pair_bench"))
-        b16 = next(x for x in pair["cells"] if x["concurrency"] == 1 and x["block_size"] == 16 and not x.get("lever"))
-        acc = b16.get("accept_per_position") or []
+        b16 = next((x for x in pair["cells"] if x["concurrency"] == 1 and x["block_size"] == 16 and not x.get("lever")), None)
+        acc = (b16 or {}).get("accept_per_position") or []          # a run without B=16 (--block-sizes auto 8): none
         if acc:
             out.append(("pair c=1 B=16 acceptance at positions 1-8", " ".join(f"{a:.2f}" for a in acc[:8]), "pair_bench"))
-        ar1 = next(a for a in pair["ar"] if a["concurrency"] == 1)
-        ar8 = next(a for a in pair["ar"] if a["concurrency"] == 8)
-        out.append(("pair AR step c=1 vs c=8 (medians)", f"{ar1['round_ms']:.1f} vs {ar8['round_ms']:.1f} ms", "pair_bench"))
+        ar1 = next((a for a in pair["ar"] if a["concurrency"] == 1), None)
+        ar8 = next((a for a in pair["ar"] if a["concurrency"] == 8), None)
+        if ar1 and ar8:
+            out.append(("pair AR step c=1 vs c=8 (medians)", f"{ar1['round_ms']:.1f} vs {ar8['round_ms']:.1f} ms", "pair_bench"))
         lossless = [x["lossless"] for x in pair["cells"]]
         out.append(("pair, lossless over all cells (median, min)", f"{median(lossless):.2f}, {min(lossless):.2f}", "pair_bench"))
         same = [(a, b) for a in pair["cells"] for b in pair["cells"] if a["concurrency"] == b["concurrency"] == 8

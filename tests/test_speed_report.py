@@ -98,3 +98,15 @@ def test_bad_input_is_one_error_line(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, check=False)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith("error: --shape ")
     assert "Traceback" not in run.stderr
+
+
+def test_a_pair_run_without_b16_or_c8_still_renders():
+    """`speed pair --block-sizes auto 8 --concurrency 1 4` (session 20 ran auto and 8 only): the derived table skips
+    the ratios it has no cell for instead of failing."""
+    pair = json.loads((DATA / "pair_bench.json").read_text())
+    pair["cells"] = [x for x in pair["cells"] if x["block_size"] != 16 and x["concurrency"] < 8]
+    pair["ar"] = [a for a in pair["ar"] if a["concurrency"] < 8]
+    pair["concurrency"] = [c for c in pair["concurrency"] if c < 8]
+    out = render(load_shapes([DATA / n for n in SHAPES]), pair)
+    assert "B=16 acceptance" not in out["derived"] and "AR step c=1 vs c=8" not in out["derived"]
+    assert "| 1 | auto |" in out["pair"] and "| 16 |" not in out["pair"]
