@@ -72,7 +72,7 @@ class RoundTrace:
         out = iterate()
         ms = (time.perf_counter() - t0) * 1000.0
         emitted = sum(len(j.sequences[0].sequence_ids) - b for j, b in zip(jobs, before))
-        self.rows.append({"cell": self.cell, "t": round(t0 - self.t0, 4), "w": width, "rows": rows,
+        self.rows.append({"cell": self.cell, "t": round(t0 - self.t0, 6), "w": width, "rows": rows,
                           "jobs": len(jobs), "ms": round(ms, 3), "emitted": emitted})
         return out
 
