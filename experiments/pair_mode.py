@@ -82,7 +82,7 @@ def run_pair(run: Run, a) -> None:
                 "cells": [{k: c[k] for k in keep if k in c} for c in r["cells"]], "targets": pair_targets(r),
                 "reps": r["reps"], "reps_planned": r["reps_planned"]}
 
-    trace = RoundTrace().install() if getattr(a, "trace", False) else None
+    trace = RoundTrace().install() if a.trace else None
     try:
         run.step("bench", measure, need_s=60)
     finally:

@@ -88,7 +88,7 @@ class BatchPolicy(Policy):
         self.left: int | None = None              # tokens the closest-to-done job may still emit (None: unknown)
         self._past: int | None = None             # `past`, counted once per round when a cold width needs it
         self.excess: deque = deque(maxlen=16)     # ms a new shape's round took beyond the curve's steady cost
-        self.excess_seen, self._excess_median = 0, (-1, 0.0)      # excesses measured in all; (count, their median)
+        self.excess_median = 0.0                  # their median, taken when one is added (every round prices it)
         self.request = [0, 0]                     # AR rounds and all decode rounds of the request under way
         self.fallback: dict[int, list[int]] = {}  # jobs per request -> [plain AR requests still to serve, next run]
         self.plain_served = 0                     # requests decoded on the drafter-less Generator so far
@@ -167,14 +167,8 @@ class BatchPolicy(Policy):
         todo = max(0, NEW_SHAPE_ROUNDS - self.shapes.get((self.concurrency or 1, w), 0))
         if not todo:
             return 0.0
-        per = self.excess_ms() if len(self.excess) >= 2 else NEW_SHAPE_PRIOR * self.t[w] / NEW_SHAPE_ROUNDS
+        per = self.excess_median if len(self.excess) >= 2 else NEW_SHAPE_PRIOR * self.t[w] / NEW_SHAPE_ROUNDS
         return todo * max(per, 0.0)
-
-    def excess_ms(self) -> float:
-        """The median of the measured warm-up excesses, taken again only after a new one (every round prices it)."""
-        if self._excess_median[0] != self.excess_seen:
-            self._excess_median = (self.excess_seen, statistics.median(self.excess))
-        return self._excess_median[1]
 
     def amortized(self, w: int, expected: float) -> float:
         """warmup_ms(w) per round over the rounds width w may run at this job count: those before the closest job
@@ -269,7 +263,7 @@ class BatchPolicy(Policy):
         if lc is not None:
             out["observed"] = {c: lc.observed(c) for c in sorted(lc.rounds)}
         if self.excess:
-            out["new_shape_excess_ms"] = round(statistics.median(self.excess), 3)   # per warm-up round
+            out["new_shape_excess_ms"] = round(self.excess_median, 3)   # per warm-up round
         if self.plain_served:
             out["plain_ar_requests"] = self.plain_served
         return out
@@ -296,7 +290,7 @@ class BatchPolicy(Policy):
             width = self.asked if self.asked is not None else max(len(r.drafted) for _, _, r in items)
             if self.shapes is not None and self.shapes.get((c, width), 0) <= NEW_SHAPE_ROUNDS:
                 self.excess.append(ms - self.t[width])        # a warm-up round of its shape (counted with this one)
-                self.excess_seen += 1
+                self.excess_median = statistics.median(self.excess)
             self.learned.observe(c, width, ms)
             self.rescale()
         self.asked = None

@@ -90,11 +90,12 @@ class LearnedCosts:
         """t_round(w) for w = 0..len(prior)-1: the prior corrected by the settled widths (module docstring)."""
         got = self.settled(concurrency)
         ws = self.widths.get(concurrency, {})
-        key = (tuple((w, t, len(ws[w].times)) for w, t in got.items()), tuple(prior))
+        points = tuple((w, t, len(ws[w].times)) for w, t in got.items())     # (width, cost, kept rounds)
+        key = (points, tuple(prior))
         hit = self._curves.get(concurrency)
         if hit is not None and hit[0] == key:            # many rounds change no settled cost; the policy asks every round
             return list(hit[1])
-        spec = monotone([(w, t, len(ws[w].times)) for w, t in got.items() if 0 < w < len(prior)])
+        spec = monotone([p for p in points if 0 < p[0] < len(prior)])
         out, j = [got.get(0, prior[0])], 0
         for w in range(1, len(prior)):
             while j < len(spec) and spec[j][0] < w:
