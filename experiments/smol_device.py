@@ -1,7 +1,7 @@
 """Train and measure the SmolLM2-135M-Instruct DFlash drafter on one GPU, inside 9.5 minutes.
 
 Here (CPU, once):   python -m experiments.smol_device pack
-    writes .smol1/part1 (the GGUF's first 56 MiB), .smol/part2 (the rest), .smol/LICENSE, .smol/prompts.jsonl
+    writes .smol1/part1 (the GGUF's first 50 MiB), .smol/part2 (the rest), .smol/LICENSE, .smol/prompts.jsonl
     (the ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
 Device, call 1:     carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/`
                     (ignored files that a call does not carry are deleted from the device's checkout, but /tmp
@@ -49,7 +49,7 @@ def pack() -> None:
     src, lic = locate_source(None, None, SMOL / "src")
     assert sha256(src) == GGUF_SHA256
     data = src.read_bytes()
-    cut = 56 * 2**20                                       # call 1 carries 56 MiB and the tree (no .device), call 2 the rest
+    cut = 50 * 2**20                                       # call 1 carries 50 MiB and the tree (no .device), call 2 the rest
     (SMOL1 / "part1").write_bytes(data[:cut])
     (SMOL / "part2").write_bytes(data[cut:])
     (SMOL / "LICENSE").write_text(lic)

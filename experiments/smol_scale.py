@@ -6,7 +6,7 @@ human turns and stdlib code tasks (toolkit/train/data.py scale_pool; the held-ou
 checkpoint by a teacher-forced tau on the held-out prompts (toolkit/train/*.py docstrings cite where each comes from).
 
 Here (CPU, once):   python -m experiments.smol_scale pack
-    writes .smol1/part1 (the GGUF's first 56 MiB), .smol/part2 (the rest), .smol/LICENSE, .whl/gguf-*.whl (through
+    writes .smol1/part1 (the GGUF's first 50 MiB), .smol/part2 (the rest), .smol/LICENSE, .whl/gguf-*.whl (through
     experiments.smol_device pack) and .smol/scale_prompts.jsonl.gz (the 113k-prompt pool, ~5 MiB). A call carries
     64 MiB with the tracked tree: move toolkit/data/smollm2_dflash (24.6 MB) out of the tree for calls 1 and 2 and
     back afterwards (not through git's index), and leave .device out of them. Issue each call within 30 s of the
