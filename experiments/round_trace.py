@@ -3,7 +3,7 @@ when it started, the width asked, the decoding jobs, its wall ms and the tokens 
 medians say that `auto` trails the best fixed width by 3 %; the trace says where (rounds at exploratory widths,
 dearer rounds at the same width, or time between rounds).
 
-    python -m experiments.round_trace docs/speed_2026-12-06-s20/trace_call10_trace.jsonl     (here, on the CPU)
+    python -m experiments.round_trace docs/speed_2026-12-06-s20/trace_call10_trace.jsonl.gz     (here, on the CPU)
 
 prints, per bench cell, its rounds and tokens, the summed iterate() ms, the host time between iterates, tokens
 per ms over both, and per width the rounds, median ms and tokens per round of its one-job rounds.
@@ -12,6 +12,7 @@ per ms over both, and per width the rounds, median ms and tokens per round of it
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -110,7 +111,9 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a trace.jsonl, or of a gzipped one (.gz: how docs/speed_* keep them)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def table(cells: dict) -> str:
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cells = summarize(read(a.trace))
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, OSError, EOFError) as e:          # OSError, EOFError: a bad or cut .gz
         print(f"error: {a.trace} is not a round trace ({e})", file=sys.stderr)
         return 2
     if a.cells:

@@ -3,6 +3,7 @@ emitted tokens add up to what the jobs decoded; removing the trace puts exllamav
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -62,6 +63,11 @@ def test_the_cli_renders_a_trace_and_refuses_other_files(tmp_path, capsys):
     assert main([str(trace), "--cells", "auto"]) == 0
     out = capsys.readouterr().out
     assert "| auto/c1/n96 | 1 | 2 | 8 |" in out and "8/c1/n96" not in out
+    packed = tmp_path / "trace.jsonl.gz"                       # how docs/speed_* keep traces
+    packed.write_bytes(gzip.compress(trace.read_bytes()))
+    assert main([str(packed), "--cells", "auto"]) == 0 and capsys.readouterr().out == out
     (tmp_path / "bad.jsonl").write_text("not json\n")
+    (tmp_path / "bad.jsonl.gz").write_text("not gzip\n")
     assert main([str(tmp_path / "bad.jsonl")]) == 2 and main([str(tmp_path / "none.jsonl")]) == 2
-    assert capsys.readouterr().err.count("error: ") == 2
+    assert main([str(tmp_path / "bad.jsonl.gz")]) == 2
+    assert capsys.readouterr().err.count("error: ") == 3
