@@ -11,9 +11,10 @@ change before device time is spent on it. Two steps:
   with one width per round, as exllamav3 does) over those lengths, with round costs read from a `speed pair
   --trace` file: each (jobs, width) costs a round drawn from that trace's rounds of that shape (rounds of a
   width never traced at that job count: its nearest traced width's, shifted by the w=7 to w=15 slope), plus the
-  trace's measured cost per extra emitted token and SWITCH_MS for a round at another width than the last. The policy is the backend's own `BatchPolicy`, with
-  the bench's calibration table as its prior; it sees the rounds' times as it would on the device. Prints
-  tokens per ms per cell and `auto` over the best fixed width, paired per repetition.
+  trace's measured cost per extra emitted token and SWITCH_MS for a round at another width than the last. The
+  policy is the backend's own `BatchPolicy`, with the bench's calibration table as its prior; it sees the rounds'
+  times as it would on the device. Prints tokens per ms per cell and `auto` over the best fixed width, paired
+  per repetition.
 
     python -m experiments.policy_replay lengths --limit 4 --out /tmp/replay/lengths.json
     python -m experiments.policy_replay run /tmp/replay/lengths.json \\

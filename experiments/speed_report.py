@@ -202,8 +202,8 @@ def prj(d: dict, setting: str, c: int, name: str = "DF-16") -> dict:
 def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]:
     """(quantity, value, where from) for the ratios the text quotes; skipped when a file is not given."""
     out = []
-    c5, c6 = find(shapes, "call 5"), find(shapes, "call 6")
-    if c5:
+    c5, c6 = find(shapes, "call 5"), find(shapes, "call 6")      # the 2026-12-03 runs: a later file of that name
+    if c5 and "chunked_verify" in c5["timing"]["round_ms"]:          # without their cells adds none of their rows
         r = c5["timing"]["round_ms"]
         stock15, chunk15 = r["stock"]["1"]["15"]["median"], r["chunked_verify"]["1"]["15"]["median"]
         out.append(("c=1, w=15: chunked_verify / stock (medians)", f"{chunk15:.1f} / {stock15:.1f} ms = {chunk15 / stock15:.2f}",
@@ -215,7 +215,7 @@ def derived(shapes: list[dict], pair: dict | None) -> list[tuple[str, str, str]]
                     "call 5 projection"))
         out.append(("c=1 DF-16: policy (chunked_verify) over stock default",
                     f"{ch['policy_speedup'] / s['default_speedup']:.2f}x", "call 5 projection"))
-    if c6:
+    if c6 and {"8", "16"} <= set(c6["timing"].get("ar_ms", {})):
         ar = c6["timing"]["ar_ms"]
         a8, a16 = ar["8"]["median"], ar["16"]["median"]
         out.append(("t_AR c=16 / c=8 (medians)", f"{a16:.1f} / {a8:.2f} ms = {a16 / a8:.1f}", "call 6"))

@@ -110,3 +110,10 @@ def test_a_pair_run_without_b16_or_c8_still_renders():
     out = render(load_shapes([DATA / n for n in SHAPES]), pair)
     assert "B=16 acceptance" not in out["derived"] and "AR step c=1 vs c=8" not in out["derived"]
     assert "| 1 | auto |" in out["pair"] and "| 16 |" not in out["pair"]
+
+
+def test_a_later_file_labelled_like_the_first_runs_renders_without_their_rows():
+    """Session 21's shape_call5.json is "call 5" too, without the 2026-12-03 call 5's chunked_verify cells: the
+    derived rows that quote those cells are skipped, the rounds and projection come from the file."""
+    out = report(shape=[ROOT / "docs" / "speed_2026-12-06-s21" / "shape_call5.json"], only=["rounds", "projection"])
+    assert "| call 5 | 1 | graph_draft_swa | DF-16 (7.63) | 31.2 | 1.52x | 7 | 15.3 | 2.24x | 1.53x |" in out
