@@ -38,16 +38,8 @@ from pathlib import Path
 
 from experiments.round_trace import read as read_trace
 
-ROOT = Path(__file__).resolve().parents[1]
 MIN_ROUNDS = 5        # traced rounds a (jobs, width) needs to stand for itself
 SWITCH_MS = 0.25      # a round at another width than the one before: median excess 0.06-0.46 ms in the s20/s21 traces
-
-
-def bench_order(prompts: list, limit: int) -> list:
-    """The pair bench's prompts: round-robin over categories, the first `limit` (toolkit/bench.py)."""
-    cats = sorted({p.category for p in prompts}, key=[p.category for p in prompts].index)
-    order = [p for k in range(len(prompts)) for c in cats for p in [q for q in prompts if q.category == c][k:k + 1]]
-    return order[:limit]
 
 
 def full_lengths(steps, prompt_ids: list[int], answer: list[int], positions: int) -> list[int]:
@@ -73,7 +65,7 @@ def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | 
     import torch
 
     from experiments.pair_mode import heldout_jsonl
-    from toolkit.assets.prompts import load_prompts
+    from toolkit.assets.prompts import load_prompts, mixed
     from toolkit.assets.smollm2 import default_pair
     from toolkit.runtime.backend import GenSettings
     from toolkit.runtime.torch_backend import TorchBackend, TorchSteps
@@ -89,7 +81,7 @@ def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | 
     with tempfile.TemporaryDirectory() as tmp:
         if prompts is None:
             prompts = heldout_jsonl(Path(draft) / "heldout.json", Path(tmp) / "heldout.jsonl")
-        items = bench_order(load_prompts(prompts), limit)
+        items = mixed(load_prompts(prompts), limit)          # the pair bench's order (toolkit/bench.py)
     rows = []
     for i, item in enumerate(items):
         ids = be.encode(item.text)
@@ -101,8 +93,11 @@ def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | 
     res = {"block_size": be.block_size, "max_new_tokens": max_new_tokens, "limit": limit, "prompts": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")
-    part.write_text(json.dumps(res) + "\n")
-    part.replace(out)
+    try:
+        part.write_text(json.dumps(res) + "\n")
+        part.replace(out)
+    finally:
+        part.unlink(missing_ok=True)                  # a full disk leaves no half-written file
     return res
 
 
@@ -185,13 +180,14 @@ class Job:
         """(full proposal or (), Round) of one round verifying w drafts."""
         from toolkit.runtime.events import Round
 
-        L = self.lengths[self.n - 1] if self.n - 1 < len(self.lengths) else 0
-        e = min(min(L, w) + 1, self.cap - self.n)
-        toks = self.answer[self.n:self.n + e]
+        start = self.n
+        L = self.lengths[start - 1] if start - 1 < len(self.lengths) else 0
+        e = min(min(L, w) + 1, self.cap - start)
+        toks = self.answer[start:start + e]
         self.n += e
         if not w:
             return (), Round((), 0, toks[-1])
-        proposal = tuple(self.answer[self.n - e:self.n - e + L]) + (-1,) * (positions - L)
+        proposal = tuple(self.answer[start:start + L]) + (-1,) * (positions - L)
         drafted = proposal[:w]
         return proposal, Round(drafted, e - 1, toks[-1], proposed=positions)
 
@@ -238,10 +234,11 @@ def _prefill(token: int):
 
 
 def job_rows(rows: list[dict], conc: int) -> list[list[dict]]:
-    """The bench's requests of one cell: at least `conc` jobs, prompts cycled, in waves of `conc` (benchgrid)."""
-    n = -(-max(conc, len(rows)) // conc) * conc
-    jobs = [rows[j % len(rows)] for j in range(n)]
-    return [jobs[k:k + conc] for k in range(0, n, conc)]
+    """The bench's requests of one cell: benchgrid's job list, in waves of `conc` (benchgrid.run_cell)."""
+    from toolkit.runtime.benchgrid import job_list
+
+    jobs = job_list(rows, conc)
+    return [jobs[k:k + conc] for k in range(0, len(jobs), conc)]
 
 
 def make_policy(bench: Path, block_size: int, **kw):
@@ -250,7 +247,7 @@ def make_policy(bench: Path, block_size: int, **kw):
     from toolkit.runtime.policy import CostTable
 
     cell = next(c for c in json.loads(bench.read_text())["cells"] if c["block_size"] == "auto" and "costs" in c)
-    table = CostTable({int(c): {int(w): t for w, t in pts.items()} for c, pts in cell["costs"]["start"].items()})
+    table = CostTable(cell["costs"]["start"])              # CostTable turns the JSON's string keys into ints
     return BatchPolicy(block_size, table, concurrency=1, learn_costs=True, shapes=None, **kw)
 
 
@@ -266,8 +263,9 @@ def replay(data: dict, trace: Path, bench: Path, concurrency: list[int], reps: i
     for _ in range(reps):
         for c, mode in cells:
             tokens = ms = 0.0
-            warm = [[dict(r, answer=r["answer"][:8]) for r in job_rows(rows, c)[0]]]      # the bench's warm-up wave
-            for k, req in enumerate(warm + job_rows(rows, c)):
+            waves = job_rows(rows, c)
+            warm = [dict(r, answer=r["answer"][:8]) for r in waves[0]]                   # the bench's warm-up wave
+            for k, req in enumerate([warm] + waves):
                 pol = policy if mode == "auto" else None
                 w = None if mode == "auto" else (0 if mode == "ar" else mode - 1)
                 tk, t = replay_request(req, max_new, w, pol, costs, B - 1,

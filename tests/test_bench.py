@@ -308,3 +308,11 @@ def test_minutes_stops_after_the_last_repetition_that_fits(tmp_path, capsys):
     assert full["reps"] == full["reps_planned"] == 2
     with pytest.raises(ToolkitError, match="--minutes must be > 0"):
         bench(minutes=0, out=str(tmp_path / "q"))
+
+
+def test_limit_takes_prompts_round_robin_over_categories():
+    from toolkit.assets.prompts import Prompt, mixed
+
+    ps = [Prompt("a1", "a"), Prompt("a2", "a"), Prompt("a3", "a"), Prompt("b1", "b"), Prompt("c1", "c")]
+    assert [p.text for p in mixed(ps, 4)] == ["a1", "b1", "c1", "a2"]
+    assert [p.text for p in mixed(ps, 99)] == ["a1", "b1", "c1", "a2", "a3"]

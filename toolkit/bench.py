@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .assets.prompts import load_prompts
+from .assets.prompts import load_prompts, mixed
 from .core.cli import entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_dir, claim
@@ -237,10 +237,8 @@ def bench(
     timing_only = synthetic or bool(timing_only)   # synthetic weights: acceptance means nothing
     claim(out, "bench", force)                     # --out checked before any model is loaded
     items = load_prompts(prompts)
-    if limit:                                  # round-robin over categories so a short run still mixes them
-        cats = sorted({p.category for p in items}, key=[p.category for p in items].index)
-        order = [p for k in range(len(items)) for c in cats for p in [q for q in items if q.category == c][k:k + 1]]
-        items = order[:limit]
+    if limit:
+        items = mixed(items, limit)
     concs = sorted(set(concurrency))
     per_job = -(-(PROMPT_BUDGET + max_new_tokens + 17) // 256) * 256
     cache_tokens = cache_tokens or max(concs) * per_job

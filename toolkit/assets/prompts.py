@@ -77,3 +77,10 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     if not out:
         raise ToolkitError(f"--prompts: {path} has no prompts")
     return out
+
+
+def mixed(prompts: list[Prompt], limit: int) -> list[Prompt]:
+    """The first `limit` prompts taken round-robin over their categories, so that a short run still mixes them."""
+    cats = sorted({p.category for p in prompts}, key=[p.category for p in prompts].index)
+    order = [p for k in range(len(prompts)) for c in cats for p in [q for q in prompts if q.category == c][k:k + 1]]
+    return order[:limit]
