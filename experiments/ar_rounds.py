@@ -11,7 +11,7 @@ the drafter runs again. One call compares, on the synthetic real shape:
 - `cut`: the same sequence with defer_draft_kv on (the drafted round carries the catch-up write).
 
 Each repetition times every (c, variant), the order of today and cut alternating, through the backend's own
-timer (toolkit.runtime.exl3_calibrate.time_rounds: steady-state dummy jobs, one untimed pass first). Per cell and
+timer (toolkit.exl3.calibrate.time_rounds: steady-state dummy jobs, one untimed pass first). Per cell and
 repetition: the mean and median ms of the w = 0 rounds, the drafted round, and the mean over the whole stretch
 (what a token costs there); medians and spread over the repetitions. Then a greedy check on a few dummy prompts
 with a forced pattern of widths: tokens of AR, today and cut, and today's Round stream against the cut's.
@@ -43,7 +43,7 @@ def pass_stats(times: dict[int, list[float]], stretch: int, draft_width: int) ->
 
 def summarize(samples: dict[int, dict[str, list[float]]]) -> dict:
     """Per c: spread of every series, and the ratios of the medians the verdict reads."""
-    from toolkit.runtime.projection import spread
+    from toolkit.benchmark.projection import spread
 
     out = {}
     for c, series in samples.items():
@@ -61,8 +61,8 @@ def summarize(samples: dict[int, dict[str, list[float]]]) -> dict:
 def time_variants(run, be, a) -> dict:
     """`a.warmup` untimed passes (the first meets every shape cold), then the interleaved repetitions; partial
     results saved after each."""
-    from toolkit.runtime.exl3_options import Exl3Options
-    from toolkit.runtime.exl3_calibrate import time_rounds
+    from toolkit.exl3.options import Exl3Options
+    from toolkit.exl3.calibrate import time_rounds
 
     seq = stretch_widths(a.stretch, a.draft_width)
     keys = ["ar"] + [f"{v}_{k}" for v in ("today", "cut") for k in ("w0_mean", "w0_median", "draft_median", "stretch_mean")]
@@ -101,8 +101,8 @@ def time_variants(run, be, a) -> dict:
 
 def forced_pattern(be, widths: list[int]):
     """A BatchPolicy that verifies widths[k % len] in round k (AR stretches and drafted rounds, as timed)."""
-    from toolkit.runtime.exl3_policy import BatchPolicy
-    from toolkit.runtime.policy import CostTable
+    from toolkit.policy.batch import BatchPolicy
+    from toolkit.policy.policy import CostTable
 
     class Pattern(BatchPolicy):
         k = -1
@@ -117,8 +117,8 @@ def forced_pattern(be, widths: list[int]):
 def greedy_check(be, a) -> dict:
     """Greedy tokens of AR, today and cut on dummy prompts at each checked c, and today's rounds vs the cut's."""
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.exl3_options import Exl3Options
-    from toolkit.runtime.exl3_calibrate import dummy_prompts
+    from toolkit.exl3.options import Exl3Options
+    from toolkit.exl3.calibrate import dummy_prompts
 
     seq = stretch_widths(a.stretch, a.draft_width)
     st = GenSettings(max_new_tokens=a.check_tokens, block_size=None, stop_ids=())

@@ -46,7 +46,7 @@ def decoder(be, mode: str, ids: list[int], max_new: int, cold: bool):
     from toolkit.runtime import torch_backend as tb
     from toolkit.runtime.backend import GenSettings
     from toolkit.runtime.loop import decode
-    from toolkit.runtime.policy import CostTable, Policy
+    from toolkit.policy.policy import CostTable, Policy
     from toolkit.runtime.sampling import Sampler
 
     s = GenSettings(max_new_tokens=max_new)

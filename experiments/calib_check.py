@@ -33,7 +33,7 @@ VARIANTS = ("table", "stretch", "text", "nosync", "recipe", "decode")
 
 def recipes() -> dict:
     """The calibration of each timer variant (exl3_calibrate.Calibration)."""
-    from toolkit.runtime.exl3_calibrate import DECODE_LIKE, TABLE, Calibration
+    from toolkit.exl3.calibrate import DECODE_LIKE, TABLE, Calibration
 
     return {"table": TABLE, "stretch": Calibration(stretch=4, settle=2, reps=3, warm=1),
             "text": Calibration(text=True), "nosync": Calibration(sync=False), "recipe": DECODE_LIKE}
@@ -41,7 +41,7 @@ def recipes() -> dict:
 
 def time_variant(be, name: str, c: int, texts: list[list[int]], rounds: int) -> dict[int, tuple[list[float], list[float]]]:
     """{width: (ms per timed round, tokens a job emitted per round)} of one variant at c jobs."""
-    from toolkit.runtime.exl3_calibrate import time_calibration
+    from toolkit.exl3.calibrate import time_calibration
 
     if name == "decode":
         out = {}

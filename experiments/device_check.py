@@ -108,7 +108,7 @@ def moe_fixture(ctx: Ctx) -> dict:
 
 
 def check_lossless(ctx: Ctx) -> dict:
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     fix, out = ctx.fix, {}
     combos = [("bf16-drafter", fix["target"], fix["draft_bf16"])]
@@ -146,7 +146,7 @@ def check_lossless(ctx: Ctx) -> dict:
 
 
 def check_moe(ctx: Ctx) -> dict:
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     be = Exl3Backend.from_dirs(ctx.fix["moe_target"], ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=20)
@@ -169,7 +169,7 @@ def check_moe(ctx: Ctx) -> dict:
 def off_and_on(ctx: Ctx, be, prompts, lever: str, names: tuple[str, str], label: str, out: dict, detail: str) -> int:
     """lossless() at B=16 with the switch `lever` off, then on, into out[names[0]] and out[names[1]] (saved as
     `detail` after each); returns how many speculative outputs the two runs share."""
-    from toolkit.runtime.exl3_options import Exl3Options
+    from toolkit.exl3.options import Exl3Options
 
     spec = {}
     for on in (False, True):
@@ -185,8 +185,8 @@ def check_moe_chunked(ctx: Ctx) -> dict:
     """Issue 16's chunked_verify lever on the trained MoE target converted to EXL3 4.0 bpw (the fused MoE path it
     splits exists only for quantized experts): one job at B=16 verifies 16 rows, chunked into two passes of 8.
     Passes when the lever changes no output of the stock speculative run; both runs' agreement with AR is recorded."""
-    from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_options import chunkable
+    from toolkit.exl3.backend import Exl3Backend
+    from toolkit.exl3.options import chunkable
 
     dst = WORK / "moe_exl3"
     out = {"convert": convert_exl3(ctx.fix["moe_target"], dst, 4.0) if not (dst / "config.json").is_file() else "kept"}
@@ -209,8 +209,8 @@ def check_draft_swa(ctx: Ctx) -> dict:
     """Issue 16's graph_draft_swa on the trained pair's EXL3 drafter (a causal sliding layer + a full one): B=16 with
     the lever off and on. Passes when both are lossless and the lever drafts what the eager path drafts (same
     speculative output, tau within 2 %: the graphed kernels round differently)."""
-    from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_draft_levers import exllamav3_classes
+    from toolkit.exl3.backend import Exl3Backend
+    from toolkit.exl3.draft_levers import exllamav3_classes
 
     be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_exl3"], cache_tokens=32 * 512, max_concurrency=32)
     prompts = doc_prompts(be.tokenizer, n=ctx.nprompts)
@@ -228,7 +228,7 @@ def check_draft_swa(ctx: Ctx) -> dict:
 
 
 def check_sampling(ctx: Ctx) -> dict:
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], cache_tokens=8 * 512, max_concurrency=8)
     prompts = doc_prompts(be.tokenizer, n=8)
@@ -255,7 +255,7 @@ def check_sampling(ctx: Ctx) -> dict:
 
 
 def check_shape(ctx: Ctx) -> dict:
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
     from toolkit.runtime.torch_backend import TorchBackend
 
     tb = TorchBackend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], device="cpu")
@@ -279,7 +279,7 @@ def check_shape(ctx: Ctx) -> dict:
 def check_overhead(ctx: Ctx) -> dict:
     """Seconds per iterate() of the library's own loop, the loop with our hook, and the hook plus the Round
     assembly generate_many does; interleaved repetitions, medians; plus our own code's share timed directly."""
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     be = Exl3Backend.from_dirs(ctx.fix["target"], ctx.fix["draft_bf16"], cache_tokens=32 * 512, max_concurrency=32)
     modes = {"plain": dict(hooked=False), "hook_only": dict(hooked=True, rounds=False), "hook_and_rounds": dict(hooked=True)}
@@ -352,7 +352,7 @@ def check_cli(ctx: Ctx) -> dict:
 
 def check_errors(ctx: Ctx) -> dict:
     from toolkit.core.errors import ToolkitError
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     bad = Path(shutil.copytree(ctx.fix["draft_bf16"], WORK / "draft-bad", dirs_exist_ok=True))
     cfg = json.loads((bad / "config.json").read_text())

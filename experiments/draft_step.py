@@ -73,7 +73,7 @@ class PartTimer:
 def start_jobs(be, c: int, context: int, max_new: int):
     """c dummy jobs on the hooked Generator at verify width WIDTH (the drafter's whole block kept), prefilled."""
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.exl3_calibrate import dummy_prompts
+    from toolkit.exl3.calibrate import dummy_prompts
 
     gen = be.generator(be.block_size - 1)
     prompts = dummy_prompts(c, context, be.vocab_size)
@@ -143,7 +143,7 @@ def step_accounting(events, mark: str = "dflash_draft_step") -> dict:
 def measure(run: Run, be, a) -> dict:
     """The interleaved repetitions (each setting and c on fresh jobs: the backend has one Generator), then the
     profiles. Stock settings are keyed c1, c4, ...; a lever's cells "<lever>/c1", ..."""
-    from toolkit.runtime.exl3_options import Exl3Options, parse_lever
+    from toolkit.exl3.options import Exl3Options, parse_lever
 
     timer = PartTimer(be)
     out = run.results.setdefault("draft_step", {})
@@ -204,7 +204,7 @@ def max_new(a) -> int:
 
 
 def load(a):
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     per_job = -(-(a.context + max_new(a) + 64) // 256) * 256
     return Exl3Backend.from_dirs(a.work / "target-4.0", a.work / "draft-6.0", cache_tokens=max(a.concurrency) * per_job,

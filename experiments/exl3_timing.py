@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round
-from toolkit.runtime.exl3_hook import JobTrack, build_round
+from toolkit.exl3.hook import JobTrack, build_round
 
 
 @dataclass

@@ -49,7 +49,7 @@ def timed_peak(fn):
 def compare(work: Path, layers: int) -> dict:
     import torch
 
-    from toolkit.runtime.exl3_taps import open_target
+    from toolkit.exl3.taps import open_target
     from toolkit.synthetic.build import synth
 
     target = work / "target"

@@ -176,7 +176,7 @@ def group(rig: Rig, c: int, ctx: int, blocks, accepted: dict, reps: int, warm: i
 def toolkit_cost(c: int, B: int, accepted: int, rounds: int = 200) -> dict:
     """Host time of the toolkit's per-round bookkeeping for c jobs: the hook's capture of the drafted block
     (exl3_hook.RecordingGenerator) and the Round assembly of Exl3Backend.generate_many (exl3_hook.build_round)."""
-    from toolkit.runtime.exl3_hook import JobTrack, build_round
+    from toolkit.exl3.hook import JobTrack, build_round
 
     class Job:                                               # what the hook reads from an exllamav3 job
         def is_prefill_done(self) -> bool:

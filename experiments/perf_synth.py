@@ -82,7 +82,7 @@ def cache_bytes(cache) -> tuple[int, int]:
 
 
 def load(perf: Perf):
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     args = perf.args
     torch.cuda.synchronize()

@@ -235,7 +235,7 @@ def _prefill(token: int):
 
 def job_rows(rows: list[dict], conc: int) -> list[list[dict]]:
     """The bench's requests of one cell: benchgrid's job list, in waves of `conc` (benchgrid.run_cell)."""
-    from toolkit.runtime.benchgrid import job_list
+    from toolkit.benchmark.grid import job_list
 
     jobs = job_list(rows, conc)
     return [jobs[k:k + conc] for k in range(0, len(jobs), conc)]
@@ -243,8 +243,8 @@ def job_rows(rows: list[dict], conc: int) -> list[list[dict]]:
 
 def make_policy(bench: Path, block_size: int, **kw):
     """The backend's BatchPolicy over the calibration table the bench's `auto` cells started from."""
-    from toolkit.runtime.exl3_policy import BatchPolicy
-    from toolkit.runtime.policy import CostTable
+    from toolkit.policy.batch import BatchPolicy
+    from toolkit.policy.policy import CostTable
 
     cell = next(c for c in json.loads(bench.read_text())["cells"] if c["block_size"] == "auto" and "costs" in c)
     table = CostTable(cell["costs"]["start"])              # CostTable turns the JSON's string keys into ints

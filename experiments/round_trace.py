@@ -32,8 +32,8 @@ class RoundTrace:
         self._undo: list = []
 
     def install(self) -> RoundTrace:
-        import toolkit.runtime.benchgrid as bg
-        import toolkit.runtime.exl3_backend as eb
+        import toolkit.benchmark.grid as bg
+        import toolkit.exl3.backend as eb
 
         trace, make, run_jobs, calibrate = self, eb.recording_generator_class, bg.run_jobs, eb.calibrate
 

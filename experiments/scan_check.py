@@ -28,7 +28,7 @@ WORK = Path("/tmp/scan-check")
 def forward(t, ids: list[int], layers: list[int], stateful: bool) -> tuple[float, object, dict]:
     import torch
 
-    from toolkit.runtime import exl3_taps
+    from toolkit.exl3 import taps as exl3_taps
 
     exl3_taps.STATEFUL_SCAN = stateful
     torch.cuda.synchronize()
@@ -41,7 +41,7 @@ def forward(t, ids: list[int], layers: list[int], stateful: bool) -> tuple[float
 def compare(work: Path, layers: int, tokens: int) -> dict:
     import torch
 
-    from toolkit.runtime.exl3_taps import open_target
+    from toolkit.exl3.taps import open_target
     from toolkit.synthetic.build import synth
 
     target = work / "target"

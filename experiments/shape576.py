@@ -50,7 +50,7 @@ def smol_like(out: Path, draft_layers: int = 3) -> tuple[Path, Path]:
 def decode(t: Path, d: Path | None) -> dict:
     from toolkit.runtime.backend import GenSettings
     from toolkit.runtime.events import tokens_of
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     be = Exl3Backend.from_dirs(t, d, cache_tokens=4096, max_concurrency=4)
     try:

@@ -14,13 +14,13 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
    `--warmup` untimed passes (default 1: a
    process's first pass meets every shape cold), >= 10 repetitions interleaved: every
    repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
-   round per width then one timed pass over the widths (toolkit.runtime.exl3_calibrate.time_rounds, the same timer
+   round per width then one timed pass over the widths (toolkit.exl3.calibrate.time_rounds, the same timer
    as the backend's calibration); medians and spread per cell;
 3. host time at c=1, w=7: wall ms per round of exllamav3's Generator, of our recording subclass (the capture), and
    of our whole policy path (full-block capture, Round assembly, hindsight), `--profile-reps` interleaved windows
    each (medians: what our code adds), the last one under torch.profiler (GPU busy and idle);
 4. the projection at the published tau (DF-16 7.63, DF-8 5.74; geometric per-position acceptance, see
-   toolkit.runtime.projection) for exllamav3's defaults and for the policy, per setting and c.
+   toolkit.benchmark.projection) for exllamav3's defaults and for the policy, per setting and c.
 Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
 
 Mode `ar`, the policy's AR rounds with and without the defer_draft_kv lever (experiments/ar_rounds.py; same
@@ -83,15 +83,15 @@ def busy(intervals) -> float:
 
 def cell_summary(samples: dict) -> dict:
     """{key: [ms per repetition]} -> {key: spread}."""
-    from toolkit.runtime.projection import spread
+    from toolkit.benchmark.projection import spread
 
     return {str(k): spread(v) for k, v in samples.items()}
 
 
 def projection_rows(ar: dict[int, list[float]], sets: dict[str, dict[int, dict[int, list[float]]]], taus) -> list[dict]:
     """Projected speedups per setting, c and tau from the repetitions' medians (t_AR from the drafter-less Generator)."""
-    from toolkit.runtime.policy import CostTable
-    from toolkit.runtime.projection import project, spread
+    from toolkit.policy.policy import CostTable
+    from toolkit.benchmark.projection import project, spread
 
     rows = []
     for tag, per_c in sets.items():
@@ -116,7 +116,7 @@ def ar_overhead(ar: dict[int, list[float]], stock: dict[int, dict[int, list[floa
 def shape_targets(rows: list[dict]) -> dict:
     """Issue 16's real-shape targets at c=1, DF-16: the policy with the toolkit's defaults (ADOPTED, when timed as a
     lever; else stock) >= 1.3x exllamav3's stock defaults and >= 2.2x AR."""
-    from toolkit.runtime.exl3_options import ADOPTED
+    from toolkit.exl3.options import ADOPTED
 
     pick = {x["setting"]: x for x in rows if x["concurrency"] == 1 and x["name"] == "DF-16"}
     stock = pick.get("stock")
@@ -150,7 +150,7 @@ def synth_pair(work: Path, resynth: bool) -> dict:
 
 
 def load_shape(a):
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     per_job = math.ceil((a.context + 2 * sum(w + 1 for w in a.widths) + 64) / 256) * 256
     return Exl3Backend.from_dirs(a.work / "target-4.0", a.work / "draft-6.0", cache_tokens=max(a.concurrency) * per_job,
@@ -159,8 +159,8 @@ def load_shape(a):
 
 def time_shape(run: Run, be, a) -> dict:
     """The interleaved repetitions: every (c, setting) timed once per repetition; partial results kept."""
-    from toolkit.runtime.exl3_options import Exl3Options, parse_lever
-    from toolkit.runtime.exl3_calibrate import medians, time_rounds
+    from toolkit.exl3.options import Exl3Options, parse_lever
+    from toolkit.exl3.calibrate import medians, time_rounds
 
     sets = [("stock", Exl3Options())] + [parse_lever(x) for x in a.levers]
     ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
@@ -236,8 +236,8 @@ VARIANTS = ("exllamav3", "recording", "policy")
 def start_variant(be, name: str, prompts, st, w: int):
     """(step, close) of one variant at width w, past 4 warm rounds: exllamav3's own Generator, our recording
     subclass, or our whole policy path (decode_many with a policy forced to w)."""
-    from toolkit.runtime.exl3_policy import BatchPolicy
-    from toolkit.runtime.policy import CostTable
+    from toolkit.policy.batch import BatchPolicy
+    from toolkit.policy.policy import CostTable
 
     if name == "policy":
         class Forced(BatchPolicy):
@@ -262,7 +262,7 @@ def profile_host(be, a) -> dict:
     import statistics
 
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.exl3_calibrate import dummy_prompts
+    from toolkit.exl3.calibrate import dummy_prompts
 
     n, w, reps = a.profile_rounds, 7, max(1, a.profile_reps)
     prompts = dummy_prompts(1, a.context, be.vocab_size)
@@ -289,7 +289,7 @@ def profile_host(be, a) -> dict:
 
 def run_shape(run: Run, a) -> None:
     from experiments.harness import free_cuda
-    from toolkit.runtime.projection import ASSUMPTION, PUBLISHED
+    from toolkit.benchmark.projection import ASSUMPTION, PUBLISHED
 
     run.step("synth", synth_pair, a.work, a.resynth, need_s=60)
     be = run.step("load", load_shape, a, keep=False, need_s=30)

@@ -98,7 +98,7 @@ def pair_args(p: argparse.ArgumentParser) -> None:
 def open_pair(a, max_concurrency: int):
     """The padded pair on exllamav3 (padded into a.work on first use) and the drafter's held-out prompt texts."""
     from toolkit.assets.padding import pad
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     pt, pd = a.work / "pad" / "target", a.work / "pad" / "draft"
     for src, dst in ((a.target, pt), (a.draft, pd)):

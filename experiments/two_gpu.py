@@ -82,7 +82,7 @@ def reset_peaks() -> None:
 
 
 def estimate(a, split) -> list[dict]:
-    from toolkit.runtime.exl3_memory import GIB, check_memory
+    from toolkit.exl3.memory import GIB, check_memory
 
     needs = check_memory(a.work / "target-4.0", a.work / "draft-6.0", cache_tokens(a), max(a.concurrency), "", split)
     return [{"device": n.device, "target_gib": round(n.target / GIB, 2), "draft_gib": round(n.draft / GIB, 2),
@@ -97,8 +97,8 @@ def cache_tokens(a) -> int:
 def time_placement(run: Run, a, name: str, kw: dict) -> dict:
     """Load the pair with this placement, time t_AR and t_round(B) per c, and the peak memory per device."""
     from experiments.harness import free_cuda
-    from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_calibrate import medians, time_rounds
+    from toolkit.exl3.backend import Exl3Backend
+    from toolkit.exl3.calibrate import medians, time_rounds
     from toolkit.runtime.gpu_split import GpuSplit
 
     split = GpuSplit.of(**kw)
@@ -152,8 +152,8 @@ def run_pair(run: Run, a) -> None:
 
     from experiments.harness import free_cuda
     from toolkit.assets.padding import pad
-    from toolkit.runtime.exl3_backend import Exl3Backend
-    from toolkit.runtime.exl3_memory import weight_bytes
+    from toolkit.exl3.backend import Exl3Backend
+    from toolkit.exl3.memory import weight_bytes
     from toolkit.runtime.gpu_split import GpuSplit
 
     pt, pd = a.work / "pad" / "target", a.work / "pad" / "draft"

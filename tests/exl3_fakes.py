@@ -180,7 +180,7 @@ def install_sampler_modules(monkeypatch) -> None:
 
 def make_backend(monkeypatch, tmp_path, model=None, moe_class=None, cache_tokens=8192, **kw):
     """An Exl3Backend over the stand-in Generator (native block 8, EOS 5, up to 8 jobs), costs cached in tmp_path."""
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     install_sampler_modules(monkeypatch)
     monkeypatch.setattr(FakeGenerator, "built", [])
@@ -239,7 +239,8 @@ def make_cache(model, max_num_tokens, **kw):
 
 def install_loader(monkeypatch, devices: int, free_gib: float | list[float] = 80.0) -> list:
     """from_dirs on `devices` fake GPUs with `free_gib` free each (or per device); returns the load log."""
-    from toolkit.runtime import exl3_backend, gpu_split
+    from toolkit.runtime import gpu_split
+    from toolkit.exl3 import backend as exl3_backend
 
     log: list = []
     free = free_gib if isinstance(free_gib, list) else [free_gib] * max(devices, 1)

@@ -183,7 +183,7 @@ def make_kv_backend(monkeypatch, tmp_path, recurrent: bool = False, **kw):
     be = make_backend(monkeypatch, tmp_path, **kw)
     be.exl.Generator = KvFakeGenerator
     be.draft = FakeDrafter()
-    from toolkit.runtime.exl3_hook import recording_generator_class
+    from toolkit.exl3.hook import recording_generator_class
 
     be._recording = recording_generator_class(KvFakeGenerator)
     return be

@@ -135,8 +135,8 @@ def test_factory_errors(tmp_path):
 
 
 def test_projection_from_a_scripted_cost_table():
-    from toolkit.runtime.policy import CostTable
-    from toolkit.runtime.projection import alpha_for, expected_tokens, project
+    from toolkit.policy.policy import CostTable
+    from toolkit.benchmark.projection import alpha_for, expected_tokens, project
 
     table = CostTable({1: {0: 10.0, 1: 12.0, 2: 14.0, 3: 30.0}})
     tau = 1 + 0.9 + 0.81 + 0.729                                  # alpha 0.9 at B = 4
@@ -158,7 +158,7 @@ def test_projection_from_a_scripted_cost_table():
 
 
 def test_parse_taus_and_spread():
-    from toolkit.runtime.projection import parse_taus, spread
+    from toolkit.benchmark.projection import parse_taus, spread
 
     assert parse_taus(["published", "3@8"]) == [("DF-16", 7.63, 16), ("DF-8", 5.74, 8), ("tau 3@8", 3.0, 8)]
     for bad in ("7.63", "9@8", "x@16"):
@@ -170,7 +170,7 @@ def test_parse_taus_and_spread():
 
 
 def test_project_cells_per_setting_group():
-    from toolkit.runtime.benchgrid import project_cells
+    from toolkit.benchmark.grid import project_cells
 
     ar = [{"concurrency": 1, "round_ms": 10.0}]
     cells = [{"concurrency": 1, "block_size": 2, "round_ms": 12.0}, {"concurrency": 1, "block_size": 4, "round_ms": 30.0},
@@ -185,8 +185,8 @@ def test_project_cells_per_setting_group():
 
 
 def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
-    from toolkit.runtime import benchgrid
-    from toolkit.runtime.benchgrid import Cell, run_grid
+    from toolkit.benchmark import grid as benchgrid
+    from toolkit.benchmark.grid import Cell, run_grid
 
     calls, secs = [], iter([1.0, 2.0, 1.0, 4.0, 1.0, 8.0])
 
@@ -207,8 +207,8 @@ def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
 
 
 def test_auto_is_paired_rep_by_rep_with_the_best_fixed_block(monkeypatch):
-    from toolkit.runtime import benchgrid
-    from toolkit.runtime.benchgrid import Cell, run_grid
+    from toolkit.benchmark import grid as benchgrid
+    from toolkit.benchmark.grid import Cell, run_grid
 
     secs = iter([1.0, 1.0, 1.5, 1.2,  1.0, 2.0, 1.0, 1.5,  1.0, 1.2, 1.25, 1.0])    # AR, auto, B=4, B=8 per rep
 
@@ -267,7 +267,7 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
 
 
 def test_timing_only_keeps_costs_and_drops_auto_tau_and_losslessness(tmp_path):
-    from toolkit.runtime.benchgrid import is_synthetic
+    from toolkit.benchmark.grid import is_synthetic
 
     r = bench(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=6, limit=1, reps=2,
               out=str(tmp_path / "o"), warmup=False, quiet=True, timing_only=True)

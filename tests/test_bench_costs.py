@@ -8,7 +8,7 @@ import json
 import pytest
 
 from toolkit.bench import bench, main
-from toolkit.runtime.policy import CostTable
+from toolkit.policy.policy import CostTable
 
 
 def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:
@@ -64,7 +64,7 @@ def test_calibration_records_the_tokens_a_job_emits_per_round(monkeypatch, tmp_p
     """A drafter right on every id makes a width-w calibration round emit w + 1 tokens a job; one always wrong, 1."""
     from exl3_fakes import FakeGenerator, make_backend
 
-    from toolkit.runtime.exl3_calibrate import calibrate
+    from toolkit.exl3.calibrate import calibrate
 
     for good, expect in ((lambda last, block: block, lambda w: w + 1), (lambda last, block: 0, lambda w: 1)):
         monkeypatch.setattr(FakeGenerator, "good", staticmethod(good))

@@ -18,13 +18,13 @@ from experiments.stream_shape import assert_stream_shape
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.runtime.exl3_hook import (
+from toolkit.exl3.hook import (
     JobTrack,
     build_round,
     check_version,
     recording_generator_class,
 )
-from toolkit.runtime.exl3_options import (
+from toolkit.exl3.options import (
     ADOPTED,
     ChunkedForward,
     Exl3Options,
@@ -35,7 +35,7 @@ from toolkit.runtime.exl3_options import (
 
 
 def test_module_imports_without_exllamav3_or_cuda():
-    code = ("import sys, toolkit.runtime.exl3_backend, toolkit.runtime.factory; "
+    code = ("import sys, toolkit.exl3.backend, toolkit.runtime.factory; "
             "print('exllamav3' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1], env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
@@ -51,7 +51,7 @@ def test_version_pin_messages():
 
 
 def test_no_cuda_names_the_gpu_needed(monkeypatch):
-    from toolkit.runtime import exl3_backend
+    from toolkit.exl3 import backend as exl3_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ToolkitError, match=r"no CUDA GPU.*NVIDIA GPU.*compute capability 8\.0.*--backend torch") as e:
@@ -60,7 +60,7 @@ def test_no_cuda_names_the_gpu_needed(monkeypatch):
 
 
 def test_from_dirs_rejects_a_drafter_that_does_not_fit(pair, tmp_path):
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     target, draft = pair
     for key, value, pattern in (("hidden_size", 32, r"hidden_size: drafter has 32, target has 128"),
@@ -78,7 +78,7 @@ def test_from_dirs_rejects_a_drafter_that_does_not_fit(pair, tmp_path):
 
 
 def test_memory_check_says_needed_and_free(pair, monkeypatch):
-    from toolkit.runtime import exl3_backend
+    from toolkit.exl3 import backend as exl3_backend
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (256 * 1024**2, 80 * 1024**3))
     with pytest.raises(ToolkitError, match=r"not enough GPU memory on H200: loading needs about 0\.\d GiB .* 0\.2 GiB is free"):

@@ -14,11 +14,11 @@ from exl3_kv_fakes import FakeDrafter, KvFakeGenerator, make_kv_backend
 from test_exl3_backend import endless_prompts
 
 from toolkit.core.errors import ToolkitError
-from toolkit.runtime import exl3_defer
+from toolkit.exl3 import defer as exl3_defer
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
-from toolkit.runtime.exl3_hook import recording_generator_class
-from toolkit.runtime.exl3_options import Exl3Options, parse_lever
+from toolkit.exl3.hook import recording_generator_class
+from toolkit.exl3.options import Exl3Options, parse_lever
 
 
 def recording(monkeypatch, defer: bool, recurrent: bool = False, max_batch: int = 8):

@@ -8,8 +8,8 @@ import torch
 from exl3_fakes import FakeModel, make_backend
 
 from toolkit.core.errors import ToolkitError
-from toolkit.runtime.exl3_draft_levers import CausalWindowForward, set_draft_levers, set_graph_draft_swa
-from toolkit.runtime.exl3_options import ADOPTED, ChunkedForward, Exl3Options, parse_lever
+from toolkit.exl3.draft_levers import CausalWindowForward, set_draft_levers, set_graph_draft_swa
+from toolkit.exl3.options import ADOPTED, ChunkedForward, Exl3Options, parse_lever
 
 
 class FakeSWA:

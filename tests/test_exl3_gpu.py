@@ -27,7 +27,7 @@ def gpu_pair(pair):
 @pytest.fixture(scope="module")
 def exl3(gpu_pair):
     pytest.importorskip("exllamav3")
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     be = Exl3Backend.from_dirs(*gpu_pair, cache_tokens=8 * 512, max_concurrency=8)
     yield be

@@ -13,10 +13,10 @@ from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.runtime.exl3_options import ADOPTED
-from toolkit.runtime.exl3_policy import EXPLORE_EVERY, SWITCH_MARGIN, BatchPolicy, probe_widths
-from toolkit.runtime.learned_costs import MIN_SEEN, WARMUP, LearnedCosts, cost_report
-from toolkit.runtime.policy import CostTable
+from toolkit.exl3.options import ADOPTED
+from toolkit.policy.batch import EXPLORE_EVERY, SWITCH_MARGIN, BatchPolicy, probe_widths
+from toolkit.policy.learned import MIN_SEEN, WARMUP, LearnedCosts, cost_report
+from toolkit.policy.policy import CostTable
 
 B = 16
 
@@ -325,8 +325,8 @@ def capturing_cost(steady):
 
 
 def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeypatch, tmp_path):
-    from toolkit.runtime import exl3_calibrate
-    from toolkit.runtime.exl3_calibrate import TABLE_VERSION
+    from toolkit.exl3 import calibrate as exl3_calibrate
+    from toolkit.exl3.calibrate import TABLE_VERSION
 
     clock, raw = Clock(), []
     monkeypatch.setattr(FakeGenerator, "clock", clock)
@@ -348,8 +348,8 @@ def test_calibration_warms_every_width_up_and_times_only_replayed_rounds(monkeyp
 def test_the_decoding_like_calibration_times_text_prompts_in_stretches_without_syncing(monkeypatch, tmp_path):
     """DECODE_LIKE: each job prefills the built-in text from another prompt on, every width runs `stretch` rounds
     in a row of which the first `settle` are not timed, and no device synchronize brackets a round."""
-    from toolkit.runtime import exl3_calibrate
-    from toolkit.runtime.exl3_calibrate import DECODE_LIKE as CALIBRATION, calibration_widths, text_prompts, time_calibration
+    from toolkit.exl3 import calibrate as exl3_calibrate
+    from toolkit.exl3.calibrate import DECODE_LIKE as CALIBRATION, calibration_widths, text_prompts, time_calibration
 
     clock = Clock()
     monkeypatch.setattr(FakeGenerator, "clock", clock)

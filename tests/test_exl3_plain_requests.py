@@ -11,9 +11,9 @@ from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.runtime.exl3_options import ADOPTED
-from toolkit.runtime.exl3_policy import MAX_AR_REQUESTS, BatchPolicy
-from toolkit.runtime.policy import CostTable
+from toolkit.exl3.options import ADOPTED
+from toolkit.policy.batch import MAX_AR_REQUESTS, BatchPolicy
+from toolkit.policy.policy import CostTable
 
 B = 16
 TABLE = CostTable({1: {0: 10.0, 1: 14.0, 3: 14.0, 7: 14.0, 15: 14.0}})

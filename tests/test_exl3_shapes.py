@@ -13,9 +13,9 @@ from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend
 
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.runtime.exl3_options import ADOPTED
-from toolkit.runtime.exl3_policy import HORIZON, NEW_SHAPE_PRIOR, NEW_SHAPE_ROUNDS, BatchPolicy
-from toolkit.runtime.policy import CostTable
+from toolkit.exl3.options import ADOPTED
+from toolkit.policy.batch import HORIZON, NEW_SHAPE_PRIOR, NEW_SHAPE_ROUNDS, BatchPolicy
+from toolkit.policy.policy import CostTable
 
 B = 16
 FLAT = CostTable({4: {0: 16.0, 1: 18.0, 3: 18.0, 7: 18.0, 15: 18.0}})

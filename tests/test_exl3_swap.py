@@ -12,17 +12,17 @@ import pytest
 from exl3_fakes import ar_reference, install_loader
 
 from toolkit.core.errors import ToolkitError
-from toolkit.runtime import exl3_swap
+from toolkit.exl3 import swap as exl3_swap
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
-from toolkit.runtime.exl3_options import ADOPTED, Exl3Options
-from toolkit.runtime.exl3_swap import swap_draft
+from toolkit.exl3.options import ADOPTED, Exl3Options
+from toolkit.exl3.swap import swap_draft
 from toolkit.runtime.gpu_split import GpuSplit
 
 
 def load(pair, monkeypatch, devices=1, split=None, cache_tokens=4096):
     """An Exl3Backend from the fake loader; its Cache calls and the models' unloads are logged beside the loads."""
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     log = install_loader(monkeypatch, devices)
     be = Exl3Backend.from_dirs(*pair, cache_tokens=cache_tokens, max_concurrency=1, split=split)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from toolkit.core.errors import ToolkitError
-from toolkit.runtime import exl3_taps
+from toolkit.exl3 import taps as exl3_taps
 from toolkit.runtime.events import Round
-from toolkit.runtime.exl3_taps import EXPORT_LAYERS, EXPORTED, Exl3Target
+from toolkit.exl3.taps import EXPORT_LAYERS, EXPORTED, Exl3Target
 
 V, H, LAYERS = 40, 8, 5
 
@@ -150,7 +150,7 @@ def test_pinned_to_1_6_5(monkeypatch):
 
 
 def test_imports_without_exllamav3_or_cuda():
-    code = "import sys, toolkit.runtime.exl3_taps, toolkit.quant.engine; print('exllamav3' in sys.modules)"
+    code = "import sys, toolkit.exl3.taps, toolkit.quant.engine; print('exllamav3' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1], env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
     assert out.stdout.strip() == "False"

@@ -8,7 +8,7 @@ import torch
 
 from toolkit.runtime.events import Round, summarize, tokens_of
 from toolkit.runtime.loop import decode
-from toolkit.runtime.policy import (
+from toolkit.policy.policy import (
     COST_CACHE_ENV, Acceptance, CostTable, Hindsight, Policy, cached_costs, cost_dir, cost_key, interpolate,
     measure_torch_costs, measure_widths,
 )

@@ -10,7 +10,7 @@ import torch
 from toolkit.dflash import gather_taps
 from toolkit.runtime.events import Round, ar_verdict, tokens_of
 from toolkit.runtime.loop import decode
-from toolkit.runtime.policy import CostTable, Policy
+from toolkit.policy.policy import CostTable, Policy
 from toolkit.runtime.sampling import Sampler
 
 B = 16

@@ -127,7 +127,7 @@ def test_exl3_target_without_cuda_is_one_line(tmp_path, pair, exl3, monkeypatch,
 
 def test_exl3_engine_refuses_another_exllamav3(monkeypatch):
     from toolkit.quant.engine import Exl3Engine
-    from toolkit.runtime import exl3_taps
+    from toolkit.exl3 import taps as exl3_taps
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))

@@ -9,8 +9,8 @@ import json
 import pytest
 from exl3_fakes import Clock, FakeGenerator, make_backend
 
-import toolkit.runtime.benchgrid as bg
-import toolkit.runtime.exl3_backend as eb
+import toolkit.benchmark.grid as bg
+import toolkit.exl3.backend as eb
 from experiments.round_trace import RoundTrace, summarize
 from toolkit.runtime.backend import GenSettings
 

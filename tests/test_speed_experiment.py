@@ -155,7 +155,7 @@ def test_ar_mode_times_ar_today_and_cut_and_checks_the_output(monkeypatch, tmp_p
 def test_speed_ar_warms_up_untimed_then_keeps_only_the_repetitions(monkeypatch, tmp_path):
     import types
 
-    import toolkit.runtime.exl3_calibrate as cal
+    import toolkit.exl3.calibrate as cal
     from experiments.ar_rounds import time_variants
     from experiments.harness import Run
 

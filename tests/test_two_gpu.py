@@ -12,7 +12,7 @@ from exl3_fakes import ar_reference, install_loader
 from toolkit.core.errors import OptionError, ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
-from toolkit.runtime.exl3_memory import (
+from toolkit.exl3.memory import (
     GIB,
     check_memory,
     layer_weight_bytes,
@@ -155,7 +155,7 @@ def test_check_memory_refuses_per_device_against_free_memory(pair, monkeypatch):
 
 
 def load(pair, monkeypatch, devices, split, free=80.0):
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     log = install_loader(monkeypatch, devices, free)
     be = Exl3Backend.from_dirs(*pair, cache_tokens=4096, max_concurrency=4, split=split)
@@ -184,7 +184,7 @@ def test_load_arguments_per_split(pair, monkeypatch, devices, split, draft_kw, t
 def test_a_small_cache_loads_with_the_chunk_cut_to_it(pair, monkeypatch, cache_tokens, chunk):
     """exllamav3 loads over a (1, max_chunk_size) batch shape in the cache (default 2048): the quantize speed step's
     one-job cache (a few hundred tokens) failed with "Cache too small for batch shape" before the chunk was cut."""
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     log = install_loader(monkeypatch, 1)
     be = Exl3Backend.from_dirs(*pair, cache_tokens=cache_tokens, max_concurrency=1)
@@ -193,7 +193,7 @@ def test_a_small_cache_loads_with_the_chunk_cut_to_it(pair, monkeypatch, cache_t
 
 
 def test_from_dirs_refuses_before_loading(pair, monkeypatch):
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3.backend import Exl3Backend
 
     log = install_loader(monkeypatch, 1)
     with pytest.raises(OptionError, match="gpu_split lists 2 devices, this machine has 1 GPU"):
@@ -356,8 +356,8 @@ def test_a_target_loads_for_the_longest_forward_it_runs(pair, monkeypatch):
     tokens, not 2048, and the Generator prefills no more at once; without it, or at 2048 and up, as always."""
     from exl3_fakes import FakeGenerator
 
-    from toolkit.runtime import exl3_taps
-    from toolkit.runtime.exl3_backend import Exl3Backend
+    from toolkit.exl3 import taps as exl3_taps
+    from toolkit.exl3.backend import Exl3Backend
     from toolkit.runtime.factory import load_backend
 
     log = install_loader(monkeypatch, 1)

@@ -33,7 +33,7 @@ from .core.cli import entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_dir, claim
 from .runtime.backend import GenSettings
-from .runtime.benchgrid import (  # noqa: F401
+from .benchmark.grid import (  # noqa: F401
     Cell,
     best_per_concurrency,
     is_synthetic,
@@ -43,7 +43,7 @@ from .runtime.benchgrid import (  # noqa: F401
     run_grid,
     run_jobs,
 )
-from .runtime.exl3_options import ADOPTED, LEVERS, parse_lever
+from .exl3.options import ADOPTED, LEVERS, parse_lever
 from .runtime.factory import load_backend
 from .runtime.gpu_split import (
     DRAFT_HELP,
@@ -52,7 +52,7 @@ from .runtime.gpu_split import (
     GpuSplit,
     check_for_backend,
 )
-from .runtime.projection import ASSUMPTION, parse_taus
+from .benchmark.projection import ASSUMPTION, parse_taus
 
 PROMPT_BUDGET = 1024        # prompt tokens per job the exllamav3 cache is sized for (see --cache-tokens)
 

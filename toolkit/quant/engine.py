@@ -25,8 +25,8 @@ class Exl3Engine:
         if not torch.cuda.is_available():
             return (f"--target: {target} is an EXL3 model, and running it needs a CUDA GPU (none found here); "
                     "pass a BF16 target, or --no-calibrate --no-check")
-        from ..runtime.exl3_backend import MIN_CAPABILITY
-        from ..runtime.exl3_taps import check_pinned
+        from ..exl3.backend import MIN_CAPABILITY
+        from ..exl3.taps import check_pinned
 
         cap = tuple(torch.cuda.get_device_capability())
         if cap < MIN_CAPABILITY:
@@ -54,7 +54,7 @@ class Exl3Engine:
                     max_chunk: int | None = None):
         """The target alone: runtime.exl3_taps.Exl3Target (continue_greedy, forward, embedding_table,
         head_weight, close); `split` places it across GPUs (None: GPU 0); `max_chunk` bounds its forwards."""
-        from ..runtime.exl3_taps import open_target
+        from ..exl3.taps import open_target
 
         return open_target(folder, cache_tokens, max_concurrency, split=split, max_chunk=max_chunk)
 
@@ -67,7 +67,7 @@ class Exl3Engine:
 
     def swap_draft(self, backend, draft: Path) -> None:
         """Another drafter in a backend from open_backend: the target stays loaded (runtime.exl3_swap)."""
-        from ..runtime.exl3_swap import swap_draft
+        from ..exl3.swap import swap_draft
 
         swap_draft(backend, draft)
 

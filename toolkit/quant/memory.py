@@ -119,7 +119,7 @@ def hf_weights(folder: Path, cfg: dict) -> int | None:
 
 
 def cache(cfg: dict, tokens: int, slots: int) -> int:
-    from ..runtime.exl3_backend import cache_bytes
+    from ..exl3.backend import cache_bytes
 
     return cache_bytes(cfg, tokens, slots)
 

@@ -24,7 +24,7 @@ from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir, read_config
 from ..dflash import load_drafter
 from ..runtime.backend import encode_chat
-from ..runtime.exl3_taps import free_gpu
+from ..exl3.taps import free_gpu
 from ..runtime.gpu_split import GpuSplit
 from . import calibrate as cal
 from . import check as chk

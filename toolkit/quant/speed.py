@@ -85,7 +85,7 @@ def loaded(engine, setup: SpeedSetup, draft: Path) -> Iterator[Backend]:
         yield be
     finally:
         be.close()
-        from ..runtime.exl3_taps import free_gpu
+        from ..exl3.taps import free_gpu
 
         free_gpu()
 

@@ -54,7 +54,7 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
         from .torch_backend import TorchBackend
 
         return TorchBackend.from_dirs(target, draft, device=device, dtype=dtype or torch.float32)
-    from .exl3_backend import Exl3Backend
+    from ..exl3.backend import Exl3Backend
 
     return Exl3Backend.from_dirs(target, draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
                                  options=options, split=split, max_chunk=max_chunk)

@@ -13,7 +13,7 @@ import time
 from typing import Iterator, Protocol
 
 from .events import Round
-from .policy import Policy
+from ..policy.policy import Policy
 from .sampling import Sampler
 
 

@@ -27,7 +27,7 @@ from ..core.target import TargetInfo
 from .backend import Backend, GenSettings
 from .events import Round
 from .loop import decode
-from .policy import CostTable, Policy, cached_costs, cost_key, measure_torch_costs
+from ..policy.policy import CostTable, Policy, cached_costs, cost_key, measure_torch_costs
 from .sampling import Sampler
 
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)

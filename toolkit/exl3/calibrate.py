@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.errors import ToolkitError
-from .backend import GenSettings
-from .learned_costs import QUANTILE, low_quantile
+from ..runtime.backend import GenSettings
+from ..policy.learned import QUANTILE, low_quantile
 
 PAGE = 256                         # exllamav3's cache page size
 CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)

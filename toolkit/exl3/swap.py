@@ -15,11 +15,11 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
-from . import gpu_split
-from .exl3_backend import Exl3Backend, load_drafter, load_failure
-from .exl3_draft_levers import set_draft_levers
-from .exl3_options import Exl3Options
-from .exl3_taps import free_gpu
+from ..runtime import gpu_split
+from .backend import Exl3Backend, load_drafter, load_failure
+from .draft_levers import set_draft_levers
+from .options import Exl3Options
+from .taps import free_gpu
 
 
 def swap_draft(be: Exl3Backend, draft: str | Path) -> None:

@@ -30,8 +30,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..core.errors import ToolkitError
-from .events import Round
-from .exl3_defer import KvBacklog, deferred_iterate_gen
+from ..runtime.events import Round
+from .defer import KvBacklog, deferred_iterate_gen
 
 PINNED_VERSION = "1.6.5"
 HOOKED = "iterate_draftmodel_dflash_gen"

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .exl3_calibrate import PAGE
+from .calibrate import PAGE
 
 DEFER_ROUNDS = 64          # AR rounds kept before they are written anyway (bounds the tap states held)
 

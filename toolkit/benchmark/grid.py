@@ -22,11 +22,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..core.target import read_optional
-from .backend import Backend, GenSettings
-from .events import Round, summarize, tokens_of
-from .exl3_options import ADOPTED, Exl3Options
-from .learned_costs import cost_report
-from .policy import CostTable, Policy
+from ..runtime.backend import Backend, GenSettings
+from ..runtime.events import Round, summarize, tokens_of
+from ..exl3.options import ADOPTED, Exl3Options
+from ..policy.learned import cost_report
+from ..policy.policy import CostTable, Policy
 from .projection import project, spread
 
 
@@ -97,7 +97,7 @@ def is_synthetic(*folders) -> bool:
 def use_options(be: Backend, options: Exl3Options | None) -> None:
     """Switch an exllamav3 backend's generator options (the toolkit's defaults, ADOPTED, when None); other backends
     take none."""
-    from .exl3_backend import Exl3Backend
+    from ..exl3.backend import Exl3Backend
 
     if isinstance(be, Exl3Backend):
         be.set_options(options or ADOPTED)
@@ -105,7 +105,7 @@ def use_options(be: Backend, options: Exl3Options | None) -> None:
 
 def auto_policy(be: Backend, settings: GenSettings) -> Policy | None:
     """The auto policy a backend decodes `settings` with (None before its first auto run, or without one)."""
-    from .exl3_backend import Exl3Backend
+    from ..exl3.backend import Exl3Backend
 
     greedy = settings.temperature <= 0
     key = (greedy, be.options.tag) if isinstance(be, Exl3Backend) else greedy
@@ -115,7 +115,7 @@ def auto_policy(be: Backend, settings: GenSettings) -> Policy | None:
 def calibration_tokens(be: Backend) -> dict[int, dict[int, float]] | None:
     """{c: {w: tokens a job emitted per calibration round}} of an exllamav3 backend's current options, if it timed
     its table in this process (a table read from the cost cache has none)."""
-    from .exl3_backend import Exl3Backend
+    from ..exl3.backend import Exl3Backend
 
     return be.calibration_tokens.get(be.options.tag) if isinstance(be, Exl3Backend) else None
 

@@ -43,22 +43,22 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
-from .backend import Backend, GenSettings
-from .events import Round
-from .exl3_hook import (
+from ..runtime.backend import Backend, GenSettings
+from ..runtime.events import Round
+from .hook import (
     JobTrack,
     build_round,
     check_version,
     exllamav3_version,
     recording_generator_class,
 )
-from .exl3_memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
-from .exl3_draft_levers import set_draft_levers
-from .exl3_options import ADOPTED, Exl3Options, set_chunked_verify
-from .exl3_calibrate import PAGE, TABLE_VERSION, calibrate
-from .exl3_policy import BatchPolicy
-from .gpu_split import GpuSplit, device_count
-from .policy import CostTable, cached_costs, cost_key, device_name
+from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
+from .draft_levers import set_draft_levers
+from .options import ADOPTED, Exl3Options, set_chunked_verify
+from .calibrate import PAGE, TABLE_VERSION, calibrate
+from ..policy.batch import BatchPolicy
+from ..runtime.gpu_split import GpuSplit, device_count
+from ..policy.policy import CostTable, cached_costs, cost_key, device_name
 
 MIN_CAPABILITY = (8, 0)
 LOAD_CHUNK = 2048       # exllamav3 1.6.5 Model.load's default max_chunk_size
@@ -209,7 +209,7 @@ class Exl3Backend(Backend):
                 where = "" if split.default else f" ({split.tag})"
                 raise ToolkitError(f"exllamav3 cannot load {target} / {draft}{where}: {why}") from None
             raise
-        from .torch_backend import load_hf_tokenizer
+        from ..runtime.torch_backend import load_hf_tokenizer
 
         folders = (target, draft) if draft is not None else (target,)
         return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ToolkitError
-from .backend import GenSettings
-from .exl3_hook import PINNED_VERSION, check_version, exllamav3_version
+from ..runtime.backend import GenSettings
+from .hook import PINNED_VERSION, check_version, exllamav3_version
 
 EXPORT_LAYERS = "export_state_layers"    # params key: the layer indices whose outputs a forward exports
 EXPORTED = "export_states"               # params key: the exported outputs, in layer order
@@ -152,7 +152,7 @@ def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int, spl
                 max_chunk: int | None = None) -> Exl3Target:
     """Load an EXL3 target folder alone (no drafter) through the exllamav3 backend (`split`: its GPUs, None = GPU 0;
     `max_chunk`: the longest sequence it will forward, rounded up to 256, which its load measures)."""
-    from .factory import load_backend
+    from ..runtime.factory import load_backend
 
     check_pinned()
     backend = load_backend("exllamav3", folder, None, cache_tokens=cache_tokens, max_concurrency=max_concurrency,

@@ -34,8 +34,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .events import Round
-from .sampling import Sampler
+from ..runtime.events import Round
+from ..runtime.sampling import Sampler
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
 
@@ -156,7 +156,7 @@ def measure_torch_costs(target, drafter, block_size: int | None = None, context:
                         widths: Iterable[int] | None = None,
                         stat: Callable[[list[float]], float] = statistics.median) -> CostTable:
     """Time rounds of a transformers target + reference drafter (the torch backend, one sequence: c = 1)."""
-    from .torch_backend import TorchSteps        # lazy: torch_backend may import this module
+    from ..runtime.torch_backend import TorchSteps        # lazy: torch_backend may import this module
 
     B = block_size or drafter.config.block_size
     vocab = int(target.get_input_embeddings().weight.shape[0])

@@ -54,9 +54,9 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 
-from .events import Round
-from .exl3_calibrate import CALIBRATION_WARM
-from .learned_costs import MIN_SEEN, WARMUP, LearnedCosts, as_ms
+from ..runtime.events import Round
+from ..exl3.calibrate import CALIBRATION_WARM
+from .learned import MIN_SEEN, WARMUP, LearnedCosts, as_ms
 from .policy import Hindsight, Policy
 
 EXPLORE_EVERY = 32                 # drafting rounds between two cost probes, at least

@@ -17,7 +17,7 @@ target's (greedy output identical to AR); the drafted ids can differ only by ker
 
 from __future__ import annotations
 
-from .exl3_options import set_chunked_verify, set_forward_wrap
+from .options import set_chunked_verify, set_forward_wrap
 
 
 class CausalWindowForward:
