@@ -3,7 +3,7 @@
 With no models it serves an embedded demo on tiny models (CPU, offline). On a GPU with exllamav3 installed:
 python app.py --target <EXL3 model or Hub id> --draft <DFlash drafter>. Env vars DFLASH_TARGET, DFLASH_DRAFT,
 DFLASH_BACKEND, DFLASH_DEVICE do the same (for Spaces); on several GPUs --gpu-split / --tensor-parallel /
---draft-device, or DFLASH_GPU_SPLIT / DFLASH_TENSOR_PARALLEL / DFLASH_DRAFT_DEVICE, place the models. See docs/app.md and docs/space.md.
+--draft-device, or DFLASH_GPU_SPLIT / DFLASH_TENSOR_PARALLEL / DFLASH_DRAFT_DEVICE, place the models. See docs/app.md.
 """
 
 import os

@@ -6,12 +6,9 @@ same answer (greedy, identical tokens checked). Modes:
 - `auto`: `TorchBackend.generate` with block_size "auto" (the drafting policy, its cost table timed once and
   cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as the app's
   first turn does, else one policy learns over all answers as a running app's does;
-- `aronly`: the policy's AR rounds alone (a policy that never drafts nor probes): the cost of the tap capture;
-- `eager`: the same with the capture of before issue 16 (all hidden states, the drafter's context extended every
-  round);
 - `fixedN`: every round verifies N-1 drafts.
-Runs here on the CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1`;
-writes `$OUT/auto_cpu.json` (default /tmp/out). Feeds docs/generate.md, "Measured on a CPU", and docs/app.md.
+Runs on a CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1`; writes
+`$OUT/auto_cpu.json` (default /tmp/out).
 """
 
 from __future__ import annotations
@@ -42,12 +39,8 @@ def load_pair(pair: str):
 
 
 def decoder(be, mode: str, ids: list[int], max_new: int, cold: bool):
-    """The Round generator of one mode ("ar", "auto", "aronly", "eager" or "fixedN")."""
-    from toolkit.runtime import torch_backend as tb
+    """The Round generator of one mode ("ar", "auto" or "fixedN")."""
     from toolkit.runtime.backend import GenSettings
-    from toolkit.runtime.loop import decode
-    from toolkit.policy.policy import CostTable, Policy
-    from toolkit.runtime.sampling import Sampler
 
     s = GenSettings(max_new_tokens=max_new)
     if mode == "ar":
@@ -58,15 +51,9 @@ def decoder(be, mode: str, ids: list[int], max_new: int, cold: bool):
             for _ in be.generate(be.encode("Hello"), GenSettings(max_new_tokens=4)):   # the app's warm-up
                 pass
         return be.generate(ids, s)
-    if mode.startswith("fixed"):
+    if mode.startswith("fixed") and mode[5:].isdigit():
         return be.generate(ids, GenSettings(max_new_tokens=max_new, block_size=int(mode[5:])))
-    never = Policy.auto(be.block_size, CostTable({1: {0: 1.0, 1: 100.0}}))
-    never.min_probe_every = never.probe_every = never.gap = 1 << 30
-    steps = tb.TorchSteps(be.target, be.drafter)
-    if mode == "eager":
-        steps.hidden, keep = True, steps._keep
-        steps._keep = lambda taps: (keep(taps), steps.flush())
-    return decode(steps, list(ids), max_new, Sampler(), set(be.eos_ids), policy=never)
+    raise ValueError(f"unknown mode {mode!r}")
 
 
 def lockstep(be, mode: str, ids: list[int], max_new: int, cold: bool) -> dict:
@@ -108,12 +95,14 @@ def compare(be, pair: str, modes: list[str], reps: int, max_new: int, cold: bool
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.auto_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=sorted(PROMPTS), default="smollm2")
-    ap.add_argument("--modes", default="auto,aronly,eager,fixed16", help="comma-separated: auto, aronly, eager, fixedN")
+    ap.add_argument("--modes", default="auto,fixed16", help="comma-separated: auto, fixedN")
     ap.add_argument("--reps", type=int, default=3, help="lockstep runs per prompt and mode (median reported)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="the app's default")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the app runs)")
     ap.add_argument("--cold", action="store_true", help="a fresh policy for every auto answer (the app's first turn)")
     a = ap.parse_args(argv)
+    if any(m != "auto" and not (m.startswith("fixed") and m[5:].isdigit()) for m in a.modes.split(",")):
+        ap.error(f"--modes {a.modes}: each one auto or fixedN")
     import torch
 
     if a.threads:

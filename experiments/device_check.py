@@ -5,7 +5,7 @@
 Builds the fixtures (the trained tiny pair; its drafter as BF16 and as EXL3 4.0 bpw; a random
 Qwen3.5-MoE-shaped target with recurrent layers), then checks: greedy losslessness against the backend's own
 AR baseline token for token over 24 prompts, per drafter and block size, and on the MoE target converted to EXL3
-with and without issue 16's chunked_verify lever (`moe_chunked`); that every Round is consistent with
+(`moe_exl3`); the adopted graph_draft_swa lever off and on (`draft_swa`); that every Round is consistent with
 the final tokens (and with the unhooked library generator's); the stream shape against the torch backend;
 the hook's per-round overhead; tok/s of AR and speculative through the bench CLI. Every check runs even when
 an earlier one fails; failures are recorded with their traceback; once the budget is spent, checks not yet
@@ -29,13 +29,13 @@ from pathlib import Path
 from experiments.harness import Run, convert_exl3, device_name, free_cuda, tail
 from experiments.exl3_timing import run_jobs
 from experiments.lossless import doc_prompts, lossless, reference_agreement
-from experiments.stream_shape import assert_stream_shape
+from tests.stream_shape import assert_stream_shape
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "moe_chunked", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_exl3", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -67,7 +67,7 @@ def build_fixtures(ctx: Ctx) -> dict:
 
     WORK.mkdir(parents=True, exist_ok=True)
     fix, out = ctx.fix, {}
-    if all(c.startswith("moe") for c in ctx.checks):       # --checks moe,moe_chunked: the MoE pair alone
+    if all(c.startswith("moe") for c in ctx.checks):       # --checks moe,moe_exl3: the MoE pair alone
         return {**out, **moe_fixture(ctx)}
     try:                                   # trained hidden-128 pair (exllamav3 cannot load the hidden-64 one)
         steps = {"target_steps": 400, "draft_steps": 700, "sequences": 256} if ctx.quick else {}
@@ -181,34 +181,27 @@ def off_and_on(ctx: Ctx, be, prompts, lever: str, names: tuple[str, str], label:
     return sum(a == b for a, b in zip(spec[True], spec[False]))
 
 
-def check_moe_chunked(ctx: Ctx) -> dict:
-    """Issue 16's chunked_verify lever on the trained MoE target converted to EXL3 4.0 bpw (the fused MoE path it
-    splits exists only for quantized experts): one job at B=16 verifies 16 rows, chunked into two passes of 8.
-    Passes when the lever changes no output of the stock speculative run; both runs' agreement with AR is recorded."""
+def check_moe_exl3(ctx: Ctx) -> dict:
+    """The trained MoE target converted to EXL3 4.0 bpw (exllamav3's fused MoE kernels serve only quantized
+    experts): greedy speculative output at B=16 against the backend's own AR, one job and batched."""
     from toolkit.exl3.backend import Exl3Backend
-    from toolkit.exl3.options import chunkable
 
     dst = WORK / "moe_exl3"
     out = {"convert": convert_exl3(ctx.fix["moe_target"], dst, 4.0) if not (dst / "config.json").is_file() else "kept"}
     be = Exl3Backend.from_dirs(dst, ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
-    prompts = doc_prompts(be.tokenizer, n=20)
     try:
-        moe = [m for m in be.model if isinstance(m, be.moe_class())]
-        out["moe_layers"], out["chunkable_layers"] = len(moe), sum(chunkable(m, {}) for m in moe)
-        same = off_and_on(ctx, be, prompts, "chunked_verify", ("stock", "chunked"), "moe_exl3", out, "moe_chunked_detail")
-        # near-ties can part stock from AR too (15:20 UTC run)
-        out["chunked_equals_stock"] = f"{same}/{len(prompts)}"
-        assert out["chunkable_layers"], "no MoE layer of the EXL3 target can be chunked: the check proves nothing"
-        assert same == len(prompts), f"chunked_verify changed {len(prompts) - same} outputs of the stock speculative run"
+        res = out["B16"] = lossless(be, doc_prompts(be.tokenizer, n=20), 16, "moe_exl3", ctx.max_new)
+        del res["_ar"], res["_spec"]
+        assert res["ok"], f"moe_exl3: lossless on {res['lossless_1job']} prompts"
         return out
     finally:
         free_cuda(be)
 
 
 def check_draft_swa(ctx: Ctx) -> dict:
-    """Issue 16's graph_draft_swa on the trained pair's EXL3 drafter (a causal sliding layer + a full one): B=16 with
-    the lever off and on. Passes when both are lossless and the lever drafts what the eager path drafts (same
-    speculative output, tau within 2 %: the graphed kernels round differently)."""
+    """The adopted graph_draft_swa lever on the trained pair's EXL3 drafter (a causal sliding layer + a full one):
+    B=16 with the lever off and on. Passes when both are lossless and the lever drafts what the eager path drafts
+    (same speculative output, tau within 2 %: the graphed kernels round differently)."""
     from toolkit.exl3.backend import Exl3Backend
     from toolkit.exl3.draft_levers import exllamav3_classes
 
@@ -370,7 +363,7 @@ def check_errors(ctx: Ctx) -> dict:
 
 
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
-         "moe_chunked": ("moe_chunked_verify", check_moe_chunked), "draft_swa": ("graph_draft_swa", check_draft_swa),
+         "moe_exl3": ("moe_exl3", check_moe_exl3), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
 

@@ -1,5 +1,5 @@
-"""Issue 16: where the DFlash drafter's step goes on exllamav3. On the real shape it takes 4.5-5.2 ms of every round
-at c=1 (about 75 % of an AR step of the 35B target) for a 0.39B model at a fixed 16-row shape.
+"""Where the DFlash drafter's step goes on exllamav3: on the real shape a 0.39B model at a fixed 16-row shape, run
+every round, costs a large share of an AR step of the 35B target.
 
 On the synthetic Qwen3.6-35B-A3B pair of experiments/speed.py (target 4.0 bpw, drafter 6.0 bpw in /tmp/speed,
 synthesised when absent), steady dummy jobs verify w = 7 (the drafter runs its whole block whatever w is) at each
@@ -18,8 +18,7 @@ If `host` adds up to about `step` and the GPU idles for most of the step, the st
 
     source .device/on-device.sh && timeout 300 python -m experiments.draft_step               (carry [".device"])
 
-Writes $OUT/draft_step.json after every step. First run on an H100 on 2026-12-06 (docs/benchmarks.md, session 18):
-the c=1 step was host-bound (~1.0 ms of kernels in 2.8 ms), c=8 kernel-bound.
+Writes $OUT/draft_step.json after every step.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def profile_draft(gen, rounds: int) -> dict:
 def step_accounting(events, mark: str = "dflash_draft_step") -> dict:
     """Per step marked `mark`: wall, GPU-busy and GPU-idle ms, kernel launches and the kernels by total ms.
     record_function also leaves a GPU-side range named `mark`: the steps are its CPU ranges and the kernels
-    exclude it (session 18 counted it as one long kernel and every step twice)."""
+    exclude it (else it counts as one long kernel and every step twice)."""
     from torch.autograd import DeviceType
 
     from experiments.speed import busy
@@ -218,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=WORK, help="where the synthetic checkpoints live (default /tmp/speed)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--levers", nargs="*", default=[], help="levers timed against stock, interleaved (NAME[=VALUE], "
-                    "several joined by '+'), e.g. graph_draft_swa chunked_draft_mlp")
+                    "several joined by '+'), e.g. graph_draft_swa")
     ap.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10; fewer if the budget runs out)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds per mode and repetition (default 8)")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")

@@ -117,7 +117,7 @@ class Run:
 
 def warm_up(run: Run, out: dict, passes: int, one_pass: Callable[[int], object]) -> None:
     """one_pass(i) for i < passes, untimed, before the repetitions: a process's first pass meets every shape cold
-    (64 s against ~8 s later on the H100, session 18) and Repetitions sizes the budget by its longest repetition.
+    (64 s against ~8 s later on an H100) and Repetitions sizes the budget by its longest repetition.
     Their seconds go to out["warmup_seconds"]."""
     for i in range(passes):
         t0 = time.time()

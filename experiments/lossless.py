@@ -10,7 +10,7 @@ import torch
 
 from experiments.exl3_timing import run_jobs
 from experiments.harness import free_cuda
-from experiments.stream_shape import assert_stream_shape
+from tests.stream_shape import assert_stream_shape
 from toolkit.quant.speed import first_difference
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import summarize, tokens_of

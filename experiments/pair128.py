@@ -5,7 +5,7 @@ renames a Qwen3.5-MoE fixture's tensors to the `model.language_model.` prefix ex
 
     source .device/on-device.sh && python -m experiments.pair128 --out /tmp/pair128 [--moe [--trained]]
 
-device_check, app_device, quantize_device and perf_synth build their fixtures with these functions.
+device_check, app_device and quantize_device build their fixtures with these functions.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m experiments.speed pair`'s library: the SmolLM2 pair (padded for exllamav3, optionally with an EXL3 copy
-of the drafter) through toolkit.bench, and issue 16's pair targets read from its result."""
+of the drafter) through toolkit.bench, and the pair's targets read from its result."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from experiments.round_trace import RoundTrace, summarize
 
 
 def pair_targets(result: dict) -> dict:
-    """Issue 16's real-pair targets: auto >= 2.0x AR at c=1, within 3 % of the best fixed width at every c, never
+    """The pair's targets: auto >= 2.0x AR at c=1, within 3 % of the best fixed width at every c, never
     more than 5 % slower than AR, and lossless. "Within 3 %" reads the paired ratio per repetition (the median of
     bench.json's "auto_over_best_fixed", also given as "paired", with the first repetition apart from the median of
     the later ones) when the cell has one; older files: the medians. The auto cell's new-shape excess and count of
@@ -74,7 +74,7 @@ def run_pair(run: Run, a) -> None:
     def measure() -> dict:
         r = bench(str(pt), str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=a.block_sizes,
                   concurrency=a.concurrency, max_new_tokens=a.max_new_tokens, limit=a.limit, reps=a.reps,
-                  levers=a.levers, out=str(run.path.parent / "pair"), quiet=True,
+                  out=str(run.path.parent / "pair"), quiet=True, **({"levers": a.levers} if a.levers else {}),
                   minutes=max(0.5, (run.left() - 150) / 60))     # loading (~25-90 s) comes first: a margin
         keep = ("block_size", "concurrency", "lever", "tok_s", "speedup", "lossless", "tau", "round_ms", "t_ar_ms",
                 "width_histogram", "spread", "tok_s_reps", "auto_over_best_fixed")

@@ -1,10 +1,10 @@
-"""Device run of toolkit.quant (issue 3), end to end with the real exllamav3 converter; prints and writes JSON.
+"""Device run of toolkit.quant, end to end with the real exllamav3 converter; prints and writes JSON.
 
   source .device/on-device.sh && python -m experiments.quantize_device --out "$OUT"     (carry [".device"])
 
 1. fixture: a tiny target + DFlash drafter trained on the GPU (hidden 128, a multiple of exllamav3's 128 tiles),
    converted at 2, 4 and 8 bits, calibrated and uncalibrated, checked (KL, top-1, τ, tap_shift).
-2. real shape: a random drafter with the issue's upstream shape (quantize/shapes/qwen3.6-35b-a3b-dflash.json:
+2. real shape: a random drafter with the upstream drafter's shape (quantize/shapes/qwen3.6-35b-a3b-dflash.json:
    6 layers, hidden 2048, 5 sliding + 1 full, taps for 40 target layers), converted per bitrate uncalibrated,
    plus one calibrated with synthetic Hessians; timed.
 Targets: top-1 at 8 bits >= 0.99 on the fixture; <= 120 s per bitrate for the real shape.

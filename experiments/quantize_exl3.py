@@ -1,4 +1,4 @@
-"""toolkit.quantize with an EXL3 target on the device (issue 17): the full Qwen3.6-35B-A3B recipe on the real shape,
+"""toolkit.quantize with an EXL3 target on the device: the full Qwen3.6-35B-A3B recipe on the real shape,
 timed end to end with its peak GPU memory, and the SmolLM2 pair for real τ per bitrate on exllamav3.
 
 `shape` on a fresh machine takes two calls, each inside the device's 600 s per command (carry [".device"] both):
@@ -213,7 +213,7 @@ def stop_on_sigterm(run: Run):
 
 
 def summary(rep: dict) -> dict:
-    """What docs/benchmarks.md needs from a report: time and memory per step, τ and speed per bitrate."""
+    """What the results page needs from a report: time and memory per step, τ and speed per bitrate."""
     if not rep:
         return {}
     return {

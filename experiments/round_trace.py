@@ -3,7 +3,7 @@ when it started, the width asked, the decoding jobs, its wall ms and the tokens 
 medians say that `auto` trails the best fixed width by 3 %; the trace says where (rounds at exploratory widths,
 dearer rounds at the same width, or time between rounds).
 
-    python -m experiments.round_trace docs/speed_2026-12-06-s20/trace_call10_trace.jsonl.gz     (here, on the CPU)
+    python -m experiments.round_trace experiments/results/traces/trace_call10_trace.jsonl.gz     (on the CPU)
 
 prints, per bench cell, its rounds and tokens, the summed iterate() ms, the host time between iterates, tokens
 per ms over both, and per width the rounds, median ms and tokens per round of its one-job rounds.
@@ -111,7 +111,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def read(path: Path) -> list[dict]:
-    """The rows of a trace.jsonl, or of a gzipped one (.gz: how docs/speed_* keep them)."""
+    """The rows of a trace.jsonl, or of a gzipped one (.gz: how experiments/results/traces keeps them)."""
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

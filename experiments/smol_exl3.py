@@ -1,4 +1,4 @@
-"""The SmolLM2 pair on exllamav3 (issue 8, device call 3): tau per backend, speedup vs AR, tau per EXL3 bitrate.
+"""The SmolLM2 pair on exllamav3, after smol_device run: tau per backend, speedup vs AR, tau per EXL3 bitrate.
 
 Runs right after `python -m experiments.smol_device run` on the same warm machine (inside its 30 s idle window),
 reading the prepared target and the freshly trained drafter from /tmp/smol-run (or SMOL_TARGET / SMOL_DRAFT):

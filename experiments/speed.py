@@ -1,5 +1,5 @@
-"""Issue 16's speed story on the H200: round costs of the real shape with and without each lever, the host time
-our code adds per round, the projected speedup at the published tau, and the real pair's measured tok/s.
+"""Decoding speed on exllamav3: round costs of the real shape with and without each lever, the host time our code
+adds per round, the projected speedup at the published tau, and the SmolLM2 pair's measured tok/s.
 
 Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after every step):
 
@@ -9,30 +9,18 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
    6.0 bpw into /tmp/speed (skipped when present: a warm machine keeps /tmp), and load them (Exl3Backend);
 2. t_AR (the Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR round of
    the speculative Generator, drafter K/V kept: what the policy's AR rounds cost, reported against t_AR as
-   `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever
-   (graph_draft_swa, sparse_draft_head=32768, draft_max_rows=8, chunked_verify; "A+B" joins levers), after
-   `--warmup` untimed passes (default 1: a
-   process's first pass meets every shape cold), >= 10 repetitions interleaved: every
-   repetition times every (c, setting), each on c steady-state dummy jobs with 1k-token prompts, one untimed
-   round per width then one timed pass over the widths (toolkit.exl3.calibrate.time_rounds, the same timer
-   as the backend's calibration); medians and spread per cell;
+   `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever of `--levers` (default the adopted
+   graph_draft_swa; NAME[=VALUE], "A+B" joins levers), after `--warmup` untimed passes (default 1: a process's
+   first pass meets every shape cold), >= 10 repetitions interleaved: every repetition times every (c, setting),
+   each on c steady-state dummy jobs with 1k-token prompts, one untimed round per width then one timed pass over
+   the widths (toolkit.exl3.calibrate.time_rounds, the same timer as the backend's calibration); medians and
+   spread per cell;
 3. host time at c=1, w=7: wall ms per round of exllamav3's Generator, of our recording subclass (the capture), and
    of our whole policy path (full-block capture, Round assembly, hindsight), `--profile-reps` interleaved windows
    each (medians: what our code adds), the last one under torch.profiler (GPU busy and idle);
 4. the projection at the published tau (DF-16 7.63, DF-8 5.74; geometric per-position acceptance, see
    toolkit.benchmark.projection) for exllamav3's defaults and for the policy, per setting and c.
 Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
-
-Mode `ar`, the policy's AR rounds with and without the defer_draft_kv lever (experiments/ar_rounds.py; same
-synthetic pair, reused from /tmp/speed when present; about 5-8 minutes, to $OUT/speed.json):
-
-    source .device/on-device.sh && timeout 570 python -m experiments.speed ar                   (carry [".device"])
-
-times t_AR (no drafter) against stretches of 16 AR rounds plus one drafted round (w = 7) of the speculative
-Generator with exllamav3's per-token drafter K/V update (`today`) and with defer_draft_kv (`cut`), at c in
-{1, 4, 8, 16}, >= 10 interleaved repetitions (medians and spread of the w = 0 rounds' mean and median, the drafted
-round, the whole stretch), then a greedy check at c in {1, 4}: tokens of AR, today and cut, and today's Round
-stream (drafted, accepted, bonus) against the cut's. `--concurrency 1 4` if the budget runs short.
 
 Mode `pair`, the SmolLM2-135M pair with its shipped drafter (toolkit/data/smollm2_dflash), after the target was
 staged on the same warm machine (experiments/smol_device.py: call 1 carries .smol1/part1, call 2 runs
@@ -42,8 +30,8 @@ staged on the same warm machine (experiments/smol_device.py: call 1 carries .smo
 
 pads both to hidden 768 (toolkit.assets.padding, as experiments/smol_exl3.py does) and runs toolkit.bench on
 exllamav3: AR, fixed B=16, fixed B=8 and auto at c in {1, 4, 8} on the held-out prompts, >= 10 repetitions
-interleaved, greedy output checked against AR (the lossless column), dynamic_draft_tokens as a lever; bench.json
-and bench.png go to $OUT/pair, the summary and the issue's targets to $OUT/speed.json ("within 3 % of the best
+interleaved, greedy output checked against AR (the lossless column), `--levers` as extra cells; bench.json
+and bench.png go to $OUT/pair, the summary and the pair's targets to $OUT/speed.json ("within 3 % of the best
 fixed width" from auto's paired ratio per repetition, bench.json's "auto_over_best_fixed").
 """
 
@@ -63,7 +51,7 @@ SHAPES = ROOT / "quantize" / "shapes"
 WORK = Path("/tmp/speed")
 SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 1, 3, 5, 7, 11, 15)
-SHAPE_LEVERS = ("graph_draft_swa", "sparse_draft_head", "draft_max_rows", "chunked_verify")
+SHAPE_LEVERS = ("graph_draft_swa",)                # the adopted lever; `--levers` times others against stock
 
 
 # -- pure helpers (tested on the CPU) --------------------------------------------------------------------------
@@ -90,7 +78,7 @@ def cell_summary(samples: dict) -> dict:
 
 def projection_rows(ar: dict[int, list[float]], sets: dict[str, dict[int, dict[int, list[float]]]], taus) -> list[dict]:
     """Projected speedups per setting, c and tau from the repetitions' medians (t_AR from the drafter-less Generator)."""
-    from toolkit.policy.policy import CostTable
+    from toolkit.policy.costs import CostTable
     from toolkit.benchmark.projection import project, spread
 
     rows = []
@@ -114,7 +102,7 @@ def ar_overhead(ar: dict[int, list[float]], stock: dict[int, dict[int, list[floa
 
 
 def shape_targets(rows: list[dict]) -> dict:
-    """Issue 16's real-shape targets at c=1, DF-16: the policy with the toolkit's defaults (ADOPTED, when timed as a
+    """The real-shape targets at c=1, DF-16: the policy with the toolkit's defaults (ADOPTED, when timed as a
     lever; else stock) >= 1.3x exllamav3's stock defaults and >= 2.2x AR."""
     from toolkit.exl3.options import ADOPTED
 
@@ -236,12 +224,12 @@ VARIANTS = ("exllamav3", "recording", "policy")
 def start_variant(be, name: str, prompts, st, w: int):
     """(step, close) of one variant at width w, past 4 warm rounds: exllamav3's own Generator, our recording
     subclass, or our whole policy path (decode_many with a policy forced to w)."""
-    from toolkit.policy.batch import BatchPolicy
-    from toolkit.policy.policy import CostTable
+    from toolkit.policy.chooser import Policy
+    from toolkit.policy.costs import CostTable
 
     if name == "policy":
-        class Forced(BatchPolicy):
-            def width(self):
+        class Forced(Policy):
+            def width(self, jobs: int = 1) -> int:
                 return w
 
         it = be.decode_many(prompts, be._jobs(prompts, st), 0, Forced(be.block_size, CostTable({1: {0: 1.0, 1: 1.0}})))
@@ -332,19 +320,6 @@ def main(argv: list[str] | None = None) -> int:
                    "profile; the last one under torch.profiler (default 5)")
     s.add_argument("--reserve-s", type=float, default=60.0, help="budget kept for the profile and projection (default 60)")
     s.add_argument("--warmup", type=int, default=1, help="untimed passes over every cell before the repetitions (default 1)")
-    r = sub.add_parser("ar", help="AR rounds of the speculative Generator: per-token drafter K/V update vs defer_draft_kv")
-    r.add_argument("--work", type=Path, default=WORK, help="where the synthetic checkpoints live (default /tmp/speed)")
-    r.add_argument("--resynth", action="store_true", help="synthesise again even when present")
-    r.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    r.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10; fewer if the budget runs out)")
-    r.add_argument("--passes", type=int, default=1, help="timed stretches per cell and repetition (default 1)")
-    r.add_argument("--stretch", type=int, default=16, help="AR rounds before each drafted round (default 16)")
-    r.add_argument("--draft-width", type=int, default=7, help="width of the drafted round ending a stretch (default 7)")
-    r.add_argument("--context", type=int, default=1024, help="prompt tokens of each dummy job (default 1024)")
-    r.add_argument("--check-concurrency", type=int, nargs="+", default=[1, 4], help="c of the greedy check")
-    r.add_argument("--check-tokens", type=int, default=96, help="new tokens per job in the greedy check (default 96)")
-    r.add_argument("--reserve-s", type=float, default=40.0, help="budget kept for the greedy check (default 40)")
-    r.add_argument("--warmup", type=int, default=1, help="untimed passes over every cell before the repetitions (default 1)")
     p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")
     p.add_argument("--work", type=Path, default=SMOL / "speed", help="padded copies go here (default /tmp/smol-run/speed)")
     p.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")))
@@ -354,10 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--limit", type=int, default=8, help="held-out prompts per cell (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--levers", nargs="*", default=["dynamic_draft_tokens"], help="exllamav3 levers as extra cells")
+    p.add_argument("--levers", nargs="*", default=[], help="exllamav3 levers as extra cells (default none)")
     p.add_argument("--draft-bits", type=float, default=0, help="bench an EXL3 copy of the drafter at these bits (0: as given)")
     p.add_argument("--trace", action="store_true", help="write every iterate() (cell, width, jobs, ms, tokens) to trace.jsonl")
-    for q in (s, r, p):
+    for q in (s, p):
         q.add_argument("--budget-s", type=float, default=env_float("SPEED_BUDGET_S", 540),
                        help="start no step that does not fit in what is left of it (default: SPEED_BUDGET_S, else 540)")
     a = ap.parse_args(argv)
@@ -365,10 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     run.results.update(mode=a.mode, device=device_name(), args={k: str(v) for k, v in vars(a).items()})
     if a.mode == "shape":
         run_shape(run, a)
-    elif a.mode == "ar":
-        from experiments.ar_rounds import run_ar
-
-        run_ar(run, a)
     else:
         from experiments.pair_mode import run_pair
 

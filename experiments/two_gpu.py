@@ -1,5 +1,5 @@
-"""Issue 21's check on two GPUs: the target split across cards (per-device budgets, and tensor-parallel), the
-DFlash drafter beside it, against the same models on one GPU in the same run.
+"""Two GPUs: the target split across cards (per-device budgets, and tensor-parallel), the DFlash drafter beside
+it, against the same models on one GPU in the same run.
 
 Not run yet (no two-GPU machine was lent when it was written). One call on kind nvidia-h200-x2, about 8-9 minutes
 (results to $OUT/two_gpu.json after every step):

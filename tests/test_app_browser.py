@@ -1,9 +1,9 @@
 """Real browser: Debian chromium driven by Playwright against the app on the tiny pair: a turn at the default block
 size auto (the screenshot), then one at a fixed B = 16 (coloured tokens, popups).
 
-Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/screenshot.png to refresh
+Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/img/screenshot.png to refresh
 the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
-(docs/screenshot_smollm2.png was made that way).
+(docs/img/screenshot_smollm2.png was made that way).
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_factory_errors(tmp_path):
 
 
 def test_projection_from_a_scripted_cost_table():
-    from toolkit.policy.policy import CostTable
+    from toolkit.policy.costs import CostTable
     from toolkit.benchmark.projection import alpha_for, expected_tokens, project
 
     table = CostTable({1: {0: 10.0, 1: 12.0, 2: 14.0, 3: 30.0}})
@@ -234,23 +234,21 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
 
     monkeypatch.setattr(bench_mod, "load_backend", lambda *a, **k: make_backend(monkeypatch, tmp_path))
     main(["--backend", "exllamav3", "--block-sizes", "auto", "4", "8", "--concurrency", "1", "2", "--reps", "2",
-          "--levers", "draft_max_rows=4", "chunked_verify", "--project-tau", "published", "3@8", "--max-new-tokens", "12",
+          "--levers", "graph_draft_swa=off", "--project-tau", "published", "3@8", "--max-new-tokens", "12",
           "--limit", "2", "--no-warmup", "--out", str(tmp_path / "o")])
     r = json.loads((tmp_path / "o" / "bench.json").read_text())
-    assert r["block_sizes"] == ["auto", 4, 8] and r["reps"] == 2 and r["levers"] == ["draft_max_rows=4", "chunked_verify"]
+    assert r["block_sizes"] == ["auto", 4, 8] and r["reps"] == 2 and r["levers"] == ["graph_draft_swa=off"]
     settings = [(c["block_size"], c["concurrency"], c.get("lever")) for c in r["cells"]]
-    assert settings == [(B, c, lv) for lv in (None, "draft_max_rows=4", "chunked_verify") for B in ("auto", 4, 8) for c in (1, 2)]
+    assert settings == [(B, c, lv) for lv in (None, "graph_draft_swa=off") for B in ("auto", 4, 8) for c in (1, 2)]
     for c in r["cells"]:
         assert c["lossless"] == 1.0 and c["reps"] == 2 and c["spread"]["tok_s"]["n"] == 2 and c["spread"]["t_ar_ms"]["n"] == 2
-        if c["block_size"] == 4 and c.get("lever") == "draft_max_rows=4" and c["concurrency"] == 2:
-            assert "1" in c["width_histogram"] and set(c["width_histogram"]) <= {"1", "3"}   # 2 x (1 + 1) rows, then 1 job
-        elif c["block_size"] == 4:
+        if c["block_size"] == 4:
             assert set(c["width_histogram"]) == {"3"}
         if c["block_size"] == "auto":
             assert set(map(int, c["width_histogram"])) <= set(range(8))
-    assert r["cells"][-1]["options"] == "chunked_verify,graph_draft_swa"   # on top of the adopted defaults
+    assert r["cells"][-1]["options"] == "stock"                          # the lever off: exllamav3's own
     rows = r["projection"]["rows"]
-    assert {x["setting"] for x in rows} == {"stock", "draft_max_rows=4", "chunked_verify"}
+    assert {x["setting"] for x in rows} == {"stock", "graph_draft_swa=off"}
     assert {x["name"] for x in rows} == {"DF-8", "tau 3@8"}                      # DF-16 needs w = 15: not measured
     assert all(x["policy_speedup"] >= x["default_speedup"] * (1 - 1e-9) for x in rows)
     assert "geometric" in r["projection"]["assumption"]
@@ -261,8 +259,8 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
         assert p["block_size"] == best["block_size"] and p["n"] == 2 and len(a["tok_s_reps"]) == 2
         assert p["ratios"] == pytest.approx([u / v for u, v in zip(a["tok_s_reps"], best["tok_s_reps"])])
     out = capsys.readouterr().out
-    assert "policy/defaults" in out and "[draft_max_rows=4]" in out and "auto" in out
-    assert "auto / best fixed block, paired per repetition, median (min-max): c=1: " in out and "+chunked_verify" in out
+    assert "policy/defaults" in out and "[graph_draft_swa=off]" in out and "auto" in out
+    assert "auto / best fixed block, paired per repetition, median (min-max): c=1: " in out and "+graph_draft_swa=off" in out
     assert (tmp_path / "o" / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -285,7 +283,7 @@ def test_bad_block_sizes_and_levers_are_one_line(tmp_path):
     with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \[1\]"):
         bench(block_sizes=[1], out=str(tmp_path / "x"))
     with pytest.raises(ToolkitError, match="--levers are exllamav3 generator options"):
-        bench(levers=["chunked_verify"], out=str(tmp_path / "x"))
+        bench(levers=["graph_draft_swa=off"], out=str(tmp_path / "x"))
     with pytest.raises(ToolkitError, match="--reps must be >= 1"):
         bench(reps=0, out=str(tmp_path / "x"))
     with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \['auto', 'x'\]"):
@@ -316,3 +314,24 @@ def test_limit_takes_prompts_round_robin_over_categories():
     ps = [Prompt("a1", "a"), Prompt("a2", "a"), Prompt("a3", "a"), Prompt("b1", "b"), Prompt("c1", "c")]
     assert [p.text for p in mixed(ps, 4)] == ["a1", "b1", "c1", "a2"]
     assert [p.text for p in mixed(ps, 99)] == ["a1", "b1", "c1", "a2", "a3"]
+
+
+def test_a_cell_that_never_drafted_has_no_speedup(capsys):
+    """An auto cell the policy ran all as plain AR: speedup null with the reason, out of `best`, said in the table."""
+    from toolkit.bench import best_per_concurrency, mark_ratios, print_table
+
+    ar = [{"concurrency": 1, "tok_s": 50.0, "tok_s_reps": [50.0, 40.0], "round_ms": 2.0}]
+    cells = [{"concurrency": 1, "block_size": "auto", "tok_s": 60.0, "tok_s_reps": [60.0, 41.0], "speedup": 1.2,
+              "width_histogram": {0: 30}, "tau": 1.0, "lossless": 1.0, "accept_per_position": [], "round_ms": 2.0},
+             {"concurrency": 1, "block_size": 16, "tok_s": 45.0, "tok_s_reps": [45.0, 44.0], "speedup": 0.9,
+              "width_histogram": {15: 10}, "tau": 2.0, "lossless": 1.0, "accept_per_position": [0.5], "round_ms": 4.0}]
+    mark_ratios(ar, cells)
+    auto, fixed = cells
+    assert auto["speedup"] is None and "plain AR" in auto["speedup_reason"] and "speedup" not in auto.get("spread", {})
+    assert fixed["spread"]["speedup"]["min"] == pytest.approx(0.9) and fixed["spread"]["speedup"]["max"] == pytest.approx(1.1)
+    assert best_per_concurrency(ar, [c for c in cells if c["speedup"] is not None]) == [
+        {"concurrency": 1, "block_size": None, "speedup": 1.0}]
+    print_table({"backend": "torch", "target": "t", "draft": "d", "reps": 2, "ar": ar, "cells": cells, "best": []})
+    out = capsys.readouterr().out
+    assert "no draft" in out and "every round was plain AR" in out and "B=16 c=1: 0.90-1.10x" in out
+    assert "1.20x" not in out

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from toolkit.bench import bench, main
-from toolkit.policy.policy import CostTable
+from toolkit.policy.costs import CostTable
 
 
 def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:
@@ -32,10 +32,12 @@ def test_auto_cells_record_their_cost_curves_on_the_torch_backend(tmp_path, monk
     table = json.loads(next((tmp_path / "costs").glob("*.json")).read_text())["ms"]["1"]
     curve = CostTable({1: table}).curve(r["native_block_size"])                           # the measured table's curve
     assert [auto["costs"]["start"]["1"][str(w)] for w in range(len(curve))] == pytest.approx(curve, abs=1e-3)
-    drift = auto["costs"]["drift"]
+    assert auto["costs"]["source"].startswith("cached ") or auto["costs"]["source"] == "timed now"
+    seen = auto["costs"]["observed"]["1"]
     learned = {int(w): t for w, t in auto["costs"]["learned"]["1"].items()}
-    start = {int(w): t for w, t in auto["costs"]["start"]["1"].items()}
-    assert learned[0] == start[0] and all(abs(learned[w] - start[w] * drift) < 1e-2 for w in range(1, len(start)))
+    for w, o in seen.items():                   # a width seen often enough costs what its rounds took
+        if o["rounds"] >= 3:
+            assert learned[int(w)] == pytest.approx(o["ms"], abs=1e-2) or int(w) > 0 and learned[int(w)] >= learned[0]
 
 
 def test_auto_cells_record_observed_rounds_per_concurrency_on_exllamav3(monkeypatch, tmp_path):
@@ -56,7 +58,7 @@ def test_auto_cells_record_observed_rounds_per_concurrency_on_exllamav3(monkeypa
         assert seen and seen <= {"1", "2"}
         curves_ok(costs, {"1", "2"} if c["concurrency"] == 2 else {"1"} | seen, 8)
         for conc, obs in costs["observed"].items():
-            assert all(set(o) == {"ms", "rounds", "warmup"} and o["rounds"] + o["warmup"] >= 1 for o in obs.values())
+            assert all(set(o) == {"ms", "rounds"} and o["rounds"] >= 1 for o in obs.values())
             assert all(o["ms"] > 0 if o["rounds"] else o["ms"] is None for o in obs.values())   # warm-up rounds only: no cost
 
 

@@ -1,5 +1,5 @@
-"""The drafter's two levers (runtime/exl3_draft_levers): the causal flag around causal sliding-window layers, the
-row chunks on its dense MLPs, how the backend installs and removes them, and "+"-joined lever sets."""
+"""The drafter's adopted lever (toolkit/exl3/draft_levers.py): the causal flag around causal sliding-window layers,
+how the backend installs and removes it, and lever parsing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from exl3_fakes import FakeModel, make_backend
 
 from toolkit.core.errors import ToolkitError
 from toolkit.exl3.draft_levers import CausalWindowForward, set_draft_levers, set_graph_draft_swa
-from toolkit.exl3.options import ADOPTED, ChunkedForward, Exl3Options, parse_lever
+from toolkit.exl3.options import ADOPTED, Exl3Options, parse_lever
 
 
 class FakeSWA:
@@ -23,17 +23,6 @@ class FakeSWA:
         if self.fail:
             raise RuntimeError("kernel failed")
         return x + 1
-
-
-class FakeMLP:
-    """A dense MLP with a fused path (bc) for <= 8 rows; records the rows of each call."""
-
-    def __init__(self):
-        self.bc, self.calls = object(), []
-
-    def forward(self, x, params, out_dtype=None):
-        self.calls.append(x.numel() // x.shape[-1])
-        return x * 2
 
 
 def decode_params(**kw):
@@ -74,30 +63,22 @@ def test_the_flag_comes_back_when_the_layer_fails_and_the_wrap_comes_off():
     assert "forward" not in vars(m)
 
 
-def test_backend_installs_and_removes_the_drafter_levers(monkeypatch, tmp_path):
+def test_backend_installs_and_removes_the_drafter_lever(monkeypatch, tmp_path):
     be = make_backend(monkeypatch, tmp_path)
-    swa, mlp = FakeSWA(), FakeMLP()
-    be.draft, be.draft_classes = FakeModel([swa, mlp]), (FakeSWA, FakeMLP)
-    be.set_options(Exl3Options(graph_draft_swa=True, chunked_draft_mlp=True))
-    assert isinstance(vars(swa)["forward"], CausalWindowForward) and isinstance(vars(mlp)["forward"], ChunkedForward)
-    mlp.forward(torch.zeros(1, 16, 4), {})
-    assert mlp.calls == [8, 8]                                  # the block's 16 rows in two fused calls
-    be.set_options(Exl3Options(chunked_draft_mlp=True))
-    assert "forward" not in vars(swa) and isinstance(vars(mlp)["forward"], ChunkedForward)
+    swa = FakeSWA()
+    be.draft, be.draft_classes = FakeModel([swa, object()]), (FakeSWA,)
+    be.set_options(Exl3Options(graph_draft_swa=True))
+    assert isinstance(vars(swa)["forward"], CausalWindowForward)
     be.set_options(Exl3Options())
-    assert "forward" not in vars(mlp)
+    assert "forward" not in vars(swa)
 
 
-def test_no_exllamav3_import_when_no_drafter_lever_is_on():
-    set_draft_levers(FakeModel([FakeSWA()]), Exl3Options(sparse_draft_head=64), Exl3Options())   # CPU: no exllamav3
+def test_no_exllamav3_import_when_the_lever_is_off():
+    set_draft_levers(FakeModel([FakeSWA()]), Exl3Options(), Exl3Options())   # CPU: no exllamav3
 
 
-def test_levers_join_with_plus():
-    label, opts = parse_lever("graph_draft_swa+sparse_draft_head=32768")
-    assert label == "graph_draft_swa+sparse_draft_head=32768"
-    assert opts == Exl3Options(graph_draft_swa=True, sparse_draft_head=32768)
-    assert opts.tag == "sparse_draft_head=32768,graph_draft_swa" and opts.generator_kwargs() == {"sparse_draft_head": 32768}
-    assert parse_lever("chunked-draft-mlp")[1] == Exl3Options(chunked_draft_mlp=True)
+def test_levers_parse_on_and_off():
+    assert parse_lever("graph_draft_swa") == ("graph_draft_swa", Exl3Options(graph_draft_swa=True))
     with pytest.raises(ToolkitError, match="unknown lever 'bogus'"):
         parse_lever("graph_draft_swa+bogus")
     assert parse_lever("graph_draft_swa=off", ADOPTED) == ("graph_draft_swa=off", Exl3Options())   # exllamav3's own

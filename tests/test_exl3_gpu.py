@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
+from stream_shape import assert_stream_shape
 
-from experiments.stream_shape import assert_stream_shape
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_pair(pair):
-    """TOOLKIT_GPU_PAIR=target:draft (experiments.device_check trains a hidden-128 pair), else the shipped pair."""
+    """TOOLKIT_GPU_PAIR=target:draft (the device_check script trains a hidden-128 pair), else the shipped pair."""
     env = os.environ.get("TOOLKIT_GPU_PAIR")
     return tuple(Path(p) for p in env.split(":")) if env else pair
 

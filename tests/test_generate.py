@@ -75,7 +75,7 @@ def test_block_size_auto_is_the_default_and_reports_its_widths(capsys, tmp_path,
 def test_a_run_decoded_as_plain_ar_says_why_in_one_sentence(capsys, pair, monkeypatch):
     from toolkit import generate as gen
     from toolkit.dflash import load_drafter
-    from toolkit.policy.policy import CostTable
+    from toolkit.policy.costs import CostTable
     from toolkit.runtime.torch_backend import TorchBackend, load_hf_model, load_hf_tokenizer
 
     losing = CostTable({1: {0: 10.0, **{w: 20.0 + 11 * w for w in range(1, 16)}}})    # no acceptance pays for a draft
@@ -89,3 +89,36 @@ def test_a_run_decoded_as_plain_ar_says_why_in_one_sentence(capsys, pair, monkey
                        "plain AR, as its measured round costs and the drafter's acceptance advise.")
     generate(prompt="Return the list of", max_new_tokens=24, raw=True, block_size="8")
     assert "Drafting does not pay" not in capsys.readouterr().err      # a fixed block says nothing of the kind
+
+
+def test_all_plain_ar_reports_no_ratio(monkeypatch, capsys):
+    """A speculative run that never drafted has no speedup: null with the reason in the JSON, said in the text."""
+    import toolkit.generate as gen
+    from app_fakes import FakeBackend
+
+    monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(block_size=1, answer_len=12))
+    res = gen.generate(prompt="hi", compare_ar=True, json_out=True, reps=2)
+    assert res["speedup"] is None and "plain AR" in res["speedup_reason"] and res["speedup_spread"] is None
+    assert res["lossless"] is True and len(res["tok_s_reps"]) == len(res["ar_tok_s_reps"]) == 2
+    assert json.loads(capsys.readouterr().out)["speedup"] is None
+    gen.generate(prompt="hi", compare_ar=True, reps=1)
+    err = capsys.readouterr().err
+    assert "speedup none (every round was plain AR" in err and "x," not in err.split("speedup")[1]
+
+
+def test_drafting_run_reports_the_median_ratio_and_its_spread(monkeypatch, capsys):
+    import toolkit.generate as gen
+    from app_fakes import FakeBackend
+
+    monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(answer_len=40))
+    res = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=3)
+    sp = res["speedup_spread"]
+    assert res["speedup_reason"] is None and sp["n"] == 3 and sp["min"] <= res["speedup"] <= sp["max"]
+    ratios = sorted(s / a for s, a in zip(res["tok_s_reps"], res["ar_tok_s_reps"]))
+    assert res["speedup"] == pytest.approx(ratios[1])                  # the median of the paired ratios
+    assert "over 3 alternating runs" in capsys.readouterr().err
+    one = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=1)
+    assert one["speedup_spread"] is None and "no spread measured" in capsys.readouterr().err
+    with pytest.raises(gen.ToolkitError, match="reps"):
+        from toolkit.core.cli import run as run_cli
+        run_cli(gen.generate, gen.GenerateOptions, ["--prompt", "hi", "--reps", "0"], "g")

@@ -78,7 +78,7 @@ def check_auto(backend, prompt, n=32):
 
 def cheap_costs(block):
     """Verifying is nearly free: the policy drafts, at widths that follow the running acceptance."""
-    from toolkit.policy.policy import CostTable
+    from toolkit.policy.costs import CostTable
 
     return CostTable({1: {0: 10.0, 1: 10.4, 4: 11.0, block - 1: 13.0}})
 

@@ -198,14 +198,3 @@ def test_shipped_smollm2_recipe_checks_on_held_out_prompts():
     assert r.check_prompts == held["chat"][:6] + held["code"][:6]
     assert r.calibration_prompts and not set(r.calibration_prompts) & set(held["chat"] + held["code"])
     assert r.thresholds_for(4.0).min_tau_ratio == 0.97 and r.thresholds_for(5.0).min_top1 == 0.80
-
-
-def test_smollm2_bitrate_table_from_the_device_data(tmp_path):
-    from experiments import smol_tables as mod
-
-    data = json.loads(open("docs/smol_2026-12-03.json").read())
-    lines = mod.table(data).splitlines()
-    assert len(lines) == 2 + 1 + 12 and lines[2].startswith("| BF16 |")
-    assert "| 4.0 | yes | 8.8 | 0.0685 | 0.831 | 1.927 | 1.787 | 2.089 | +0.0 % / +0.8 % |" in lines
-    mod.plot(data, str(tmp_path / "q.png"))
-    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

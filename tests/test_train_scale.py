@@ -3,7 +3,6 @@ answer store (append, cut-off, resume, skip), anchor sampling, chunked loss = un
 the rounds of real greedy decoding, best-checkpoint keeping, the training curve, resume and the --data path."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from toolkit.assets.fixtures import build, drafter_config, random_drafter
 from toolkit.assets.pairs import tiny_pair
 from toolkit.assets.prompts import Prompt
 from toolkit.core.cli import parser
-from toolkit.core.errors import OptionError, ToolkitError
+from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings, encode_chat
 from toolkit.runtime.events import summarize
 from toolkit.runtime.torch_backend import TorchBackend
@@ -198,7 +197,7 @@ SMALL = dict(layers=2, heldout_chat=2, heldout_code=2, max_new_tokens=24, gen_ba
 
 @pytest.fixture(scope="module")
 def data(random_target, pair):
-    """An answer store made beforehand (as experiments/smol_scale.py gen does), with a held-out prompt in it."""
+    """An answer store made beforehand (as the smol_scale script's gen does), with a held-out prompt in it."""
     root, target = random_target
     pool = [Item(f"Tell me about item number {i} in the list of things.", "chat", f"g{i // 3}", i % 3 > 0) for i in range(600)]
     pool += [Item(f"def f{i}(x):\n    return x * {i} + 1\n", "code") for i in range(150)]
@@ -269,66 +268,3 @@ def test_train_drafter_options_come_from_the_dataclass(data):
 
         run(td.train_drafter, td.TrainConfig, ["--target", target, "--out", str(root / "z"), "--data", str(root)], "prog")
     assert np.iinfo(np.uint16).max >= 512
-
-
-def test_the_device_script_runs_its_calls_tiny(data, tmp_path, monkeypatch):
-    """experiments/smol_scale.py gen then train (--quick: CPU, a tiny target), results where a device call returns them."""
-    from experiments import smol_scale
-    from toolkit.train.data import write_pool
-
-    _, target, _ = data
-    pool = [Item(f"Tell me about item number {i} in the list of things.", "chat") for i in range(200)]
-    pool += [Item(f"def f{i}(x):\n    return x * {i} + 1\n", "code") for i in range(100)]
-    write_pool(tmp_path / "pool.jsonl.gz", pool)
-    common = ["--quick", "--target", target, "--work", str(tmp_path / "work")]
-    monkeypatch.setenv("OUT", str(tmp_path / "out1"))
-    assert smol_scale.main(["gen", *common, "--pool", str(tmp_path / "pool.jsonl.gz"), "--batch", "4"]) == 0
-    gen = json.loads((tmp_path / "out1" / "gen.json").read_text())["stages"]["generate"]["result"]
-    assert gen["answered"] == 8 and gen["pending"] == 0 and gen["answers_per_s"] > 0
-    monkeypatch.setenv("OUT", str(tmp_path / "out2"))
-    assert smol_scale.main(["train", *common]) == 0
-    out = tmp_path / "out2"
-    res = json.loads((out / "results.json").read_text())
-    assert res["stages"]["train"]["result"]["steps"] == 6 and set(res["tau"]) == {"chat", "code"}
-    names = sorted(p.name for p in out.iterdir())
-    assert len(names) <= 8 and "curve.png" in names and "tau.json" in names and "model-00001-of-00002.safetensors" in names
-
-    # the store comes back as parts, is kept here, and a later session's train unpacks it and continues the drafter
-    assert [p.name for p in (tmp_path / "out1").glob("store.tar.xz.*")] == ["store.tar.xz.00"]
-    smol_scale.keep_store(tmp_path / "out1", tmp_path / "kept")
-    smol_scale.keep_store(tmp_path / "out1", tmp_path / "kept")          # its own earlier store: replaced
-    (tmp_path / "theirs").mkdir()
-    (tmp_path / "theirs" / "notes.txt").write_text("mine")
-    with pytest.raises(OptionError, match="not an earlier output of experiments.smol_scale keep-store"):
-        smol_scale.keep_store(tmp_path / "out1", tmp_path / "theirs")
-    assert [f.name for f in (tmp_path / "theirs").iterdir()] == ["notes.txt"]
-    monkeypatch.setenv("OUT", str(tmp_path / "out3"))
-    later = ["--quick", "--target", target, "--work", str(tmp_path / "work2")]
-    assert smol_scale.main(["train", *later, "--store-parts", str(tmp_path / "kept"), "--init", str(out)]) == 0
-    res3 = json.loads((tmp_path / "out3" / "results.json").read_text())
-    assert res3["stages"]["unpack_store"]["result"] == {"parts": 1, "index": True}
-    assert res3["train_options"]["init"] == str(out) and res3["stages"]["train"]["result"]["steps"] == 6
-    first = lambda r: r["stages"]["train"]["result"]["losses"][0][1]
-    assert first(res3) < first(res)                  # it starts where the first run ended
-
-    # compare: the teacher-forced tau of both drafters on the same answers is the tau eval_tau decoded
-    second = tmp_path / "work2" / "draft"
-    got = smol_scale.compare(Path(target), [out, second], out / "heldout.json", 16, "cpu", tmp_path / "cmp.json")
-    assert json.loads((tmp_path / "cmp.json").read_text()) == got and got["prompts"] == 2
-    with pytest.raises(OptionError, match="is a folder"):                # refused before the target loads
-        smol_scale.compare(Path("/nonexistent"), [out], out / "heldout.json", 16, "cpu", tmp_path / "work2")
-    for folder, decoded in ((out, res["tau"]), (second, res3["tau"])):
-        tf = got["drafters"][str(folder)]["tau"]
-        assert {c: {b: round(v, 3) for b, v in t.items()} for c, t in tf.items()} == decoded
-
-    # train_profile unpacks a kept store's parts when it finds no store, and times the step's parts
-    import experiments.train_profile as tp
-
-    monkeypatch.setattr(tp, "PARTS", tmp_path / "kept")
-    monkeypatch.setenv("OUT", str(tmp_path / "out4"))
-    assert tp.main(["--target", target, "--data", str(tmp_path / "work4" / "data"), "--device", "cpu",
-                    "--shapes", "2x4x4", "--steps", "1", "--no-table"]) == 0
-    prof = json.loads((tmp_path / "out4" / "train_profile.json").read_text())["stages"]
-    assert prof["unpack_store"]["result"] == {"parts": 1, "index": True}
-    shape = prof["profile"]["result"]["shapes"]["2x4x4"]
-    assert shape["blocks"] > 0 and all(v > 0 for k, v in shape["ms"].items() if k != "batch") and shape["blocks_per_s"] > 0

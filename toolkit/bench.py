@@ -14,6 +14,9 @@ bench.png into --out; each cell of bench.json holds its tok/s per repetition ("t
 learned at the cell's end (on exllamav3 also the rounds observed per width and "new_shape_excess_ms", what a
 new (jobs, width) shape's warm-up rounds took beyond steady ones), and "auto_over_best_fixed": its tok/s over
 the best fixed block's (by median) in each repetition, paired because both ran in it (median, min-max printed).
+A cell whose rounds never drafted (an `auto` cell the policy ran
+all as plain AR) reports no speedup: "speedup" is null and "speedup_reason" says why; every other cell with more than
+one repetition has "spread"."speedup", its per-repetition ratios to AR (both ran in the repetition) as min/max.
 Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one after another (it has
 no batching): use it for small models.
 """
@@ -33,6 +36,7 @@ from .core.cli import entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_dir, claim
 from .runtime.backend import GenSettings
+from .runtime.events import NO_DRAFT
 from .benchmark.grid import (  # noqa: F401
     Cell,
     best_per_concurrency,
@@ -87,13 +91,15 @@ def print_table(result: dict, file=None) -> None:
           "t_round ms | t_AR ms | widths | accept per position", file=file)
     for c in result["cells"]:
         loss = "-" if c["lossless"] is None else f"{c['lossless']:.0%}"
+        speed = "no draft" if c["speedup"] is None else f"{c['speedup']:.2f}x"
         tau = "-" if c["tau"] is None else f"{c['tau']:.2f}"
         acc = " ".join(f"{a:.2f}" for a in c["accept_per_position"])
         B = c["block_size"]
         widths = ",".join(f"{w}:{n}" for w, n in c.get("width_histogram", {}).items()) if B == "auto" else ""
         print(f"{B:>4} {c['concurrency']:>5} {tau:>6} {c['tok_s']:>11.1f} {ar[c['concurrency']]['tok_s']:>10.1f} "
-              f"{c['speedup']:>7.2f}x {loss:>9}  {span(c, 'round_ms', '{:.2f}')} | {span(c, 't_ar_ms', '{:.2f}')} | "
+              f"{speed:>8} {loss:>9}  {span(c, 'round_ms', '{:.2f}')} | {span(c, 't_ar_ms', '{:.2f}')} | "
               f"{widths} | {acc}" + (f"  [{c['lever']}]" if c.get("lever") else ""), file=file)
+    print_ratio_notes(result, file)
     picks = [f"c={b['concurrency']}: " + (f"B={b['block_size']} ({b['speedup']:.2f}x)" if b["block_size"] else "AR (speculation slower)")
              + (f" +{b['lever']}" if b.get("lever") else "") for b in result.get("best", [])]
     if picks:
@@ -103,6 +109,33 @@ def print_table(result: dict, file=None) -> None:
     if paired:
         print("auto / best fixed block, paired per repetition, median (min-max): " + ", ".join(paired), file=file)
     print_projection(result.get("projection"), file)
+
+
+def print_ratio_notes(result: dict, file) -> None:
+    """Why a cell shows no speedup, and how far each speedup moved between repetitions (or that it was not measured)."""
+    if any(c["speedup"] is None for c in result["cells"]):
+        print(f"no draft: {NO_DRAFT}", file=file)
+    spreads = [f"{setting_name(c)} c={c['concurrency']}: {sp['min']:.2f}-{sp['max']:.2f}x"
+               for c in result["cells"] if (sp := c.get("spread", {}).get("speedup"))]
+    if spreads:
+        print("speedup per repetition, min-max: " + ", ".join(spreads), file=file)
+    elif result.get("reps", 1) == 1 and any(c["speedup"] is not None for c in result["cells"]):
+        print("one repetition: each speedup above comes from a single run of each setting, with no spread measured; "
+              "pass --reps 5 or more before reading it as a result", file=file)
+
+
+def mark_ratios(ar_cells: list[dict], cells: list[dict]) -> None:
+    """No speedup (null, with the reason) for a cell that drafted in no round; the per-repetition speedups' min-max
+    in "spread" for the others (each repetition ran the cell and its AR cell back to back)."""
+    ar = {a["concurrency"]: a for a in ar_cells}
+    for c in cells:
+        if not any(int(w) and n for w, n in c.get("width_histogram", {}).items()):
+            c.update(speedup=None, speedup_reason=NO_DRAFT)
+            continue
+        ratios = [s / a for s, a in zip(c["tok_s_reps"], ar[c["concurrency"]]["tok_s_reps"]) if a > 0]
+        if len(ratios) > 1:
+            c.setdefault("spread", {})["speedup"] = {"min": min(ratios), "max": max(ratios), "n": len(ratios),
+                                                      "ratios": ratios}
 
 
 def paired_ratio(p: dict) -> str:
@@ -254,13 +287,14 @@ def bench(
         ar_cells, spec_cells = run_grid(be, ids, settings, cells, reps, warmup, timing_only, quiet, deadline)
     finally:
         be.close()
+    mark_ratios(ar_cells, spec_cells)
     result = {
         "backend": be.name, "target": str(target), "draft": str(draft), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(backend, device), "prompts": prompts or "builtin", "num_prompts": len(items),
         "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
         "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": spec_cells,
-        "best": best_per_concurrency(ar_cells, spec_cells), "reps": ar_cells[0]["reps"], "reps_planned": reps, "levers": [label for label, _ in lever_opts],
+        "best": best_per_concurrency(ar_cells, [c for c in spec_cells if c["speedup"] is not None]), "reps": ar_cells[0]["reps"], "reps_planned": reps, "levers": [label for label, _ in lever_opts],
         "timing_only": timing_only, "synthetic": synthetic, "gpu_split": split.tag,
     }
     if taus:

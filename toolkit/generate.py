@@ -2,8 +2,10 @@
 
 With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU.
 The --json output is a stable contract (docs/generate.md): tokens, text, rounds, tau, tok_s, and with
---compare-ar also ar_tokens, ar_tok_s, speedup, lossless. --block-size auto (the default) lets the drafting
-policy pick each round's verify width (0 = a plain AR round); a number N verifies N-1 drafts every round.
+--compare-ar also ar_tokens, ar_tok_s, speedup (null, with speedup_reason, when no round drafted),
+speedup_spread, lossless. --block-size auto (the default) lets the drafting policy pick each round's verify width
+(0 = a plain AR round); a number N verifies N-1 drafts every round. With --compare-ar the speculative and AR
+decodes alternate --reps times and the speedup is the median of the paired ratios, with their min-max.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .core.cli import entry, option
 from .core.cli import run as run_cli_options
 from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
-from .runtime.events import Round, Summary, ar_verdict, summarize, tokens_of
+from .runtime.events import Round, Summary, ar_verdict, paired_speedup, summarize, tokens_of
 from .runtime.factory import load_backend
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
@@ -42,8 +44,9 @@ def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: 
 
 
 def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, system: str | None,
-        raw: bool) -> tuple[dict, Summary]:
-    """Decode the prompt speculatively (and with compare_ar plain AR too); the JSON-contract dict and its summary."""
+        raw: bool, reps: int = 1) -> tuple[dict, Summary]:
+    """Decode the prompt speculatively (and with compare_ar plain AR too, the two alternating `reps` times); the
+    JSON-contract dict and its summary (of the first speculative run)."""
     ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
     be.warm_up(ids, settings, (True, False) if compare_ar else (True,))   # outside the clock: a fair comparison
     rounds, secs = timed(be, ids, settings, speculative=True)
@@ -56,12 +59,27 @@ def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, syste
         "tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "seconds": secs,
     }
     if compare_ar:
-        ar_rounds, ar_secs = timed(be, ids, settings, speculative=False)
-        ar = tokens_of(ar_rounds)
-        ar_tok_s = len(ar) / ar_secs if ar_secs > 0 else 0.0
-        result.update(ar_tokens=ar, ar_tok_s=ar_tok_s, ar_seconds=ar_secs,
-                      speedup=(s.tok_s / ar_tok_s) if ar_tok_s else 0.0, lossless=(ar == toks))
+        result.update(compare(be, ids, settings, reps, (toks, secs), s.drafted))
     return result, s
+
+
+def compare(be: Backend, ids: list[int], settings: GenSettings, reps: int, first: tuple[list[int], float],
+            drafted: bool) -> dict:
+    """AR after the first speculative run, then `reps` - 1 more (speculative, AR) pairs: the AR keys of the JSON
+    contract, the speedup with its spread (none when no round drafted), lossless over every run."""
+    spec_runs, ar_runs = [first], []
+    for k in range(reps):
+        if k:
+            rounds, secs = timed(be, ids, settings, speculative=True)
+            spec_runs.append((tokens_of(rounds), secs))
+        rounds, secs = timed(be, ids, settings, speculative=False)
+        ar_runs.append((tokens_of(rounds), secs))
+    rate = lambda run: len(run[0]) / run[1] if run[1] > 0 else 0.0  # noqa: E731
+    ar, ar_secs = ar_runs[0]
+    speed = paired_speedup([rate(r) for r in spec_runs], [rate(r) for r in ar_runs], drafted)
+    return {"ar_tokens": ar, "ar_tok_s": rate(ar_runs[0]), "ar_seconds": ar_secs, **speed.to_json(),
+            "tok_s_reps": [rate(r) for r in spec_runs], "ar_tok_s_reps": [rate(r) for r in ar_runs],
+            "lossless": all(t == ar for t, _ in spec_runs + ar_runs)}
 
 
 def generate(
@@ -81,6 +99,7 @@ def generate(
     gpu_split: str | None = None,
     tensor_parallel: bool = False,
     draft_device: int = 0,
+    reps: int = 3,
 ) -> dict:
     """Run one prompt; returns the JSON-contract dict (and prints it, or a readable summary)."""
     if not prompt.strip():
@@ -89,11 +108,12 @@ def generate(
         settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=block_size)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
+    checks.whole("reps", reps, 1, 100)
     if device is not None:
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
     try:
-        result, s = run(be, prompt, settings, compare_ar, system, raw)
+        result, s = run(be, prompt, settings, compare_ar, system, raw, reps)
     finally:
         be.close()
     if json_out:
@@ -105,10 +125,20 @@ def generate(
                 + (f" of {steps} (block auto; the rest plain AR)" if settings.auto else "")
                 + f", tau {s.tau:.2f}, {s.tok_s:.1f} tok/s")
         if compare_ar:
-            line += f"; AR {result['ar_tok_s']:.1f} tok/s, speedup {result['speedup']:.2f}x, lossless {result['lossless']}"
+            line += f"; AR {result['ar_tok_s']:.1f} tok/s; speedup {speed_text(result)}; lossless {result['lossless']}"
         verdict = ar_verdict(steps - s.rounds, s.rounds) if settings.auto else ""
         print(line + (f"\n[{be.name}] {verdict}" if verdict else ""), file=sys.stderr)
     return result
+
+
+def speed_text(result: dict) -> str:
+    """The speedup of a --compare-ar result in words: the median ratio with its spread, or why there is none."""
+    if result["speedup"] is None:
+        return f"none ({result['speedup_reason']})"
+    sp = result.get("speedup_spread")
+    if not sp:
+        return f"{result['speedup']:.2f}x (one run of each: no spread measured; --reps 3 or more measures it)"
+    return f"{result['speedup']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f}x over {sp['n']} alternating runs)"
 
 
 @dataclass
@@ -124,6 +154,8 @@ class GenerateOptions:
     seed: int = option(0)
     backend: str = option("torch", choices=["torch", "exllamav3"])
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
+    reps: int = option(3, "with --compare-ar: speculative and AR decodes alternate this many times; the speedup is "
+                       "the median of the paired ratios, printed with their min-max (default 3)")
     system: str | None = option(None, "system prompt")
     raw: bool = option(False, "tokenize the prompt as is, without the chat template")
     device: str | None = option(None, "torch device for the torch backend (default cpu)")

@@ -155,7 +155,7 @@ def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
     if want == "auto":
         want = "exllamav3" if (hw.cuda and has_exl and not hw.zero_gpu and not spec.demo) else "torch"
     if want == "exllamav3" and hw.zero_gpu:
-        notes.append("ZeroGPU cannot run exllamav3's CUDA extension (docs/space.md); using the torch backend.")
+        notes.append("ZeroGPU cannot run exllamav3's CUDA extension (docs/app.md); using the torch backend.")
         want = "torch"
     elif want == "exllamav3" and not (hw.cuda and has_exl):
         why = "no CUDA GPU" if not hw.cuda else "exllamav3 is not installed"

@@ -2,7 +2,7 @@
 
 exllamav3 1.6.5 pads every linear to a multiple of 128 and its EXL3 quantizer needs 128-divisible input
 dims, so a model such as SmolLM2-135M (hidden 576, K/V width 192) neither loads nor converts there (seen on
-the device: docs/benchmarks.md). Padding fixes that without changing a single logit:
+the device). Padding fixes that without changing a single logit:
 
 - hidden H -> H' (multiple of 128): new residual dims are zero in the embeddings and in every output
   projection, so they stay zero; RMSNorm weights are scaled by sqrt(H/H') and eps by H/H', which undoes

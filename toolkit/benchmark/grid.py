@@ -6,7 +6,7 @@ does not batch). Each repetition runs every cell once, in the same order; a cell
 of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, its tok/s
 per repetition, and tau / acceptance / losslessness pooled over them. An `auto` cell also records its policy's
 cost curves ("costs": the table it started from and the learned one after the cell's last repetition, ms per
-width per concurrency; runtime/learned_costs.cost_report) and, with fixed blocks beside it,
+width per concurrency; Policy.report) and, with fixed blocks beside it,
 "auto_over_best_fixed": its tok/s over the best fixed block's (by median), repetition by repetition.
 `python -m toolkit.bench` prints and plots it.
 """
@@ -17,6 +17,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,9 +25,7 @@ from tqdm import tqdm
 from ..core.target import read_optional
 from ..runtime.backend import Backend, GenSettings
 from ..runtime.events import Round, summarize, tokens_of
-from ..exl3.options import ADOPTED, Exl3Options
-from ..policy.learned import cost_report
-from ..policy.policy import CostTable, Policy
+from ..policy.costs import CostTable
 from .projection import project, spread
 
 
@@ -37,7 +36,7 @@ class Cell:
     block: int | str | None
     concurrency: int
     lever: str | None = None
-    options: Exl3Options | None = None
+    options: Any = None             # the backend's options (levers) for this cell; None: its defaults
 
     @property
     def ar(self) -> bool:
@@ -94,32 +93,6 @@ def is_synthetic(*folders) -> bool:
     return False
 
 
-def use_options(be: Backend, options: Exl3Options | None) -> None:
-    """Switch an exllamav3 backend's generator options (the toolkit's defaults, ADOPTED, when None); other backends
-    take none."""
-    from ..exl3.backend import Exl3Backend
-
-    if isinstance(be, Exl3Backend):
-        be.set_options(options or ADOPTED)
-
-
-def auto_policy(be: Backend, settings: GenSettings) -> Policy | None:
-    """The auto policy a backend decodes `settings` with (None before its first auto run, or without one)."""
-    from ..exl3.backend import Exl3Backend
-
-    greedy = settings.temperature <= 0
-    key = (greedy, be.options.tag) if isinstance(be, Exl3Backend) else greedy
-    return getattr(be, "policies", {}).get(key)
-
-
-def calibration_tokens(be: Backend) -> dict[int, dict[int, float]] | None:
-    """{c: {w: tokens a job emitted per calibration round}} of an exllamav3 backend's current options, if it timed
-    its table in this process (a table read from the cost cache has none)."""
-    from ..exl3.backend import Exl3Backend
-
-    return be.calibration_tokens.get(be.options.tag) if isinstance(be, Exl3Backend) else None
-
-
 def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: list[Cell], reps: int = 1,
              warmup: bool = True, timing_only: bool = False, quiet: bool = True,
              deadline: float | None = None) -> tuple[list[dict], list[dict]]:
@@ -134,19 +107,19 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
         if deadline is not None and rep and time.time() + (time.time() - t0) / rep > deadline:
             break
         for cell in cells:
-            use_options(be, cell.options)
+            be.set_options(cell.options)
             st = GenSettings(**{**vars(settings), "block_size": cell.block})
             runs[cell].append(run_cell(be, job_list(ids, cell.concurrency), cell.concurrency, st,
                                        speculative=not cell.ar, warmup=warmup))
-            pol = auto_policy(be, st) if st.auto else None
+            pol = be.auto_policy(st) if st.auto else None
             if pol is not None:
-                costs[cell] = cost_report(pol)
-                emitted = calibration_tokens(be)
+                costs[cell] = pol.report()
+                emitted = be.calibration_report()
                 if emitted:                       # exllamav3, timed in this process: tokens a job emitted per round
                     costs[cell]["calibration_tokens"] = emitted
             bar.update()
     bar.close()
-    use_options(be, None)
+    be.set_options(None)
     ar = {c.concurrency: c for c in cells if c.ar}
     ar_cells = {c: summarize_cell(c, runs[c], None, timing_only, settings.temperature) for c in ar.values()}
     out = [summarize_cell(c, runs[c], (ar_cells[ar[c.concurrency]], runs[ar[c.concurrency]]), timing_only,

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..core.errors import ToolkitError
-from ..policy.policy import CostTable
+from ..policy.costs import CostTable
 
 # Qwen3.6-35B-A3B + its DFlash drafters, published tau (issue 16: SGLang, c=1): name -> (tau, block size B)
 PUBLISHED = {"DF-16": (7.63, 16), "DF-8": (5.74, 8)}

@@ -1,7 +1,8 @@
 """Command lines built from option dataclasses: one source per option, `f(**vars(args))` as the contract.
 
-A command declares its options once, as a dataclass whose fields carry their help in `option(...)`; `parser()`
-turns it into an argparse parser and `run()` calls the command's function with the parsed fields. Libraries
+A command declares its options once, as a dataclass whose fields carry their help in `option(...)` and, for
+numbers and devices, their domain (`lo`, `hi`, `above`, `kind`); `parser()` turns it into an argparse parser and
+`run()` checks every parsed value against its field's domain before calling the command's function with them. Libraries
 raise `OptionError(field, message)` naming the *field*; `run` prints it with the field's flag, so the same error
 reads `--max-new-tokens must be >= 1` on the command line and `max_new_tokens must be >= 1` from Python.
 """
@@ -10,12 +11,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 import sys
 import types
 import typing
 from typing import Any, Callable
 
 from .errors import OptionError, ToolkitError, run_cli
+
+INT_MAX = 2**31 - 1          # no count, size or index of the toolkit's options comes near it
+FLOAT_MAX = 1e9              # nor any float (seconds, minutes, temperatures, gigabytes)
+SEED_MAX = 2**63 - 1         # torch.manual_seed takes a signed 64-bit value
+DEVICES = {"device": r"cpu|cuda|cuda:\d+|mps", "device_auto": r"auto|cpu|cuda|cuda:\d+|mps",
+           "device_index": r"cpu|cuda|cuda:\d+|\d+"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """The values a numeric or device option may take: [lo, hi] (and > `above`), finite; `kind` "seed", "port" or
+    a device kind of DEVICES."""
+
+    lo: float | None = None
+    hi: float | None = None
+    above: float | None = None
+    kind: str = ""
 
 OUTPUT_POLICY = ("Outputs: a non-empty folder that is not this command's own earlier output is refused unless --force; "
                  "nothing it did not write is deleted; --force replaces only once the new output is complete (docs/outputs.md).")
@@ -32,10 +52,13 @@ class Parser(argparse.ArgumentParser):
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
            choices: typing.Sequence | None = None, metavar: str | None = None, positional: bool = False,
-           group: str | None = None, negatable: bool = False) -> Any:
-    """A dataclass field that is also a command-line option (flag defaults to --field-name)."""
+           group: str | None = None, negatable: bool = False, lo: float | None = None, hi: float | None = None,
+           above: float | None = None, kind: str = "") -> Any:
+    """A dataclass field that is also a command-line option (flag defaults to --field-name); `lo`, `hi`, `above`
+    and `kind` declare its domain, checked by `check_options` before the command runs."""
     meta = {"help": help, "flag": flag, "short": short, "choices": choices, "metavar": metavar,
-            "positional": positional, "group": group, "negatable": negatable}
+            "positional": positional, "group": group, "negatable": negatable,
+            "domain": Domain(0, SEED_MAX, kind=kind) if kind == "seed" else Domain(lo, hi, above, kind)}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -63,6 +86,60 @@ def _base(tp) -> tuple[type, bool, bool]:
     if origin in (list, tuple, typing.Sequence):
         return (typing.get_args(tp) or (str,))[0], optional, True
     return tp, optional, False
+
+
+def _num(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _span(lo, hi, cap) -> str:
+    if lo is not None and hi is not None and hi != cap:
+        return f"from {_num(lo)} to {_num(hi)}"
+    return f">= {_num(lo)}" if lo is not None else f"<= {_num(hi)}"
+
+
+def check_number(field: str, value, d: Domain, integer: bool) -> None:
+    """One value against its domain: an integer (not a bool) or a finite float, within [lo, hi] and > above."""
+    cap = INT_MAX if integer else FLOAT_MAX
+    hi = d.hi if d.hi is not None else cap
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise OptionError(field, f"must be a {'whole number' if integer else 'number'}, got {value!r}")
+    if not math.isfinite(value):
+        raise OptionError(field, f"must be a finite number, got {value!r}")
+    if d.above is not None and not value > d.above:
+        raise OptionError(field, f"must be > {_num(d.above)}, got {_num(value)}")
+    if d.lo is not None and value < d.lo or value > hi or value < -cap:
+        lo = d.lo if d.lo is not None else -cap
+        raise OptionError(field, f"must be {_span(lo, hi, cap) if value < lo else _span(None, hi, cap) if d.lo is None else _span(d.lo, hi, cap)}, got {_num(value)}")
+
+
+def check_device(field: str, value, kind: str) -> None:
+    """A device string of its kind's form, and one this machine has (`cuda` without a GPU is refused here)."""
+    from . import checks
+
+    if not isinstance(value, str) or not re.fullmatch(DEVICES[kind], value):
+        forms = DEVICES[kind].replace("\\d+", "N").replace("|", ", ")
+        raise OptionError(field, f"{value!r} is not a device: use one of {forms}")
+    if value != "auto" and not value.isdigit():
+        checks.device(field, value)
+    elif value.isdigit():
+        checks.device(field, f"cuda:{value}")
+
+
+def check_options(cls: type, values: dict) -> None:
+    """Every parsed value of the options dataclass `cls` against its field's domain (None: not given)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = values.get(f.name)
+        if value is None:
+            continue
+        d = f.metadata.get("domain") or Domain()
+        tp, _, many = _base(hints[f.name])
+        if d.kind in DEVICES:
+            check_device(f.name, value, d.kind)
+        elif tp in (int, float):
+            for v in (value if many else [value]):
+                check_number(f.name, v, d, tp is int)
 
 
 def with_default(help: str, default: Any, tp: type) -> str | None:
@@ -128,6 +205,7 @@ def run_sub(subs: dict[str, tuple[Callable[..., Any], type, str]], argv: list[st
     args = vars(ap.parse_args(argv))
     fn, cls, _ = subs[args.pop("_command")]
     try:
+        check_options(cls, args)
         return fn(**args)
     except OptionError as e:
         raise ToolkitError(f"{flag_of(cls, e.field)}{e.rest}") from None
@@ -138,6 +216,7 @@ def run(fn: Callable[..., Any], cls: type, argv: list[str] | None, prog: str, de
     """Parse argv with `cls`'s parser and call `fn(**vars(args))`; an OptionError is re-worded with the flag."""
     args = parser(cls, prog, description, epilog, output_policy).parse_args(argv)
     try:
+        check_options(cls, vars(args))
         return fn(**vars(args))
     except OptionError as e:
         raise ToolkitError(f"{flag_of(cls, e.field)}{e.rest}") from None

@@ -5,8 +5,7 @@ each round come from the capture in exl3_hook. The AR baseline is a Generator ov
 same cache with no drafter. exllamav3 is imported only when a backend is built, so this module imports on
 any machine.
 
-The drafting policy (block_size "auto", the default; runtime/policy.py, exl3_policy.py) maps onto exllamav3's
-knobs as follows:
+The drafting policy (block_size "auto", the default; toolkit/policy) maps onto exllamav3's knobs as follows:
 - the verify width per round is ours: before each iterate() the recording Generator's `num_draft_tokens` is set
   to the width the policy picks for the current number of jobs (one width for all jobs: exllamav3 verifies a
   rectangle); 0 makes that iterate a plain decode step without a drafter call. The drafter's block is always
@@ -16,28 +15,18 @@ knobs as follows:
 - a request runs on the AR baseline's Generator instead (no drafter at all) after requests of as many jobs
   settled on AR: the policy's AR rounds on the speculative Generator cost more than plain steps (the drafter's
   K/V follows the target), so runs of 1, 4, then 16 plain requests follow each one that settled on AR, and one
-  that drafted ends the runs (BatchPolicy.plain_request / end_request).
-- t_round(w, c) is measured on the loaded model at first use of each concurrency c (exl3_calibrate.calibrate),
-  cached per model pair, GPU and options; between calibrated concurrencies the nearest one is used. That table is
-  the prior: the policy corrects it per width from the iterate() times it observes (`learn_costs`, on by default).
-- `draft_max_rows` (exllamav3's static row ceiling) is what our per-c cost table subsumes; it stays a lever.
-- `dynamic_draft_tokens` (+ `draft_confidence`) is exllamav3's own confidence-based truncation: an alternative
-  to our policy to compare against; with it on, "auto" offers B-1 each round and exllamav3 cuts it.
-- `sparse_draft_head`, `hybrid_draft_tokens`, our `chunked_verify` and the drafter's `graph_draft_swa` and
-  `chunked_draft_mlp` (exl3_draft_levers) change what a round costs or drafts, not
-  the width; see exl3_options.Exl3Options for each.
-- our `defer_draft_kv` makes the policy's AR rounds cheaper: exllamav3 updates the drafter's K/V from the
-  target's taps for every token even at width 0; with it on, an AR stretch is written in one call before the
-  drafter runs again (exl3_defer.py).
-Every lever is off by default until the benchmark shows it pays (python -m toolkit.bench --levers ...); the ones
-that did are on in exl3_options.ADOPTED, the backend's default (today: graph_draft_swa).
+  that drafted ends the runs (Policy.plain / end_request).
+- t_round(w, c) is measured on the loaded model at first use of each concurrency c (calibrate.py), cached per
+  model pair, GPU and options; between calibrated concurrencies the nearest one is used. That table is the prior:
+  the policy corrects it from the iterate() times it observes (`learn_costs`, on by default), and picks only
+  widths the calibration ran (their CUDA graphs exist).
+- the adopted levers (options.py, on by default) change what a round costs, never the width or the output.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -54,11 +43,11 @@ from .hook import (
 )
 from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .draft_levers import set_draft_levers
-from .options import ADOPTED, Exl3Options, set_chunked_verify
+from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate
-from ..policy.batch import BatchPolicy
+from ..policy.chooser import Policy
 from ..runtime.gpu_split import GpuSplit, device_count
-from ..policy.policy import CostTable, cached_costs, cost_key, device_name
+from ..policy.costs import CostTable, cached_costs, cost_key, device_name
 
 MIN_CAPABILITY = (8, 0)
 LOAD_CHUNK = 2048       # exllamav3 1.6.5 Model.load's default max_chunk_size
@@ -158,11 +147,11 @@ class Exl3Backend(Backend):
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
         self.options = Exl3Options()
-        self.costs: dict[str, dict[int, dict[int, float]]] = {}   # options tag -> {c: {w: ms}}
+        self.costs: dict[str, CostTable] = {}      # options tag -> its table, one concurrency added per calibration
         self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
-        self.policies: dict[tuple[bool, str], BatchPolicy] = {}    # (greedy, options tag) -> its policy
-        self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds (exl3_policy)
-        self.shapes: Counter = Counter()  # (jobs, width) -> rounds run: the CUDA graphs exllamav3 holds (exl3_hook)
+        self.policies: dict[tuple[bool, str], Policy] = {}    # (greedy, options tag) -> its policy
+        self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds
+        self.on_iterate = None            # a callback(width, jobs, ms, tokens) after every decoding iterate()
         self.set_options(options or ADOPTED)
 
     @classmethod
@@ -226,11 +215,10 @@ class Exl3Backend(Backend):
             if m is not None:
                 m.unload()
 
-    def set_options(self, options: Exl3Options) -> None:
-        """Use these generator options from the next generate on (the Generator is rebuilt; chunked_verify is
-        installed on or removed from the target's MoE layers)."""
-        if options.chunked_verify or self.options.chunked_verify:
-            set_chunked_verify(self.model, self.moe_class(), options.chunked_verify)
+    def set_options(self, options: Exl3Options | None) -> None:
+        """Use these options from the next generate on (None: ADOPTED); the Generator is rebuilt and the
+        drafter's wraps follow."""
+        options = options or ADOPTED
         if self.draft is not None:
             set_draft_levers(self.draft, options, self.options, self.draft_classes)
         if options != self.options and self._gen is not None:
@@ -268,15 +256,11 @@ class Exl3Backend(Backend):
             kw = {}
             if spec:
                 kw = dict(draft_model=self.draft, draft_cache=self.draft_cache, record_draft_stats=hooked,
-                          num_draft_tokens=self.block_size - 1 if hooked else width, **self.options.generator_kwargs())
+                          num_draft_tokens=self.block_size - 1 if hooked else width)
             if self.max_chunk:
                 kw["max_chunk_size"] = self.max_chunk
             g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
             self._gen_key = key
-            if hooked:
-                g.shapes = self.shapes            # graphs belong to the model's cache layers, not to one Generator
-            if spec and hooked:
-                g.set_defer(self.options.defer_draft_kv)    # AR rounds' drafter K/V: kept and batched, or per round
         if spec and hooked:
             g.set_width(width)
         return g
@@ -294,8 +278,8 @@ class Exl3Backend(Backend):
         """t_round(w, c) for every concurrency measured so far with these options, timing `concurrency` first
         if it is new (a short calibration on dummy jobs, cached on disk)."""
         tag = self.options.tag
-        table = self.costs.setdefault(tag, {})
-        if concurrency not in table:
+        table = self.costs.get(tag)
+        if table is None or concurrency not in table.ms:
             def measure() -> CostTable:             # a cached table comes without its calibration's token counts
                 emitted: dict[int, float] = {}
                 ms = calibrate(self, concurrency, emitted=emitted)
@@ -303,29 +287,35 @@ class Exl3Backend(Backend):
                 return CostTable({concurrency: ms}, device_name(self.device))
 
             got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache)
-            table[concurrency] = got.ms.get(concurrency) or next(iter(got.ms.values()))
-        return CostTable(table, device_name(self.device))
+            ms = got.ms.get(concurrency) or next(iter(got.ms.values()))
+            if table is None:
+                table = self.costs[tag] = CostTable({concurrency: ms}, got.device, got.source)
+            table.ms[concurrency] = ms              # the policies of this tag read the same table
+        return table
 
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
         if settings.auto and self.draft_width(settings, True):
             self.cost_table(concurrency)
 
-    def policy(self, settings: GenSettings, concurrency: int) -> BatchPolicy:
+    def policy(self, settings: GenSettings, concurrency: int = 1) -> Policy:
         """The policy of this pair, options and sampling mode (greedy or not), its costs covering `concurrency`."""
         table = self.cost_table(concurrency)
         key = (settings.temperature <= 0, self.options.tag)
-        pol = self.policies.get(key)
-        if pol is None:
-            pol = self.policies[key] = BatchPolicy(self.block_size, table, concurrency=concurrency,
-                                                   learn_costs=self.learn_costs, shapes=self.shapes)
-        pol.costs, pol.concurrency = table, None          # set_concurrency again on the next round
-        return pol
+        if key not in self.policies:
+            self.policies[key] = Policy.auto(self.block_size, table, learn_costs=self.learn_costs)
+        return self.policies[key]
+
+    def auto_policy(self, settings: GenSettings) -> Policy | None:
+        return self.policies.get((settings.temperature <= 0, self.options.tag))
+
+    def calibration_report(self) -> dict | None:
+        return self.calibration_tokens.get(self.options.tag)
 
     def plan(self, settings: GenSettings, speculative: bool) -> int | None:
         """The fixed verify width of a run (0 = AR), or None when the policy picks it per round."""
         if not speculative or self.block_size < 2 or self.draft is None:
             return 0
-        if settings.auto and not self.options.dynamic_draft_tokens:
+        if settings.auto:
             return None
         return settings.fixed_block(self.block_size) - 1
 
@@ -353,26 +343,24 @@ class Exl3Backend(Backend):
         width = self.plan(settings, speculative)
         jobs = self._jobs(prompts, settings)                     # every prompt is checked before any calibration
         policy = self.policy(settings, len(prompts)) if width is None else None
-        if policy is not None and policy.plain_request(len(prompts)):
+        if policy is not None and policy.plain(len(prompts)):
             return self.decode_many(prompts, jobs, 0)            # recent requests settled on AR: no drafter at all
         return self.decode_many(prompts, jobs, width or 0, policy)
 
-    def decode_many(self, prompts: list[list[int]], jobs: list, width: int, policy: BatchPolicy | None = None
+    def decode_many(self, prompts: list[list[int]], jobs: list, width: int, policy: Policy | None = None
                     ) -> Iterator[tuple[int, Round]]:
         """Run exllamav3 jobs to the end: `width` drafts every round, or the policy's width for each round."""
         B = self.block_size
         gen = self.generator(B - 1 if policy is not None else width)
         tracks = [JobTrack(i, len(p)) for i, p in enumerate(prompts)]
         if policy is not None:
-            policy.begin_request()
             for i, p in enumerate(prompts):
-                policy.begin_job(i, p[-1])
+                policy.start(i, p[-1])
         gen.enqueue(jobs)
         try:
             while gen.num_remaining_jobs():
                 if policy is not None:
-                    policy.use_concurrency(gen.num_remaining_jobs(), gen.tokens_left())
-                    gen.set_width(policy.width(), B - 1)
+                    gen.set_width(policy.width(gen.num_remaining_jobs()), B - 1)
                 t0 = self.clock()
                 results = gen.iterate()
                 t_round = (self.clock() - t0) * 1000.0
@@ -392,14 +380,17 @@ class Exl3Backend(Backend):
                         done.append((tr.index, rnd))
                         seen.append((tr.index, proposal if rnd.drafted else (), rnd))
                 if policy is not None:
-                    policy.observe_round(seen, t_round)
+                    policy.observe(seen, t_round)
+                if self.on_iterate is not None and seen:
+                    self.on_iterate(max(len(r.drafted) for _, _, r in seen), len(seen), t_round,
+                                    sum(len(r.tokens) for _, _, r in seen))
                 yield from done
         finally:
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages
                 gen.clear_queue()
             if policy is not None:
                 for i in range(len(prompts)):
-                    policy.end_job(i)
+                    policy.finish(i)
                 policy.end_request(len(prompts))
 
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:

@@ -1,53 +1,27 @@
-"""The exllamav3 policy's prior round costs t_round(w, c), timed on the loaded pair (exl3_policy decides by them).
+"""The exllamav3 policy's prior round costs t_round(w, c), timed on the loaded pair.
 
-`calibrate` times them with `time_rounds`, as `CALIBRATION` says: steady-state iterate() rounds of `c` dummy jobs
-(prompts of `context` ids, no stop tokens) at fixed widths, interleaved width by width so drift spreads evenly,
-the 25th percentile per width (as learned costs take them), after `CALIBRATION_WARM` untimed passes (every (c, w)
-shape has run eagerly and had its CUDA graph captured: the table times replayed rounds, as decoding sees them;
-`TABLE_VERSION` in the cache key says so). experiments/calib_check timed this table, `DECODE_LIKE` (built-in
-text prompts, stretches of rounds per width with the first untimed, no device synchronize) and decoding's own
-rounds on the SmolLM2 pair (H100, 2026-12-05): both timers came within ~10 % of decoding at c = 1 and 8, so the
-backend keeps `TABLE`, the cheaper one (session 12's ~2x gap did not show again). The backend runs it once per
-concurrency at first use and caches the table per model pair, GPU, options and concurrency through
-runtime/policy.cached_costs; the benchmark and experiments/speed.py use the same timer with more repetitions.
+`calibrate` times steady-state iterate() rounds of `c` dummy jobs (prompts of `context` ids, no stop tokens) at
+fixed widths, interleaved width by width so drift spreads evenly, and keeps the low quartile per width (host
+jitter only adds to a round), after `CALIBRATION_WARM` untimed passes: every (c, w) shape has run eagerly and had
+its CUDA graph captured, so the table times replayed rounds, as decoding sees them. The backend runs it once per
+concurrency at first use and caches the table per model pair, GPU, options and concurrency (policy/costs.py).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..core.errors import ToolkitError
+from ..policy.costs import QUANTILE, low_quantile
 from ..runtime.backend import GenSettings
-from ..policy.learned import QUANTILE, low_quantile
 
 PAGE = 256                         # exllamav3's cache page size
 CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
-TABLE_VERSION = 3                  # of the cached tables' meaning (2: replayed rounds, warmed up; 3: their low
-                                   # quantile, as learned costs are taken); in the cache key
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """How `calibrate` times its rounds. text: prompts of built-in chat and code text instead of dummy ids (drafts
-    accepted as in decoding); stretch/settle: rounds in a row per width per pass, the first `settle` untimed;
-    sync: a device synchronize around each timed iterate() (decoding times it without)."""
-
-    text: bool = False
-    stretch: int = 1
-    settle: int = 0
-    sync: bool = True
-    reps: int = CALIBRATION_REPS
-    warm: int = CALIBRATION_WARM
-
-
-TABLE = Calibration()              # the timer as tables of TABLE_VERSION 2 were made
-DECODE_LIKE = Calibration(text=True, stretch=4, settle=2, sync=False, reps=3, warm=1)
-CALIBRATION = TABLE                # what the backends' tables use (calib_check, 2026-12-05: both near decoding)
+TABLE_VERSION = 3                  # of the cached tables' meaning (replayed rounds, their low quartile); in the cache key
 
 
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
@@ -63,8 +37,7 @@ def dummy_prompts(concurrency: int, context: int, vocab: int) -> list[list[int]]
 
 def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRATION_REPS, warm: int = 1,
                 context: int = CALIBRATION_CONTEXT, speculative: bool = True, full: bool = True,
-                emitted: dict[int, list[float]] | None = None, prompts: Sequence[Sequence[int]] | None = None,
-                stretch: int = 1, settle: int = 0, sync: bool = True) -> dict[int, list[float]]:
+                emitted: dict[int, list[float]] | None = None) -> dict[int, list[float]]:
     """ms of steady-state iterate() rounds of `concurrency` dummy jobs on an Exl3Backend, per verify width.
 
     speculative=False times the plain AR generator (no drafter; widths ignored, one list under 0). With full=True
@@ -72,25 +45,18 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
     (`warm` passes), then `reps` passes over the widths; a pass stops early if a job runs out of tokens. `emitted`,
     when given, gets the mean tokens each job emitted in every timed round, per width (a round that accepts more
     than decoding does also does more per-token work: the table can rise with w where decoding rounds do not).
-    `prompts` (one per job, cut to `context` ids) replace the dummy ones; a pass runs `stretch` rounds in a row at
-    each width and times all but the first `settle`; sync=False times iterate() as decoding does, without a
-    device synchronize around it.
     """
     widths = [0] if not speculative else list(widths)
     B = be.block_size
     gen = be.generator(max(widths) if speculative else 0)
-    need = (warm + reps) * stretch * sum(w + 1 for w in widths) + 2 * B     # every draft accepted, at worst
+    need = (warm + reps) * sum(w + 1 for w in widths) + 2 * B     # every draft accepted, at worst
     room = min(be.cache_tokens // max(concurrency, 1) // PAGE * PAGE, be.max_context) - B - 1
     context = max(1, min(context, room - need))
     max_new = min(need, room - context)
     if max_new < 2:
         raise ToolkitError(f"timing {concurrency} jobs: the cache of {be.cache_tokens} tokens is too small (raise cache_tokens)")
     settings = GenSettings(max_new_tokens=max_new, block_size=None, stop_ids=())
-    if prompts is None:
-        prompts = dummy_prompts(concurrency, context, be.vocab_size)
-    else:
-        prompts = [list(prompts[j % len(prompts)])[-context:] for j in range(concurrency)]
-        context = max(len(p) for p in prompts)
+    prompts = dummy_prompts(concurrency, context, be.vocab_size)
     jobs = be._jobs(prompts, settings)
     times: dict[int, list[float]] = {w: [] for w in widths}
     gen.enqueue(jobs)
@@ -107,21 +73,18 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
             for w in widths:
                 if speculative:
                     gen.set_width(w, B - 1 if full else None)
-                for k in range(stretch):
-                    if gen.num_remaining_jobs() < concurrency:
-                        break
-                    before = [len(j.sequences[0].sequence_ids) for j in jobs] if emitted is not None else None
-                    if sync:
-                        be.sync()
-                    t0 = be.clock()
-                    gen.iterate()
-                    if sync:
-                        be.sync()
-                    if p >= warm and k >= settle:
-                        times[w].append((be.clock() - t0) * 1000.0)
-                        if before is not None:
-                            after = [len(j.sequences[0].sequence_ids) for j in jobs]
-                            emitted.setdefault(w, []).append(statistics.mean(a - b for a, b in zip(after, before)))
+                if gen.num_remaining_jobs() < concurrency:
+                    break
+                before = [len(j.sequences[0].sequence_ids) for j in jobs]
+                be.sync()
+                t0 = be.clock()
+                gen.iterate()
+                be.sync()
+                if p >= warm:
+                    times[w].append((be.clock() - t0) * 1000.0)
+                    if emitted is not None:
+                        after = [len(j.sequences[0].sequence_ids) for j in jobs]
+                        emitted.setdefault(w, []).append(statistics.mean(a - b for a, b in zip(after, before)))
     finally:
         if gen.num_remaining_jobs():
             gen.clear_queue()
@@ -136,33 +99,15 @@ def medians(times: dict[int, list[float]]) -> dict[int, float]:
     return {w: statistics.median(ts) for w, ts in times.items()}
 
 
-def text_prompts(be, concurrency: int) -> list[list[int]]:
-    """One prompt per job: the built-in chat and code prompts as plain text, each job starting at another one."""
-    from ..assets.prompts import CHAT, CODE
-
-    texts = [*CHAT, *CODE]
-    return [be.raw_encode(" ".join(texts[j % len(texts):] + texts[:j % len(texts)])) for j in range(concurrency)]
-
-
-def time_calibration(be, concurrency: int, widths: Sequence[int], how: Calibration = CALIBRATION,
-                     context: int = CALIBRATION_CONTEXT, emitted: dict[int, list[float]] | None = None
-                     ) -> dict[int, list[float]]:
-    """time_rounds as `how` says: ms of every timed round per width."""
-    return time_rounds(be, concurrency, widths, reps=how.reps, warm=how.warm, context=context, emitted=emitted,
-                       prompts=text_prompts(be, concurrency) if how.text else None, stretch=how.stretch,
-                       settle=how.settle, sync=how.sync)
-
-
 def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: Sequence[int] | None = None,
-              emitted: dict[int, float] | None = None, how: Calibration = CALIBRATION) -> dict[int, float]:
-    """ms per round at each calibration width for `concurrency` jobs, the low quantile of its timed rounds that
-    learned costs use (learned_costs.QUANTILE: host jitter only adds to a round) (w = 0: an AR round of the
-    speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds cost), timed as `how`
-    says after its untimed passes (graphs captured); `emitted`, when given, gets the mean tokens a job emitted
-    per round per width."""
+              emitted: dict[int, float] | None = None) -> dict[int, float]:
+    """ms per round at each calibration width for `concurrency` jobs, the low quartile of its timed rounds (w = 0:
+    an AR round of the speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds
+    cost); `emitted`, when given, gets the mean tokens a job emitted per round per width."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
     seen: dict[int, list[float]] = {}
-    ms = {w: low_quantile(ts, QUANTILE) for w, ts in time_calibration(be, concurrency, ws, how, context, seen).items()}
+    times = time_rounds(be, concurrency, ws, CALIBRATION_REPS, CALIBRATION_WARM, context, emitted=seen)
+    ms = {w: low_quantile(ts, QUANTILE) for w, ts in times.items()}
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     return ms

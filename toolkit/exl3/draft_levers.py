@@ -1,23 +1,15 @@
-"""Two levers of ours on the DFlash drafter's step on exllamav3 1.6.5 (issue 16: at c=1 the step is host-bound,
-about 1 ms of kernels in 3 ms on an H100).
+"""The adopted lever on the DFlash drafter's step on exllamav3 1.6.5 (at c=1 the step is host-bound).
 
-- `graph_draft_swa`: exllamav3 sends a sliding-window layer through its graph-captured decode attention (BC:
-  projections through o_proj replayed as one CUDA graph) only when params["causal"] is True or the layer's right
-  window spans the block. A DFlash checkpoint that leaves `is_causal` unset has causal sliding layers (right
-  window 0) next to a bidirectional full layer, so params["causal"] is False and every sliding layer takes the
-  eager path. The wrap sets causal=True around those layers: the same mask (a right window of 0 is causal), taken
-  through the graph.
-- `chunked_draft_mlp`: exllamav3's fused GatedMLP call (BC_GatedMLP) takes at most 8 rows; the drafter's 16-row
-  block at c=1 falls to the eager gate/up/down path. As chunked_verify does for the target's MoE, 9..16 rows go
-  through the fused call in chunks of <= 8 rows.
-
-Both change only how the drafter computes its block, never what the target verifies, so output stays the
-target's (greedy output identical to AR); the drafted ids can differ only by kernel rounding.
+`graph_draft_swa`: exllamav3 sends a sliding-window layer through its graph-captured decode attention (BC:
+projections through o_proj replayed as one CUDA graph) only when params["causal"] is True or the layer's right
+window spans the block. A DFlash checkpoint that leaves `is_causal` unset has causal sliding layers (right window
+0) next to a bidirectional full layer, so params["causal"] is False and every sliding layer takes the eager path.
+The wrap sets causal=True around those layers: the same mask (a right window of 0 is causal), taken through the
+graph. It changes only how the drafter computes its block, never what the target verifies.
 """
 
 from __future__ import annotations
 
-from .options import set_chunked_verify, set_forward_wrap
 
 
 class CausalWindowForward:
@@ -49,23 +41,35 @@ def set_graph_draft_swa(model, swa_class: type, on: bool) -> int:
     return set_forward_wrap(model, swa_class, CausalWindowForward, on)
 
 
-def set_draft_levers(draft, options, before, classes: tuple[type, type] | None = None) -> None:
-    """Install or remove the two wraps on the drafter as `options` (an Exl3Options) asks; `before`: the options in
-    force until now. `classes`: (sliding attention, gated MLP), exllamav3's own unless given (tests); nothing is
-    imported when neither lever is or was on."""
-    if not (options.graph_draft_swa or before.graph_draft_swa or options.chunked_draft_mlp or before.chunked_draft_mlp):
+def set_draft_levers(draft, options, before, classes: tuple[type, ...] | None = None) -> None:
+    """Install or remove the wrap on the drafter as `options` (an Exl3Options) asks; `before`: the options in force
+    until now. `classes`: (sliding attention,), exllamav3's own unless given (tests); nothing is imported when the
+    lever neither is nor was on."""
+    if not (options.graph_draft_swa or before.graph_draft_swa):
         return
     if next(iter(draft), None) is None:           # no modules (a stand-in drafter): nothing to wrap
         return
-    swa_class, mlp_class = classes or exllamav3_classes()
-    if options.graph_draft_swa or before.graph_draft_swa:
-        set_graph_draft_swa(draft, swa_class, options.graph_draft_swa)
-    if options.chunked_draft_mlp or before.chunked_draft_mlp:
-        set_chunked_verify(draft, mlp_class, options.chunked_draft_mlp)   # the same row chunks: rows are independent
+    swa_class = (classes or exllamav3_classes())[0]
+    set_forward_wrap(draft, swa_class, CausalWindowForward, options.graph_draft_swa)
 
 
-def exllamav3_classes() -> tuple[type, type]:
-    from exllamav3.modules.mlp import GatedMLP
+def set_forward_wrap(model, module_class: type, wrap: type, on: bool) -> int:
+    """Install (on) or remove `wrap(module)` as the instance forward of every `module_class` module of `model`
+    (removing restores the class's own); returns how many such modules there are."""
+    n = 0
+    for m in model:
+        if not isinstance(m, module_class):
+            continue
+        has = isinstance(vars(m).get("forward"), wrap)
+        if on and not has:
+            m.forward = wrap(m)
+        elif not on and has:
+            del m.forward
+        n += 1
+    return n
+
+
+def exllamav3_classes() -> tuple[type, ...]:
     from exllamav3.modules.sliding_attn import SlidingAttention
 
-    return SlidingAttention, GatedMLP
+    return (SlidingAttention,)

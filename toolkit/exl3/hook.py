@@ -5,37 +5,26 @@ exllamav3 keeps only counts: `record_draft_stats=True` appends (position, window
 that the next round overwrites. The smallest capture point is the return value of
 `Generator.iterate_draftmodel_dflash_gen`: a host tensor [rows, window] whose rows are the prefilled active
 jobs in `active_jobs` order (the same order `iterate_gen` verifies them in). A subclass copies it and the
-drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`. Given a `shapes`
-counter it also counts the rounds run per (decoding jobs, width asked): exllamav3 runs a new shape eagerly,
-captures its graphs, then replays them, and the policy charges a shape's first rounds to the width that would
-need them (exl3_policy.BatchPolicy).
+drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`.
 
 The same subclass sets the verify width per round, which is how the drafting policy runs on exllamav3 without
 rebuilding the Generator: each `iterate()` drafts `row_limited(num_draft_tokens)` ids (0 = a plain decode step
 with no drafter call; the drafter's K/V still follows the target's taps), so `set_width(w)` before a round
 chooses it. The DFlash drafter always runs its whole block whatever the window, so with `full` set the hook asks
 exllamav3 for the full B-1 columns, keeps all of them as the round's proposal (hindsight acceptance needs every
-position) and hands back only the first w for verification. A hybrid (suffix-match) round replaces the drafted
-window; `iterate_hybrid_gen`'s result is then what was verified.
-
-With `set_defer(True)` (the `defer_draft_kv` option) the subclass also keeps the drafter's K/V update of AR
-rounds and writes a whole AR stretch in one call before the drafter runs again (exl3_defer.py); off, its
-iterate_gen is exllamav3's own.
+position) and hands back only the first w for verification.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from ..core.errors import ToolkitError
 from ..runtime.events import Round
-from .defer import KvBacklog, deferred_iterate_gen
 
 PINNED_VERSION = "1.6.5"
 HOOKED = "iterate_draftmodel_dflash_gen"
-DEFER_HOOKED = "iterate_gen"          # the method whose drafter update defer_draft_kv keeps (exl3_defer)
 
 
 def exllamav3_version() -> str | None:
@@ -73,79 +62,29 @@ def recording_generator_class(generator_cls: type) -> type:
         proposals: dict = {}              # id(job) -> every id the drafter proposed this round
         full_window: int | None = None    # with a policy: columns to take from the drafter (B-1)
         t_draft_ms: float = 0.0
-        capture_s: float = 0.0            # time spent in the capture itself this round (outside exllamav3's code)
-        kv_backlog: KvBacklog | None = None   # set: AR rounds' drafter K/V updates are deferred (exl3_defer)
-        shapes: Counter | None = None     # set: (decoding jobs, width asked) -> iterate() rounds run at that shape
-
-        def set_defer(self, on: bool) -> None:
-            """Defer the drafter's K/V update of AR rounds (on) or update it every round, as exllamav3 does."""
-            if on and not callable(getattr(generator_cls, DEFER_HOOKED, None)):
-                raise ToolkitError(f"exllamav3 Generator has no {DEFER_HOOKED}(): this exllamav3 is not {PINNED_VERSION}")
-            if self.kv_backlog is not None:
-                self.kv_backlog.flush()
-            self.kv_backlog = KvBacklog() if on else None
-
-        def iterate_gen(self, results, draft_tokens=None):
-            inner = super().iterate_gen
-            if self.kv_backlog is None:
-                return inner(results, draft_tokens)
-            return deferred_iterate_gen(self, inner, results, draft_tokens)
-
-        def clear_queue(self):
-            if self.kv_backlog is not None:
-                self.kv_backlog.flush()        # the jobs' pages go back to the pool with their drafter K/V written
-            return super().clear_queue()
-
-        def close(self):
-            if self.kv_backlog is not None:
-                self.kv_backlog.drop()
-            return super().close()
 
         def set_width(self, width: int, full: int | None = None) -> None:
             """Verify `width` drafts per job from the next iterate() on (0 = AR); keep `full` proposed ids."""
             self.num_draft_tokens, self.full_window = width, full
 
         def iterate(self):
-            self.drafted, self.proposals, self.t_draft_ms, self.capture_s = {}, {}, 0.0, 0.0
-            if self.shapes is not None:           # exllamav3 keeps a CUDA graph per (jobs, q_len) slot
-                rows = sum(1 for job in self.active_jobs if job.is_prefill_done())
-                if rows:
-                    self.shapes[rows, self.num_draft_tokens if self.draft_model is not None else 0] += 1
+            self.drafted, self.proposals, self.t_draft_ms = {}, {}, 0.0
             return super().iterate()
 
-        def tokens_left(self) -> int | None:
-            """Tokens the active job closest to its max_new_tokens may still emit (None: no active job)."""
-            return min((job.max_new_tokens - job.new_tokens for job in self.active_jobs), default=None)
-
         def iterate_draftmodel_dflash_gen(self, results, window):
-            # exllamav3's dynamic truncation reads the window it is given: leave it alone then
-            full = window if getattr(self, "dynamic_draft", False) else max(self.full_window or 0, window)
-            if self.kv_backlog is not None:
-                self.kv_backlog.flush()        # the drafter reads its context K/V: write what AR rounds kept
+            full = max(self.full_window or 0, window)
             t0 = time.perf_counter()
             ids = super().iterate_draftmodel_dflash_gen(results, full)   # host tensor, filled synchronously
             t1 = time.perf_counter()
             self.t_draft_ms = (t1 - t0) * 1000.0
             if ids is not None:
                 rows = [job for job in self.active_jobs if job.is_prefill_done()]
-                conf = getattr(self, "_draft_conf_round", None)          # dynamic: exllamav3 keeps the whole block
-                block = (conf["ids"] if conf else ids)[: len(rows)].tolist()
+                block = ids[: len(rows)].tolist()
                 width = min(window, ids.shape[-1])
                 self.proposals = {id(job): tuple(r) for job, r in zip(rows, block)}
                 self.drafted = {id(job): tuple(r[:width]) for job, r in zip(rows, block)}
                 ids = ids[:, :width]
-            self.capture_s = time.perf_counter() - t1
             return ids
-
-    if callable(getattr(generator_cls, "iterate_hybrid_gen", None)):
-        def iterate_hybrid_gen(self, draft_tokens, H):
-            out = super(RecordingGenerator, self).iterate_hybrid_gen(draft_tokens, H)
-            if out is not None and out is not draft_tokens:            # a long suffix-match draft is verified
-                rows = [job for job in self.active_jobs if job.is_prefill_done()]
-                self.drafted = {id(job): tuple(r) for job, r in zip(rows, out[: len(rows)].tolist())}
-            return out
-
-        RecordingGenerator.iterate_hybrid_gen = iterate_hybrid_gen
 
     RecordingGenerator.__name__ = RecordingGenerator.__qualname__ = "RecordingGenerator"
     return RecordingGenerator

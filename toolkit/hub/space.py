@@ -4,7 +4,7 @@ The folder holds app.py, the toolkit package (with the embedded demo pair), requ
 hardware, README.md with the Space front matter, and space.json with the models the app loads by default.
 On GPU hardware requirements.txt installs exllamav3's prebuilt wheel for the Space's Python, torch and CUDA
 (toolkit/hub/wheels.py) with torch pinned to that build; compiling exllamav3 on the Space is an explicit opt-in.
-Push it with `hf upload <user>/<space> DIR . --repo-type space` (see docs/space.md).
+Push it with `hf upload <user>/<space> DIR . --repo-type space` (see docs/app.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def requirements(hardware: str, backend: str = "auto", python: str = PYTHON_VERS
     if hardware.startswith(("cpu", "zero")) or backend == "torch":
         if exllamav3_jit:
             raise ToolkitError(f"--exllamav3-jit: {hardware} with backend {backend} installs no exllamav3")
-        extra = ["spaces"] if hardware.startswith("zero") else []   # ZeroGPU runs the torch backend (docs/space.md)
+        extra = ["spaces"] if hardware.startswith("zero") else []   # ZeroGPU runs the torch backend (docs/app.md)
         return BASE_REQUIREMENTS + DEMO_REQUIREMENTS + extra
     if exllamav3_jit:
         return BASE_REQUIREMENTS + GPU_REQUIREMENTS + DEMO_REQUIREMENTS
@@ -135,7 +135,7 @@ same target, with the measured speedup, tokens coloured by origin and live accep
 several GPUs, `DFLASH_GPU_SPLIT` (auto or GB per GPU, e.g. 16,16), `DFLASH_TENSOR_PARALLEL` (1) and
 `DFLASH_DRAFT_DEVICE` (N) place the target and the drafter (exllamav3 backend, docs/app.md).
 {note}
-Built by `python -m toolkit.space export` from the dflash-exl3-toolkit repository (docs/space.md).
+Built by `python -m toolkit.space export` from the dflash-exl3-toolkit repository (docs/app.md).
 """
 
 
@@ -181,7 +181,7 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     if backend not in ("auto", "torch", "exllamav3"):
         raise ToolkitError(f"backend must be auto, torch or exllamav3, got {backend!r}")
     if backend == "exllamav3" and hardware.startswith(("cpu", "zero")):
-        raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/space.md)")
+        raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/app.md)")
     split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
     check_split(split, hardware, backend)
     try:

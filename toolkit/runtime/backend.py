@@ -167,6 +167,20 @@ class Backend(ABC):
     def close(self) -> None:
         """Free what the backend holds (GPU memory); nothing to do by default."""
 
+    # -- what the benchmark asks ---------------------------------------------------------------------
+
+    def set_options(self, options) -> None:
+        """Use these engine options (levers) from the next generate on; None: the backend's defaults. A backend
+        without options ignores them."""
+
+    def auto_policy(self, settings: GenSettings):
+        """The auto policy `settings` decode with (None before its first auto run, or without one)."""
+        return getattr(self, "policies", {}).get(settings.temperature <= 0)
+
+    def calibration_report(self) -> dict | None:
+        """What the current options' cost timing saw in this process (tokens a job emitted per round), if any."""
+        return None
+
     # -- shared checks -------------------------------------------------------------------------------
 
     def draft_width(self, settings: GenSettings, speculative: bool) -> int:

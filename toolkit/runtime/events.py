@@ -80,6 +80,12 @@ class Summary:
     seconds: float = 0.0
     tok_s: float = 0.0
     tau_histogram: dict[int, int] = field(default_factory=dict)     # accepted+1 -> count
+    ar_rounds: int = 0           # decode rounds with no drafted ids (a policy's plain AR rounds; all of an AR run)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether any round verified drafted ids: without one, a 'speedup' over AR is only timing noise."""
+        return self.rounds > 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -116,6 +122,7 @@ def summarize(rounds: list[Round], seconds: float | None = None) -> Summary:
         seconds=seconds,
         tok_s=tokens / seconds if seconds > 0 else 0.0,
         tau_histogram=dict(sorted(hist.items())),
+        ar_rounds=len(decode) - len(spec),
     )
 
 
@@ -127,3 +134,98 @@ def ar_verdict(ar_rounds: int, spec_rounds: int, share: float = 0.9) -> str:
     probes = f" ({spec_rounds} probe{'s' if spec_rounds != 1 else ''})" if spec_rounds else ""
     return (f"Drafting does not pay here: the policy decoded {ar_rounds} of {total} rounds as plain AR{probes}, "
             "as its measured round costs and the drafter's acceptance advise.")
+
+
+NO_DRAFT = ("every round was plain AR: the drafter was never used, so both runs decoded the same way and their "
+            "time difference is noise, not a speedup")
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """Speculative over AR tok/s, with its spread; `value` is None (and `reason` says why) when it means nothing.
+
+    The spread is min-max over alternating repetitions (`basis` "runs") or, for one run of each, the 5-95 %
+    interval of the ratio when the rounds of both runs are resampled (`basis` "rounds")."""
+
+    value: float | None
+    reason: str | None = None
+    low: float | None = None
+    high: float | None = None
+    n: int = 1
+    basis: str = "runs"
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the spread reaches both sides of 1.0 (or none was measured): no verdict either way."""
+        return self.value is not None and (self.low is None or self.low <= 1.0 <= self.high)
+
+    def spread_text(self) -> str:
+        if self.value is None:
+            return ""
+        if self.low is None:
+            return "one run of each: no spread measured"
+        what = f"over {self.n} alternating runs" if self.basis == "runs" else "5-95 % over the rounds' timings"
+        return f"{self.low:.2f}-{self.high:.2f}x {what}"
+
+    def text(self) -> str:
+        """`1.12x (0.98-1.20x over 3 alternating runs)`, or `none (every round was plain AR: ...)`."""
+        if self.value is None:
+            return f"none ({self.reason})"
+        return f"{self.value:.2f}x ({self.spread_text()})"
+
+    def to_json(self) -> dict:
+        spread = None if self.low is None else {"min": self.low, "max": self.high, "n": self.n, "basis": self.basis}
+        return {"speedup": self.value, "speedup_reason": self.reason, "speedup_spread": spread}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def paired_speedup(spec_tok_s: list[float], ar_tok_s: list[float], drafted: bool) -> Speedup:
+    """The median of per-repetition ratios spec/AR (each pair ran back to back, so slow drift cancels) and their
+    min-max; no value when nothing was drafted or a rate is missing."""
+    if not drafted:
+        return Speedup(None, NO_DRAFT)
+    ratios = [s / a for s, a in zip(spec_tok_s, ar_tok_s) if a > 0 and s > 0]
+    if not ratios:
+        return Speedup(None, "nothing was decoded")
+    if len(ratios) == 1:
+        return Speedup(ratios[0])
+    return Speedup(_median(ratios), None, min(ratios), max(ratios), len(ratios), "runs")
+
+
+def round_speedup(spec: list[Round], ar: list[Round], seconds: tuple[float, float], draws: int = 400,
+                  seed: int = 0) -> Speedup:
+    """One run of each: the measured ratio (tokens over `seconds`), and how much it moves when the decode rounds
+    of each run are resampled with replacement (their timings carry the load of the moment)."""
+    import random
+
+    s_sum, a_sum = summarize(spec, seconds[0]), summarize(ar, seconds[1])
+    if not s_sum.drafted:
+        return Speedup(None, NO_DRAFT)
+    if s_sum.tok_s <= 0 or a_sum.tok_s <= 0:
+        return Speedup(None, "nothing was decoded")
+    value = s_sum.tok_s / a_sum.tok_s
+    rows = [[(len(r.tokens), r.t_draft_ms + r.t_verify_ms) for r in rs if not r.prefill] for rs in (spec, ar)]
+    if min(len(r) for r in rows) < 2 or any(sum(ms for _, ms in r) <= 0 for r in rows):
+        return Speedup(value)
+    rng = random.Random(seed)
+
+    def rate(r: list[tuple[int, float]]) -> float:
+        pick = [r[rng.randrange(len(r))] for _ in r]
+        ms = sum(m for _, m in pick)
+        return sum(t for t, _ in pick) / ms if ms > 0 else 0.0
+
+    point = rate_of(rows[0]) / rate_of(rows[1])
+    ratios = sorted(rate(rows[0]) / max(rate(rows[1]), 1e-12) for _ in range(draws))
+    lo, hi = ratios[int(0.05 * (draws - 1))], ratios[int(0.95 * (draws - 1))]
+    return Speedup(value, None, value * lo / point, value * hi / point, 1, "rounds")
+
+
+def rate_of(rows: list[tuple[int, float]]) -> float:
+    """Tokens per ms over (tokens, ms) rows."""
+    ms = sum(m for _, m in rows)
+    return sum(t for t, _ in rows) / ms if ms > 0 else 0.0

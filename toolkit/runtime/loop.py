@@ -13,7 +13,7 @@ import time
 from typing import Iterator, Protocol
 
 from .events import Round
-from ..policy.policy import Policy
+from ..policy.chooser import Policy
 from .sampling import Sampler
 
 
@@ -68,11 +68,13 @@ def decode(
     policy = policy or Policy.fixed(draft_width)
     t0 = time.perf_counter()
     token = sampler(steps.prefill(prompt_ids))[-1]
-    policy.begin(token)
-    yield Round(drafted=(), accepted=0, bonus=token, t_verify_ms=_ms(t0), prefill=True)
+    policy.start(0, prompt_ids[-1])
+    rnd = Round(drafted=(), accepted=0, bonus=token, t_verify_ms=_ms(t0), prefill=True)
+    policy.observe([(0, (), rnd)])
+    yield rnd
     emitted = 1
     while emitted < max_new_tokens and token not in stop_ids:
-        width = policy.width()
+        width = policy.width(1)
         t0 = time.perf_counter()
         proposal = steps.draft_block(token, policy.draft_len) if width else []
         drafted = proposal[:width]
@@ -88,5 +90,6 @@ def decode(
         token = out[-1]
         emitted += len(out)
         rnd = Round(tuple(drafted), len(out) - 1, token, t_draft, t_verify, proposed=len(proposal))
-        policy.observe(proposal, rnd)
+        policy.observe([(0, proposal, rnd)], t_draft + t_verify)
         yield rnd
+    policy.finish(0)

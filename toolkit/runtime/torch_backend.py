@@ -4,7 +4,7 @@ It is the CPU reference that the exllamav3 backend is checked against. Rollback 
 the target's KV cache; a target with recurrent layers (Qwen3.5/3.6 Gated DeltaNet) cannot be cropped,
 so its cache is snapshotted before each verify and the accepted tokens are replayed from the snapshot.
 
-With block_size "auto" (the default) a drafting policy (runtime/policy.py) picks each round's width; it may
+With block_size "auto" (the default) the drafting policy (toolkit/policy) picks each round's width; it may
 pick 0, a plain AR round. Such a round still keeps the target's tap hidden states (the drafter needs them
 later as context), taken by forward hooks on the tap layers only (`TapHooks`; transformers' output_hidden_states
 where the layout is not the usual one), and it does not run the drafter: the taps wait in a backlog that is
@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import statistics
 import threading
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -27,7 +30,8 @@ from ..core.target import TargetInfo
 from .backend import Backend, GenSettings
 from .events import Round
 from .loop import decode
-from ..policy.policy import CostTable, Policy, cached_costs, cost_key, measure_torch_costs
+from ..policy.chooser import Policy
+from ..policy.costs import CostTable, cached_costs, cost_key, device_name
 from .sampling import Sampler
 
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
@@ -36,8 +40,7 @@ BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the
 # Probing gets 2 % of AR time in steady state, the first probe waits until it costs at most 3 % of the answer's AR
 # rounds before it (a short answer never pays a whole probe), and what earlier answers taught about acceptance
 # weighs as one round when a new answer starts, so drafting stops within a few rounds on a prompt where it fails;
-# a measured table is also corrected by the rounds' observed times (`Policy.learn`, see TorchBackend.learn_costs)
-# (docs/performance.md has the CPU measurements).
+# a timed table is also corrected by the rounds' observed times (see TorchBackend.learn_costs).
 PROBING = dict(probe_budget=0.02, min_probe_every=8, first_probe_cost=0.03, carry_weight=1.0)
 
 
@@ -227,6 +230,42 @@ def load_hf_tokenizer(folder: str | Path, what: str = "--target"):
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ToolkitError(f"{what}: cannot load the tokenizer of {folder} ({reason})") from None
+
+
+def measure_steps(steps, prompt_ids: list[int], block_size: int, widths: Iterable[int], reps: int = 5,
+                  sync: Callable[[], None] = lambda: None,
+                  stat: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+    """ms of one round per verify width (`stat` over reps): draft B-1 (w > 0), verify w+1, accept 1. Widths are
+    interleaved after one warm-up pass, so drift spreads evenly; `stat=min` drops rounds other processes slowed."""
+    widths = sorted(set(widths) | {0})
+    sampler = Sampler()
+    token = sampler(steps.prefill(prompt_ids))[-1]
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(reps + 1):
+        for w in widths:
+            sync()
+            t0 = time.perf_counter()
+            drafts = steps.draft_block(token, block_size - 1)[:w] if w else []
+            picks = sampler(steps.verify([token] + drafts))
+            steps.accept(1)
+            sync()
+            if rep:
+                times[w].append((time.perf_counter() - t0) * 1000.0)
+            token = picks[0]
+    return {w: stat(ts) for w, ts in times.items()}
+
+
+def measure_torch_costs(target, drafter: DFlashDraft, block_size: int | None = None, context: int = 32,
+                        reps: int = 5, widths: Iterable[int] | None = None,
+                        stat: Callable[[list[float]], float] = statistics.median) -> CostTable:
+    """Time rounds of a transformers target + reference drafter (one sequence: c = 1); every width by default."""
+    B = block_size or drafter.config.block_size
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    prompt = [(7 * i + 3) % vocab for i in range(context)]
+    dev = target.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    ms = measure_steps(TorchSteps(target, drafter), prompt, B, range(B) if widths is None else widths, reps, sync, stat)
+    return CostTable({1: ms}, device_name(dev), "timed now")
 
 
 class TorchBackend(Backend):

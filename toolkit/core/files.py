@@ -1,0 +1,135 @@
+"""One reader for the text, JSON and JSON-lines files a user hands to a command.
+
+Every command reads its input files (prompts, held-out sets, configs, reports, recipes, caches) through here, so
+a missing file, a folder, a binary or non-UTF-8 file, one far larger than such a file can be, JSON nested deeper
+than any real one, a number JSON cannot hold, or a corrupt `.gz` is one ToolkitError line naming the file (and
+the byte where decoding failed), never a traceback. A name ending in `.gz` is decompressed first.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import zlib
+from pathlib import Path
+
+from .errors import ToolkitError
+
+MAX_BYTES = 64 * 2**20          # a prompt set, a held-out set, a report or a config is far smaller
+MAX_DEPTH = 64                  # nesting levels of any JSON the toolkit reads (real ones have fewer than 10)
+
+
+def _pre(what: str) -> str:
+    return f"{what}: " if what and not what.endswith(": ") else what
+
+
+def read_bytes(path: str | Path, what: str = "", limit: int = MAX_BYTES) -> bytes:
+    """The file's bytes (decompressed when its name ends in .gz), at most `limit` of them."""
+    p, pre = Path(path).expanduser(), _pre(what)
+    if not p.exists():
+        raise ToolkitError(f"{pre}{p}: no such file")
+    if p.is_dir():
+        raise ToolkitError(f"{pre}{p} is a folder, not a file")
+    if not p.is_file():
+        raise ToolkitError(f"{pre}{p} is not a regular file")
+    if p.stat().st_size > limit:
+        raise ToolkitError(f"{pre}{p} is {p.stat().st_size / 2**20:.1f} MiB, larger than the {limit / 2**20:.0f} MiB "
+                           "such a file can be")
+    try:
+        if p.name.endswith(".gz"):
+            with gzip.open(p, "rb") as f:
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise ToolkitError(f"{pre}{p} decompresses to more than {limit / 2**20:.0f} MiB")
+            return data
+        return p.read_bytes()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ToolkitError(f"{pre}{p} is not a readable gzip file ({e or type(e).__name__})") from None
+    except OSError as e:
+        raise ToolkitError(f"{pre}cannot read {p} ({e.strerror or e})") from None
+
+
+def decode(data: bytes, where: str) -> str:
+    """UTF-8 text (a leading BOM dropped); a byte that is not UTF-8, or a NUL byte, is one line naming its offset."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ToolkitError(f"{where} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+    if "\x00" in text:
+        raise ToolkitError(f"{where} is not a text file (a NUL byte at byte {data.index(0)})")
+    return text
+
+
+def read_text(path: str | Path, what: str = "", limit: int = MAX_BYTES) -> str:
+    """The file as UTF-8 text."""
+    return decode(read_bytes(path, what, limit), f"{_pre(what)}{Path(path).expanduser()}")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def depth(obj) -> int:
+    """Nesting levels of a parsed JSON value (iterative: any depth is safe to measure)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def parse_json(text: str, where: str):
+    """A JSON value from text; invalid JSON, NaN/Infinity, an overlong number or deep nesting is one line."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ToolkitError(f"{where} is nested deeper than {MAX_DEPTH} levels; not a file of this kind") from None
+    except json.JSONDecodeError as e:
+        raise ToolkitError(f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except ValueError as e:          # NaN / Infinity, or an integer of more than 4300 digits
+        raise ToolkitError(f"{where} is not valid JSON ({e})") from None
+    if depth(obj) > MAX_DEPTH:
+        raise ToolkitError(f"{where} is nested deeper than {MAX_DEPTH} levels; not a file of this kind")
+    return obj
+
+
+def read_json(path: str | Path, what: str = "", limit: int = MAX_BYTES):
+    """A JSON file's value (see parse_json)."""
+    where = f"{_pre(what)}{Path(path).expanduser()}"
+    return parse_json(decode(read_bytes(path, what, limit), where), where)
+
+
+def read_object(path: str | Path, what: str = "", limit: int = MAX_BYTES) -> dict:
+    """A JSON file that must hold an object."""
+    obj = read_json(path, what, limit)
+    if not isinstance(obj, dict):
+        raise ToolkitError(f"{_pre(what)}{Path(path).expanduser()}: expected a JSON object, got a JSON {type(obj).__name__}")
+    return obj
+
+
+def read_jsonl(path: str | Path, what: str = "", limit: int = MAX_BYTES) -> list[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSON-lines file."""
+    where = f"{_pre(what)}{Path(path).expanduser()}"
+    lines = read_text(path, what, limit).splitlines()
+    return [(n, parse_json(line, f"{where} line {n}")) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def finite_numbers(obj, where: str, lo: float = -1e15, hi: float = 1e15) -> None:
+    """Every number in a parsed JSON value lies in [lo, hi] (a cache entry of 1e300 is refused, not overflowed)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, bool) or o is None or isinstance(o, str):
+            continue
+        if isinstance(o, (int, float)):
+            if not (math.isfinite(o) and lo <= o <= hi):
+                raise ToolkitError(f"{where} holds the number {o!r}, outside [{lo:g}, {hi:g}]")
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
