@@ -11,16 +11,16 @@ import os
 if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true"):
     import spaces  # noqa: F401  (ZeroGPU wants it imported before torch)
 
-import argparse
 import json
 from pathlib import Path
 
+from toolkit.core.cli import Domain, Parser, check_device, check_number
 from toolkit.core.errors import run_cli
 from toolkit.runtime.gpu_split import ENV, add_split_args
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python app.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="target model: local folder or Hub ref USER/NAME[@REVISION], e.g. a quant branch @4.0bpw "
                     "(default: $DFLASH_TARGET, else the demo)")
     ap.add_argument("--draft", help="DFlash drafter: local folder or Hub ref USER/NAME[@REVISION] (default: $DFLASH_DRAFT)")
@@ -33,6 +33,7 @@ def main(argv=None):
     add_split_args(ap)
     ap.set_defaults(draft_device=None)              # not given: DFLASH_DRAFT_DEVICE, else space.json, else 0
     args = vars(ap.parse_args(argv))
+    check_options(args)                             # before any model is loaded
     for key, var in ENV.items():                    # a split flag given wins over its env var (docs/app.md)
         value = args.pop(key)
         if value not in (None, False):
@@ -42,6 +43,15 @@ def main(argv=None):
 
     cfg = Path(__file__).with_name("space.json")        # written by `python -m toolkit.hub.space export`
     launch_app(**args, defaults=json.loads(cfg.read_text()) if cfg.is_file() else None)
+
+
+def check_options(args: dict) -> None:
+    """The port, the drafter's GPU and the device: refused in one line before anything loads."""
+    check_number("--port", args["port"], Domain(1, 65535), True)
+    if args.get("draft_device") is not None:
+        check_number("--draft-device", args["draft_device"], Domain(0, 1023), True)
+    if args.get("device") is not None:
+        check_device("--device", args["device"], "device")
 
 
 if __name__ == "__main__":

@@ -21,61 +21,36 @@ from pathlib import Path
 
 
 class RoundTrace:
-    """Installs itself over exl3_backend.recording_generator_class, exl3_backend.calibrate and benchgrid.run_jobs
-    (`install`), and puts them back (`remove`); `rows` holds one dict per iterate(), a calibration's in its own
-    cell ("calibrate/c<jobs>")."""
+    """Listens to toolkit.runtime.trace while installed (`install`, `remove`): `rows` holds one dict per iterate()
+    of the recording Generator, labelled with the bench cell that ran it (a calibration's "calibrate/c<jobs>")."""
 
     def __init__(self):
         self.rows: list[dict] = []
-        self.cell: str = ""
+        self.cell, self.outer = "", ""
         self.t0 = time.perf_counter()
-        self._undo: list = []
+        self._stop = None
 
     def install(self) -> RoundTrace:
-        import toolkit.benchmark.grid as bg
-        import toolkit.exl3.backend as eb
+        from toolkit.runtime import trace
 
-        trace, make, run_jobs, calibrate = self, eb.recording_generator_class, bg.run_jobs, eb.calibrate
-
-        def traced_class(generator_cls: type) -> type:
-            class Traced(make(generator_cls)):
-                def iterate(self):
-                    return trace.time(self, super().iterate)
-
-            return Traced
-
-        def labelled(backend, prompts, settings, speculative):
-            trace.cell = f"{settings.block_size if speculative else 'ar'}/c{len(prompts)}/n{settings.max_new_tokens}"
-            return run_jobs(backend, prompts, settings, speculative)
-
-        def calibrating(backend, concurrency, *a, **k):
-            cell, trace.cell = trace.cell, f"calibrate/c{concurrency}"
-            try:
-                return calibrate(backend, concurrency, *a, **k)
-            finally:
-                trace.cell = cell
-
-        eb.recording_generator_class, bg.run_jobs, eb.calibrate = traced_class, labelled, calibrating
-        self._undo = [(eb, "recording_generator_class", make), (bg, "run_jobs", run_jobs), (eb, "calibrate", calibrate)]
+        self._stop = trace.subscribe(self.event)
         return self
 
     def remove(self) -> None:
-        for module, name, value in self._undo:
-            setattr(module, name, value)
-        self._undo = []
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
 
-    def time(self, gen, iterate):
-        jobs = list(gen.active_jobs)
-        before = [len(j.sequences[0].sequence_ids) for j in jobs]
-        rows = sum(1 for j in jobs if j.is_prefill_done())
-        width = gen.num_draft_tokens if gen.draft_model is not None else 0
-        t0 = time.perf_counter()
-        out = iterate()
-        ms = (time.perf_counter() - t0) * 1000.0
-        emitted = sum(len(j.sequences[0].sequence_ids) - b for j, b in zip(jobs, before))
-        self.rows.append({"cell": self.cell, "t": round(t0 - self.t0, 6), "w": width, "rows": rows,
-                          "jobs": len(jobs), "ms": round(ms, 3), "emitted": emitted})
-        return out
+    def event(self, kind: str, f: dict) -> None:
+        if kind == "cell":
+            if f["label"].startswith("calibrate/"):
+                self.outer = self.cell
+            self.cell = f["label"]
+        elif kind == "cell_end":
+            self.cell = self.outer
+        elif kind == "iterate":
+            self.rows.append({"cell": self.cell, "t": round(f["t"] - self.t0, 6), "w": f["w"], "rows": f["rows"],
+                              "jobs": f["jobs"], "ms": round(f["ms"], 3), "emitted": f["emitted"]})
 
     def write(self, path: Path) -> Path:
         path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))

@@ -123,7 +123,7 @@ def make_policy(costs: Costs, block_size: int, **kw) -> Policy:
     (the bench records its whole curve: only the widths calibration times are kept)."""
     widths = calibration_widths(block_size)
     table = {c: {w: t for w, t in pts.items() if int(w) in widths} for c, pts in costs.start.items()}
-    return Policy.auto(block_size, CostTable(table), **kw)
+    return Policy.auto(block_size, CostTable(table), **{"learn_costs": True, **kw})
 
 
 def replay(lengths: dict, cost_data: dict, concurrency: list[int], reps: int = 10, seed: int = 0,

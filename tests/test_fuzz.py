@@ -53,8 +53,8 @@ class Reached(BaseException):
     """Raised by the stubs: the command passed every check and started its work."""
 
 
-# The work each command starts once its checks pass; a stub stands in for it.
-STUBS = ["toolkit.runtime.factory.load_backend", "toolkit.generate.load_backend", "toolkit.bench.load_backend",
+# The work each command starts once its checks pass (loading weights, training, converting); a stub stands in.
+STUBS = ["toolkit.runtime.torch_backend.load_drafter", "toolkit.runtime.torch_backend.load_hf_model",
          "toolkit.train.trainer.load_target", "toolkit.train.tiny.build_pair", "toolkit.assets.fixtures.build",
          "toolkit.synthetic.build.build_plan", "toolkit.quant.pipeline.prepare", "toolkit.assets.smollm2.convert",
          "toolkit.hub.push._upload_all", "toolkit.hub.space.copy_package", "toolkit.app.launch_app"]

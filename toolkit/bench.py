@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .assets.prompts import load_prompts, mixed
-from .core.cli import entry, option, run
+from .core.cli import check_values, entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_dir, claim
 from .runtime.backend import GenSettings
@@ -205,17 +205,15 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def check_inputs(block_sizes, concurrency, limit, reps) -> list:
+def check_inputs(block_sizes, concurrency, limit, reps, **numbers) -> list:
+    """The block sizes parsed; every number and the device against BenchOptions' domains (named by flag)."""
     try:
         blocks = GenSettings.parse_blocks(block_sizes)
     except OptionError as e:                       # bench() words its errors with the flags, also from Python
         raise ToolkitError(f"--block-sizes{e.rest}") from None
-    if not concurrency or any(c < 1 for c in concurrency):
-        raise ToolkitError(f"--concurrency must be integers >= 1, got {list(concurrency)}")
-    if limit is not None and limit < 1:
-        raise ToolkitError(f"--limit must be >= 1, got {limit}")
-    if reps < 1:
-        raise ToolkitError(f"--reps must be >= 1, got {reps}")
+    if not concurrency:
+        raise ToolkitError("--concurrency must be integers >= 1, got []")
+    check_values(BenchOptions, {"concurrency": list(concurrency), "limit": limit, "reps": reps, **numbers})
     return blocks
 
 
@@ -253,9 +251,8 @@ def bench(
         target, draft = (str(p) for p in tiny_pair())
     if target is None or draft is None:
         raise ToolkitError("--target and --draft go together (the benchmark compares a drafter against AR)")
-    blocks = check_inputs(block_sizes, concurrency, limit, reps)
-    if minutes is not None and minutes <= 0:
-        raise ToolkitError(f"--minutes must be > 0, got {minutes}")
+    blocks = check_inputs(block_sizes, concurrency, limit, reps, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed, device=device, cache_tokens=cache_tokens, draft_device=draft_device, minutes=minutes)
     lever_opts = [parse_lever(x, ADOPTED) for x in levers]
     if lever_opts and backend != "exllamav3":
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
@@ -355,20 +352,20 @@ class BenchOptions:
                                  "(default: built-in chat/code/math set)")
     block_sizes: list[str] = option(["auto", "8", "16"], "settings: auto (the drafting policy) and/or fixed verify widths B "
                                     "(default auto 8 16); B is cut to the drafter's own", metavar="auto|B")
-    concurrency: list[int] = option([1, 4, 16, 32], "concurrent jobs (default 1 4 16 32)")
-    max_new_tokens: int = option(128)
-    temperature: float = option(0.0, "0 = greedy (default; also reports losslessness)")
-    seed: int = option(0)
-    limit: int | None = option(None, "use only the first N prompts (mixed across categories)")
+    concurrency: list[int] = option([1, 4, 16, 32], "concurrent jobs (default 1 4 16 32)", lo=1)
+    max_new_tokens: int = option(128, lo=1, hi=2**20)
+    temperature: float = option(0.0, "0 = greedy (default; also reports losslessness)", lo=0, hi=100)
+    seed: int = option(0, kind="seed")
+    limit: int | None = option(None, "use only the first N prompts (mixed across categories)", lo=1)
     out: str = option("bench-out", "folder for bench.json and bench.png (default bench-out)")
     force: bool = option(False, "replace a non-empty --out that is not an earlier bench output")
-    device: str | None = option(None, "torch device for the torch backend (default cpu)")
+    device: str | None = option(None, "torch device for the torch backend (default cpu)", kind="device")
     cache_tokens: int | None = option(None, f"exllamav3 cache size (default: max concurrency x ({PROMPT_BUDGET} + new "
-                                      "tokens + 17), in pages of 256)")
+                                      "tokens + 17), in pages of 256)", lo=256)
     warmup: bool = option(True, "an untimed warm-up wave before each cell; --no-warmup skips it")
     raw: bool = option(False, "tokenize prompts as is, without the chat template")
     quiet: bool = option(False, "no progress bar or table")
-    reps: int = option(1, "repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)")
+    reps: int = option(1, "repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)", lo=1, hi=10**6)
     levers: list[str] = option([], f"exllamav3 levers as extra cells against the toolkit's defaults ({ADOPTED.tag}; "
                                "NAME=off turns one off, '+' joins several): "
                                + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()), metavar="NAME[=VALUE]")
@@ -377,9 +374,10 @@ class BenchOptions:
     timing_only: bool = option(False, "record costs only, no tau or losslessness (implied for synthetic checkpoints)")
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
     tensor_parallel: bool = option(False, TP_HELP)
-    draft_device: int = option(0, DRAFT_HELP, metavar="N")
+    draft_device: int = option(0, DRAFT_HELP, metavar="N", lo=0, hi=1023)
     minutes: float | None = option(None, "wall-clock budget for the repetitions: none starts that would not end "
-                                   "within it (bench.json says how many ran); the models' loading is not counted")
+                                   "within it (bench.json says how many ran); the models' loading is not counted",
+                                   above=0, hi=1e6)
 
 
 def main(argv: list[str] | None = None) -> None:

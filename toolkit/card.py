@@ -16,7 +16,7 @@ from .hub.card import run_card
 class CardOptions:
     out_dir: str = option(help="the quantize OUT folder (report.json, upstream/)", flag="--from")
     repo: str | None = option(None, "the Hub repo it will be pushed to, USER/NAME")
-    bits: float | None = option(None, "print this bitrate's branch card instead of main's")
+    bits: float | None = option(None, "print this bitrate's branch card instead of main's", above=0, hi=16)
 
 
 def main(argv: list[str] | None = None) -> str:

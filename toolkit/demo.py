@@ -17,7 +17,7 @@ class PrepareOptions:
     force: bool = option(False, "convert again even when the folder is complete, or replace a non-empty --out that is "
                                 "not an earlier conversion (once the new one is complete)")
     check_prompts: int = option(0, f"compare fp16 and fp32 greedy output on N (<= {len(CHECK_PROMPTS)}) prompts and record it",
-                                metavar="N")
+                                metavar="N", lo=0, hi=len(CHECK_PROMPTS))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .core.cli import entry, option, run
+from .core.cli import check_values, entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_file, claim_file
 from .runtime.backend import Backend, GenSettings
@@ -69,14 +69,12 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
 
     if backend not in BACKENDS:
         raise ToolkitError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if concurrency < 1:
-        raise ToolkitError(f"--concurrency must be >= 1, got {concurrency}")
+    check_values(EvalTauOptions, {"max_new_tokens": max_new_tokens, "limit": limit, "concurrency": concurrency,
+                                  "device": device, "minutes": minutes, "draft_device": draft_device})
     try:
         asked = GenSettings.parse_blocks(block_sizes)
     except OptionError as e:                       # eval_tau() words its errors with the flags, also from Python
         raise ToolkitError(f"--block-sizes{e.rest}") from None
-    if limit is not None and limit < 1:
-        raise ToolkitError(f"--limit must be >= 1, got {limit}")
     for name, p in (("--target", target), ("--draft", draft)):
         if not Path(p).is_dir():
             raise ToolkitError(f"{name}: {p} is not a folder")
@@ -152,19 +150,21 @@ class EvalTauOptions:
     heldout: str | None = option(None, "held-out prompts JSON (default DRAFT/heldout.json)")
     block_sizes: list[str] = option(["8", "16"], "block sizes B, and/or auto for the drafting policy (default 8 16: the "
                                     "drafter's own tau)", metavar="auto|B")
-    max_new_tokens: int = option(128)
-    limit: int | None = option(None, "at most N prompts per category")
+    max_new_tokens: int = option(128, lo=1, hi=2**20)
+    limit: int | None = option(None, "at most N prompts per category", lo=1)
     backend: str = option("torch", "runtime (default torch)", choices=["torch", "exllamav3"])
-    concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)")
-    device: str = option("auto", "torch backend: auto (cuda when available), cpu or cuda")
-    dtype: str = option("auto", "torch backend: auto (float16 on cuda, float32 on cpu), float16, bfloat16 or float32")
-    minutes: float | None = option(None, "stop starting new prompts after this long (partial result, complete: false)")
+    concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)", lo=1, hi=4096)
+    device: str = option("auto", "torch backend: auto (cuda when available), cpu or cuda", kind="device_auto")
+    dtype: str = option("auto", "torch backend: auto (float16 on cuda, float32 on cpu)",
+                        choices=["auto", "float16", "bfloat16", "float32"])
+    minutes: float | None = option(None, "stop starting new prompts after this long (partial result, complete: false)",
+                                   above=0, hi=1e6)
     out: str | None = option(None, "also write the JSON here (rewritten after every prompt or wave)")
     write_card: bool = option(False, "put the tau table into DRAFT/README.md")
     quiet: bool = option(False, "no progress bar")
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
     tensor_parallel: bool = option(False, TP_HELP)
-    draft_device: int = option(0, DRAFT_HELP, metavar="N")
+    draft_device: int = option(0, DRAFT_HELP, metavar="N", lo=0, hi=1023)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,8 +12,8 @@ from .core.cli import entry, option, run
 class FixturesOptions:
     out: str = option(help="folder to write into")
     arch: str = option("llama", "target architecture", choices=[*ARCHS, "all"])
-    block_size: int = option(16, "drafter block size B")
-    seed: int = option(0, "random seed")
+    block_size: int = option(16, "drafter block size B", lo=2, hi=1024)
+    seed: int = option(0, "random seed", kind="seed")
     pair: bool = option(False, "copy the shipped trained pair instead of building random models")
     force: bool = option(False, "replace a non-empty --out that is not an earlier fixtures folder (once the new one is complete)")
 

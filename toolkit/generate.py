@@ -146,23 +146,23 @@ class GenerateOptions:
     prompt: str = option(help="user message (goes through the chat template when there is one)")
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
     draft: str | None = option(None, "DFlash drafter folder in the upstream layout")
-    max_new_tokens: int = option(64)
+    max_new_tokens: int = option(64, lo=1, hi=2**20)
     block_size: str = option("auto", "auto (default): a measured policy picks each round's verify width, plain AR where "
                              "drafting does not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)",
                              metavar="auto|N")
-    temperature: float = option(0.0, "0 = greedy (default)")
-    seed: int = option(0)
+    temperature: float = option(0.0, "0 = greedy (default)", lo=0, hi=100)
+    seed: int = option(0, kind="seed")
     backend: str = option("torch", choices=["torch", "exllamav3"])
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
     reps: int = option(3, "with --compare-ar: speculative and AR decodes alternate this many times; the speedup is "
                        "the median of the paired ratios, printed with their min-max (default 3)")
     system: str | None = option(None, "system prompt")
     raw: bool = option(False, "tokenize the prompt as is, without the chat template")
-    device: str | None = option(None, "torch device for the torch backend (default cpu)")
+    device: str | None = option(None, "torch device for the torch backend (default cpu)", kind="device")
     json_out: bool = option(False, "print one JSON object (the documented contract)", flag="--json")
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
     tensor_parallel: bool = option(False, TP_HELP)
-    draft_device: int = option(0, DRAFT_HELP, metavar="N")
+    draft_device: int = option(0, DRAFT_HELP, metavar="N", lo=0, hi=1023)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ from .core.cli import entry, option, run
 class PadOptions:
     src: str = option(help="HF model folder (dense Llama family, safetensors), or its DFlash drafter", positional=True)
     dst: str = option(help="output folder, written whole once complete", positional=True)
-    align: int = option(ALIGN, "width multiple")
+    align: int = option(ALIGN, "width multiple", lo=1, hi=4096)
     force: bool = option(False, "replace a non-empty DST that is not an earlier padded folder")
 
 

@@ -20,8 +20,8 @@ class PushOptions:
     branch_template: str = option("{bits:.1f}bpw", "branch name per bitrate; fields {bits}, {folder}, {calibrated}")
     dry_run: bool = option(False, "list branches, files and sizes; touch nothing")
     endpoint: str | None = option(None, "Hub URL (default: HF_ENDPOINT or huggingface.co)")
-    retries: int = option(4, "retries per step on 5xx or dropped connections")
-    retry_delay: float = option(2.0, "first backoff delay in seconds, doubling")
+    retries: int = option(4, "retries per step on 5xx or dropped connections", lo=0, hi=100)
+    retry_delay: float = option(2.0, "first backoff delay in seconds, doubling", lo=0, hi=3600)
 
 
 EPILOG = ("Checked before any request: --repo, --retries, --retry-delay, --endpoint, report.json (every folder it names "

@@ -50,10 +50,10 @@ class QuantizeOptions:
     force: bool = option(False, "overwrite an existing output folder and redo every bitrate")
     push: str | None = option(None, "after a passing run, push the outputs to this Hub repo (toolkit.push)", metavar="REPO")
     device: str | None = option(None, "device: cuda, cuda:N or N for conversion, calibration and checks (default cuda); "
-                                "cpu runs calibration and checks on the CPU")
+                                "cpu runs calibration and checks on the CPU", kind="device_index")
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...", group=SPLIT_GROUP)
     tensor_parallel: bool = option(False, TP_HELP, group=SPLIT_GROUP)
-    draft_device: int = option(0, DRAFT_HELP, metavar="N", group=SPLIT_GROUP)
+    draft_device: int = option(0, DRAFT_HELP, metavar="N", group=SPLIT_GROUP, lo=0, hi=1023)
 
 
 def quantize(push: str | None = None, on_step: Callable[[dict], None] | None = None, **args) -> int:

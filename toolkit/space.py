@@ -27,7 +27,7 @@ class ExportOptions:
                                          "GPU, e.g. 16,16 (exllamav3 backend; Space variable DFLASH_GPU_SPLIT)",
                                    metavar="auto|GB,GB,...")
     tensor_parallel: bool = option(False, "load the target tensor-parallel (DFLASH_TENSOR_PARALLEL)")
-    draft_device: int = option(0, "the GPU the drafter is loaded on (DFLASH_DRAFT_DEVICE)", metavar="N")
+    draft_device: int = option(0, "the GPU the drafter is loaded on (DFLASH_DRAFT_DEVICE)", metavar="N", lo=0, hi=1023)
 
 
 def main(argv: list[str] | None = None):

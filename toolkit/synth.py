@@ -30,10 +30,11 @@ class SynthOptions:
     out: str = option(help="folder to create (must not exist or be empty, unless --overwrite)")
     head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)")
     codebook: str = option("mul1", "trellis codebook (mul1 as the converter)", choices=["mul1", "mcg", "3inst"])
-    seed: int = option(0, "random seed")
-    std: float | None = option(None, "std of the decoded weights (default: the config's initializer_range, else 0.02)")
-    shard_gb: float = option(4.0, "approximate shard size in GiB")
-    device: str = option("auto", "where to generate: auto (cuda if available), cpu or cuda[:N]")
+    seed: int = option(0, "random seed", kind="seed")
+    std: float | None = option(None, "std of the decoded weights (default: the config's initializer_range, else 0.02)",
+                               above=0, hi=100)
+    shard_gb: float = option(4.0, "approximate shard size in GiB", above=0, hi=1024)
+    device: str = option("auto", "where to generate: auto (cuda if available), cpu or cuda[:N]", kind="device_auto")
     overwrite: bool = option(False, "replace a non-empty --out (only once the new one is complete)")
     quiet: bool = option(False, "no progress bar")
 

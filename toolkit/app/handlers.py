@@ -2,7 +2,8 @@
 
 Both runs happen one after the other inside one call (and the GPU events share one concurrency id), so they
 never skew each other. Timing counts only the time spent inside the backend's generator, not the UI updates.
-Every failure becomes a visible message in the page; the server keeps serving.
+Every failure becomes a visible message in the page; the server keeps serving. The console gets one line per
+request: prompt tokens, rounds, the ratio or "plain AR", and whether it was stopped or its client left.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import gradio as gr
 
 from ..core.errors import ToolkitError
 from ..runtime.backend import Backend, GenSettings, message_text
-from ..runtime.events import Round, Summary, summarize
+from ..runtime.events import Round, Speedup, Summary, round_speedup, summarize
 from . import render
-from .models import Loaded
+from .models import Loaded, say
 
 log = logging.getLogger("toolkit.app")
 UI_INTERVAL = 0.08      # seconds between live updates of the panels
@@ -74,6 +75,17 @@ class Run:
         return summarize(self.rounds, self.seconds)
 
 
+def histogram(s: Summary | None, block: int):
+    """The histogram's data with a y-axis of at least 0..1 (an all-zero column would draw its axis as 0.000000)."""
+    frame = render.histogram_frame(s, block)
+    return gr.BarPlot(frame, y_lim=[0, max(1, int(frame["rounds"].max()))])
+
+
+def speed_of(spec: Run, ar: Run) -> Speedup:
+    """The turn's ratio with its spread over the rounds' timings; none when no round drafted."""
+    return round_speedup(spec.rounds, ar.rounds, (spec.seconds, ar.seconds))
+
+
 @dataclass
 class View:
     """Everything the handler updates, in the order of ChatHandler.outputs."""
@@ -111,11 +123,12 @@ def result_json(spec: Run, ar: Run, block: int | str, thinking: bool | None) -> 
     """The turn as data (same keys as `python -m toolkit.generate --compare-ar --json` where they overlap)."""
     s = spec.summary()
     ar_tok_s = len(ar.tokens) / ar.seconds if ar.seconds > 0 else 0.0
+    speed = speed_of(spec, ar) if not (spec.stopped or ar.stopped) else Speedup(None, "the run was stopped")
     return {
         "text": spec.transcript.text, "ar_text": ar.transcript.text, "tokens": spec.tokens, "ar_tokens": ar.tokens,
         "rounds": [r.to_json() for r in spec.rounds], "tau": s.tau, "accept_per_position": s.accept_per_position,
         "tau_histogram": {str(k): v for k, v in s.tau_histogram.items()}, "tok_s": s.tok_s, "ar_tok_s": ar_tok_s,
-        "seconds": spec.seconds, "ar_seconds": ar.seconds, "speedup": s.tok_s / ar_tok_s if ar_tok_s else 0.0,
+        "seconds": spec.seconds, "ar_seconds": ar.seconds, **speed.to_json(),
         "lossless": spec.tokens == ar.tokens, "block_size": block, "thinking": thinking, "stopped": ar.stopped,
     }
 
@@ -128,9 +141,9 @@ def policy_note(rounds: list[Round]) -> str:
         return ""
     if not spec:
         return f"block auto: all {len(steps)} rounds plain AR (drafting does not pay on this model and hardware)"
-    widths = sorted(set(spec))
-    shown = ", ".join(map(str, widths)) if len(widths) <= 4 else f"{widths[0]}–{widths[-1]}"
-    return (f"block auto: {len(spec)} of {len(steps)} rounds speculative (width {shown}), "
+    blocks = sorted({w + 1 for w in spec})
+    shown = ", ".join(map(str, blocks)) if len(blocks) <= 4 else f"{blocks[0]}–{blocks[-1]}"
+    return (f"block auto: {len(spec)} of {len(steps)} rounds speculative (block {shown}), "
             f"{len(steps) - len(spec)} plain AR")
 
 
@@ -184,7 +197,7 @@ class ChatHandler:
         return View(chat, render.banner_html("idle"), render.stream_html(render.Transcript(str), "DFlash speculative", "", False, True),
                     render.stream_html(render.Transcript(str), "Plain autoregressive", "", False, False),
                     render.tau_html(None, b), render.rounds_table_html(render.Transcript(str)),
-                    render.acceptance_frame(None, b - 1), render.histogram_frame(None, b), render.message_html(kind, message))
+                    render.acceptance_frame(None, b - 1), histogram(None, b), render.message_html(kind, message))
 
     def _view(self, chat, spec: Run, ar: Run | None, state: str, plots: bool, block: int, mode: str, message: str = "") -> View:
         s = spec.summary()
@@ -195,26 +208,42 @@ class ChatHandler:
         banner = render.banner_html(
             state, (len(spec.tokens), spec.seconds), (len(ar.tokens), ar.seconds) if ar else None,
             identical=(ar is not None and spec.tokens == ar.tokens), greedy=spec.settings.temperature == 0, mode=mode,
-            widths=policy_note(spec.rounds) if spec.settings.auto else "")
+            widths=policy_note(spec.rounds) if spec.settings.auto else "",
+            speed=speed_of(spec, ar) if state == "done" else None)
         return View(
             chat, banner,
             render.stream_html(spec.transcript, "DFlash speculative", spec_rate, not done_spec, True),
             render.stream_html(ar.transcript if ar else render.Transcript(str), "Plain autoregressive (same target)", ar_rate,
                                state == "ar", False),
             render.tau_html(s, block, n_ar), render.rounds_table_html(spec.transcript),
-            render.acceptance_frame(s, block - 1) if plots else None, render.histogram_frame(s, block) if plots else None,
+            render.acceptance_frame(s, block - 1) if plots else None, histogram(s, block) if plots else None,
             message)
 
     def prefilling(self, chat, spec: Run, block: int, mode: str, n: int) -> View:
         """The first update of a turn: the user's message in the chat and what the model is doing."""
         view = self._view(chat, spec, None, "spec", True, block, mode,
                           render.message_html("info", f"Prefilling {n} prompt tokens…"))
-        view.banner = f'<div class="dfl-banner run">⏳ Prefilling {n} prompt tokens{mode}…</div>'
+        view.banner = f'<div class="dfl-banner run">Prefilling {n} prompt tokens{mode}…</div>'
         return view
 
     def respond(self, message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
                 request: gr.Request = None):
-        """Stream one chat turn: speculative first, then plain AR on the same prompt (the whole conversation)."""
+        """Stream one chat turn: speculative first, then plain AR on the same prompt (the whole conversation); one
+        console line when it ends, however it ends."""
+        turn: dict = {}
+        how = "done"
+        try:
+            yield from self._respond(turn, message, history, block_size, max_new_tokens, temperature, seed, system,
+                                     thinking, request)
+        except GeneratorExit:          # Gradio closed the stream: the client left
+            how = "client left"
+            raise
+        finally:
+            if turn:
+                say(request_line(turn, how))
+
+    def _respond(self, turn: dict, message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
+                 request):
         chat = list(history or [])
         stop = self._flag(request)
         stop.clear()
@@ -253,6 +282,7 @@ class ChatHandler:
         chat += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
         spec = Run(be, ids, settings, True)
         ar: Run | None = None
+        turn.update(prompt=len(ids), block=choice, spec=spec)
         # the user's message shows at once: a long prompt's prefill comes before the first round
         yield self.prefilling(chat, spec, block, mode, len(ids)).values(clear_box=True)
         try:
@@ -270,7 +300,7 @@ class ChatHandler:
             if spec.stopped:
                 yield self._view(chat, spec, None, "stopped", True, block, mode, render.message_html("info", "Stopped.")).values()
                 return
-            ar = Run(be, ids, settings, False)
+            ar = turn["ar"] = Run(be, ids, settings, False)
             yield self._view(chat, spec, ar, "ar", True, block, mode).values()
             last = time.perf_counter()
             with closing(ar.stream(stop)) as rounds:
@@ -286,8 +316,27 @@ class ChatHandler:
             yield view.values()
         except Exception as e:  # OOM, backend errors: a visible message, never a traceback
             log.exception("generation failed")
+            turn["failed"] = friendly(e)
             free_gpu()
             if chat and chat[-1]["role"] == "assistant" and not chat[-1]["content"]:
                 chat[-1] = {"role": "assistant", "content": FAILED + friendly(e)}
             v = self._view(chat, spec, ar, "failed", True, block, mode, render.message_html("error", friendly(e)))
             yield v.values(clear_box=True)
+
+
+def request_line(turn: dict, how: str) -> str:
+    """The console line of one request: prompt tokens, rounds, the ratio or plain AR, and how it ended."""
+    spec, ar = turn["spec"], turn.get("ar")
+    steps = [r for r in spec.rounds if not r.prefill]
+    drafted = sum(1 for r in steps if r.drafted)
+    head = f"request: {turn['prompt']} prompt tokens, block {turn['block']}, {len(spec.tokens)} tokens in {len(steps)} rounds"
+    if "failed" in turn:
+        return f"{head}; failed: {turn['failed']}"
+    if how == "client left" or spec.stopped or (ar is not None and ar.stopped):
+        return f"{head}; {'the client left' if how == 'client left' else 'stopped'} before the end: no ratio"
+    if ar is None:
+        return f"{head}; ended before the plain AR run"
+    speed = speed_of(spec, ar)
+    if speed.value is None:
+        return f"{head}, all plain AR (no round drafted): no ratio"
+    return f"{head} ({drafted} drafted); {speed.text()}"

@@ -5,8 +5,11 @@ Env vars: DFLASH_TARGET, DFLASH_DRAFT (local folders or Hub refs USER/NAME[@REVI
 (smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls back to tiny when its target
 cannot be prepared offline), and for the exllamav3 backend on several GPUs DFLASH_GPU_SPLIT (auto|GB,GB,...),
 DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (runtime/gpu_split.py). On a Space, SPACE_ID and
-ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware.
-Loading never raises: a failure is kept as a message that the page shows.
+ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware. On a CUDA GPU with exllamav3 installed the SmolLM2 demo
+runs there, its two models zero-padded once to exllamav3's 128-aligned widths (toolkit.assets.padding, the same
+function); without exllamav3 it runs on the torch backend, on the GPU when there is one.
+Loading never raises: a failure is kept as a message that the page shows. The console names each step of the
+start (prepare, load, calibrate, warm-up) with its time.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..core.errors import ToolkitError
 from ..core.refs import fetch, parse_ref
-from ..runtime.backend import Backend
+from ..runtime.backend import Backend, GenSettings
 from ..runtime.factory import load_backend
 from ..runtime.gpu_split import ENV, GpuSplit, from_env
 
@@ -116,6 +120,14 @@ class Loaded:
     notes: list[str] = field(default_factory=list)
     hardware: Hardware = field(default_factory=Hardware)
     demo_kind: str = ""               # "smollm2" or "tiny" when demo
+    steps: dict[str, float] = field(default_factory=dict)   # start-up step -> seconds, in order
+
+    @property
+    def engine(self) -> str:
+        """The backend in words, for the page title: ExLlamaV3 on a GPU, PyTorch on the CPU or a GPU."""
+        if self.backend_name == "exllamav3":
+            return "ExLlamaV3 (GPU)"
+        return "PyTorch (CPU)" if self.device == "cpu" else f"PyTorch ({self.device.split(':')[0].upper()})"
 
     @property
     def block_size(self) -> int:
@@ -153,7 +165,7 @@ def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
     has_exl = importlib.util.find_spec("exllamav3") is not None
     want = spec.backend
     if want == "auto":
-        want = "exllamav3" if (hw.cuda and has_exl and not hw.zero_gpu and not spec.demo) else "torch"
+        want = "exllamav3" if (hw.cuda and has_exl and not hw.zero_gpu) else "torch"
     if want == "exllamav3" and hw.zero_gpu:
         notes.append("ZeroGPU cannot run exllamav3's CUDA extension (docs/app.md); using the torch backend.")
         want = "torch"
@@ -161,7 +173,7 @@ def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
         why = "no CUDA GPU" if not hw.cuda else "exllamav3 is not installed"
         notes.append(f"exllamav3 backend asked for but {why}; using the torch backend on CPU instead.")
         want = "torch"
-    device = spec.device or ("cuda" if want == "torch" and (hw.cuda or hw.zero_gpu) and not spec.demo else "cpu")
+    device = spec.device or ("cuda" if want == "exllamav3" or hw.cuda or hw.zero_gpu else "cpu")
     return want, device, notes
 
 
@@ -175,20 +187,49 @@ def say(line: str) -> None:
     print(f"[app] {line}", file=sys.stderr, flush=True)
 
 
-def prepare_demo(smollm2) -> tuple[Path, Path]:
-    """The SmolLM2 pair; the first start converts the target (~60-90 s), so say so before and after."""
-    first = smollm2.complete(smollm2.cache_root() / smollm2.TARGET_NAME) is None
-    if first:
-        say("first start: preparing the demo target SmolLM2-135M-Instruct (converting it once, ~60-90 s)…")
+@contextmanager
+def step(out: "Loaded", name: str, what: str) -> Iterator[None]:
+    """Time one start-up step into out.steps and name it on the console when it ends."""
     t0 = time.perf_counter()
-    pair = smollm2.default_pair()
-    if first:
-        say(f"demo target ready in {time.perf_counter() - t0:.0f} s ({pair[0]}); loading the models")
-    return pair
+    yield
+    out.steps[name] = time.perf_counter() - t0
+    say(f"{name}: {what} ({out.steps[name]:.1f} s)")
+
+
+def prepare_demo(smollm2) -> tuple[Path, Path]:
+    """The SmolLM2 pair; the first start converts the target once (reading the GGUF takes most of it), so say so."""
+    if smollm2.complete(smollm2.cache_root() / smollm2.TARGET_NAME) is None:
+        say("prepare: first start, converting the demo target SmolLM2-135M-Instruct from its GGUF once…")
+    return smollm2.default_pair()
+
+
+def padded_pair(target: str, draft: str) -> tuple[str, str]:
+    """The demo pair zero-padded to 128-aligned widths for exllamav3 (same outputs), made once next to the target."""
+    from ..assets.padding import pad
+
+    out = []
+    for src, name in ((target, "target"), (draft, "draft")):
+        dst = Path(target).parent / f"{Path(target).name}-exllamav3" / name
+        if not (dst / "config.json").is_file():
+            pad(src, str(dst), force=dst.exists())
+        out.append(str(dst))
+    return out[0], out[1]
 
 
 def demo_pair(out: Loaded) -> tuple[str, str]:
-    """The embedded pair: SmolLM2-135M-Instruct + its trained drafter, else (or with DFLASH_DEMO=tiny) the tiny pair."""
+    """The embedded pair: SmolLM2-135M-Instruct + its trained drafter, else (or with DFLASH_DEMO=tiny) the tiny pair.
+    On exllamav3 the SmolLM2 pair is padded for it; the tiny pair runs on the torch backend."""
+    t, d = pick_demo(out)
+    if out.backend_name != "exllamav3":
+        return t, d
+    if out.demo_kind == "smollm2":
+        return padded_pair(t, d)
+    out.notes.append("The tiny toy pair runs on the torch backend (exllamav3 needs 128-aligned widths).")
+    out.backend_name, out.device = "torch", "cuda" if out.hardware.cuda else "cpu"
+    return t, d
+
+
+def pick_demo(out: Loaded) -> tuple[str, str]:
     from ..assets.pairs import tiny_pair
 
     if os.environ.get("DFLASH_DEMO", "smollm2").lower() != "tiny":
@@ -211,34 +252,51 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
     name, device, notes = choose_backend(spec, hw)
     out = Loaded(None, demo=spec.demo, backend_name=name, device=device, notes=notes, hardware=hw)
     try:
-        if spec.demo:
-            target, draft = demo_pair(out)
-        else:
-            if spec.draft is None:
-                raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
-            (target, out.target), (draft, out.draft) = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
+        with step(out, "prepare", "the models' folders are ready"):
+            target, draft = models_of(spec, out)
+        name = out.backend_name
         if not spec.split.default and name != "exllamav3":
             raise ToolkitError(f"the GPU split ({spec.split.tag}) needs the exllamav3 backend; this runs {name}"
                                + (f" ({notes[-1].rstrip('.')})" if notes else ""))
-        try:
-            out.backend = opener(name, target, draft, device, **({} if spec.split.default else {"split": spec.split}))
-        except ToolkitError:
-            raise
-        except Exception as e:  # exllamav3's extension failed to build/load: try the torch backend once
-            if name != "exllamav3":
-                raise
-            log.exception("exllamav3 backend failed")
-            out.notes.append(f"exllamav3 failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
-                             "using the torch backend instead" + (", on one device." if not spec.split.default else "."))
-            out.backend_name, out.device = "torch", "cuda" if hw.cuda else "cpu"
-            out.backend = opener("torch", target, draft, out.device)
-        out.backend.warm_up(out.backend.encode("Hello"))
+        with step(out, "load", f"{name} backend on {out.device}"):
+            open_models(out, spec, hw, opener, target, draft)
+        with step(out, "calibrate", "round costs of each verify width for the auto policy (cached on disk)"):
+            out.backend.prepare(GenSettings())
+        with step(out, "warm-up", "a short speculative and a plain decode"):
+            out.backend.warm_up(out.backend.encode("Hello"))
     except ToolkitError as e:
         out.backend, out.error = None, f"Could not load the models: {e}"
     except Exception as e:  # OOM, a broken checkpoint, a CUDA error: the page says so and keeps serving
         log.exception("model load failed")
         out.backend, out.error = None, f"Could not load the models: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return out
+
+
+def models_of(spec: ModelSpec, out: Loaded) -> tuple[str, str]:
+    """Local folders of the target and the drafter: the demo pair, or the given folders / Hub refs fetched."""
+    if spec.demo:
+        return demo_pair(out)
+    if spec.draft is None:
+        raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
+    (target, out.target), (draft, out.draft) = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
+    return target, draft
+
+
+def open_models(out: Loaded, spec: ModelSpec, hw: Hardware, opener: Callable, target: str, draft: str) -> None:
+    """out.backend over the folders; when exllamav3's extension fails to build or load, the torch backend once."""
+    name = out.backend_name
+    try:
+        out.backend = opener(name, target, draft, out.device, **({} if spec.split.default else {"split": spec.split}))
+    except ToolkitError:
+        raise
+    except Exception as e:
+        if name != "exllamav3":
+            raise
+        log.exception("exllamav3 backend failed")
+        out.notes.append(f"exllamav3 failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+                         "using the torch backend instead" + (", on one device." if not spec.split.default else "."))
+        out.backend_name, out.device = "torch", "cuda" if hw.cuda else "cpu"
+        out.backend = opener("torch", target, draft, out.device)
 
 
 def gpu_wrap(fn: Callable, hw: Hardware, duration: int = 120) -> Callable:

@@ -10,7 +10,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..runtime.events import Round, Summary, ar_verdict
+from ..runtime.events import Round, Speedup, Summary, ar_verdict
 
 # Token origins, in the order of the legend.
 KINDS = {
@@ -129,20 +129,26 @@ def block_html(v: RoundView) -> str:
     return f"{kept}{rej}{fix}"
 
 
+def tokens_text(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 def width_text(v: RoundView) -> str:
-    """The verify width of a round, and what the drafter proposed when that was more (the auto policy)."""
+    """The block a round verified (its drafted ids + the last token: what τ counts up to), and what the drafter
+    proposed when that was more (the auto policy)."""
     w = len(v.drafted)
-    return f"width {w} of {v.proposed} proposed" if v.proposed > w else f"width {w}"
+    of = f" of {v.proposed} proposed" if v.proposed > w else ""
+    return f"block {w + 1} ({w} drafted{of})"
 
 
 def round_caption(v: RoundView) -> str:
     if v.prefill:
         return f"round {v.index}: prefill"
     if not v.drafted:
-        return f"round {v.index}: width 0, plain AR step (no draft) → {len(v.pieces)} token"
+        return f"round {v.index}: block 1, plain AR step (no draft) → {tokens_text(len(v.pieces))}"
     last = v.pieces[-1].kind
     how = {"bonus": "all accepted + bonus", "correction": "then corrected", "accepted": "cut at stop/budget"}[last]
-    return f"round {v.index}: {width_text(v)}: {v.accepted}/{len(v.drafted)} drafted accepted, {how} → {len(v.pieces)} tokens"
+    return f"round {v.index}: {width_text(v)}: {v.accepted}/{len(v.drafted)} accepted, {how} → {tokens_text(len(v.pieces))}"
 
 
 def stream_html(t: Transcript, title: str, rate: str, live: bool, speculative: bool) -> str:
@@ -166,19 +172,20 @@ def ar_run_caption(run: list[RoundView]) -> str:
     """Consecutive AR rounds of a speculative run, as one row."""
     a, b = run[0].index, run[-1].index
     where = f"round {a}" if a == b else f"rounds {a}–{b}"
-    return f"{where}: width 0, plain AR (the policy found drafting not worth it) → {sum(len(v.pieces) for v in run)} tokens"
+    n = sum(len(v.pieces) for v in run)
+    return f"{where}: block 1, plain AR (the policy found drafting not worth it) → {tokens_text(n)}"
 
 
 def widths_html(t: Transcript) -> str:
-    """How often each verify width was chosen: one line over the rounds of a speculative run."""
+    """How often each block (drafted ids + 1) was verified: one line over the rounds of a speculative run."""
     counts: dict[int, int] = {}
     for v in t.rounds:
         if not v.prefill:
-            counts[len(v.drafted)] = counts.get(len(v.drafted), 0) + 1
+            counts[len(v.drafted) + 1] = counts.get(len(v.drafted) + 1, 0) + 1
     if not counts:
         return ""
-    parts = [f"{w}{' (AR)' if w == 0 else ''} × {n}" for w, n in sorted(counts.items())]
-    return f'<div class="blk-widths">width chosen per round: {esc(", ".join(parts))}</div>'
+    parts = [f"{b}{' (AR)' if b == 1 else ''} × {n}" for b, n in sorted(counts.items())]
+    return f'<div class="blk-widths">block per round: {esc(", ".join(parts))}</div>'
 
 
 def rounds_table_html(t: Transcript, limit: int = 400) -> str:
@@ -217,8 +224,10 @@ def legend_html() -> str:
 
 
 def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int, float] | None = None,
-                identical: bool | None = None, greedy: bool = True, mode: str = "", widths: str = "") -> str:
-    """The speedup banner. state: idle | spec | ar | done | stopped | failed; `widths` says what the policy chose."""
+                identical: bool | None = None, greedy: bool = True, mode: str = "", widths: str = "",
+                speed: Speedup | None = None) -> str:
+    """The speedup banner. state: idle | spec | ar | done | stopped | failed; `widths` says what the policy chose,
+    `speed` the measured ratio with its spread (no ratio at all when no round drafted)."""
     def rate(x):
         return x[0] / x[1] if x and x[1] > 0 else 0.0
 
@@ -234,33 +243,47 @@ def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int
     if state == "failed":
         return '<div class="dfl-banner warn">The run did not finish: see the message under the chat.</div>'
     if state == "stopped":
-        return '<div class="dfl-banner warn">⏹ Stopped. No speedup is reported for an interrupted run.</div>'
+        return '<div class="dfl-banner warn">■ Stopped. No speedup is reported for an interrupted run.</div>'
     s, a = rate(spec), rate(ar)
-    x = s / a if a > 0 else 0.0
     if greedy:
         same = ("outputs identical ✓ (greedy: speculative decoding is lossless)" if identical
                 else "outputs differ ✗ (unexpected under greedy)")
     else:
         same = "sampling: the two texts differ by chance; both follow the target's distribution"
-    head = f"{x:.2f}× faster" if x >= 1 else f"{x:.2f}× (slower here)"
-    if x < 1:
-        same += " · on this model and hardware drafting costs more than it saves"
-    return (f'<div class="dfl-banner done{"" if x >= 1 else " slow"}"><span class="dfl-x">{head}</span>'
+    speed = speed or Speedup(s / a if a > 0 and s > 0 else None, None if a > 0 and s > 0 else "nothing was decoded")
+    head, kind, note = verdict(speed)
+    return (f'<div class="dfl-banner done {kind}"><span class="dfl-x">{head}</span>'
             f'<span class="dfl-detail">DFlash speculative <b>{s:.1f} tok/s</b> ({spec[0]} tokens, {spec[1]:.2f} s) vs '
             f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}'
-            f'{"<br>" + esc(widths) if widths else ""}</span></div>')
+            f'<br>{esc(note)}{"<br>" + esc(widths) if widths else ""}</span></div>')
+
+
+def verdict(speed: Speedup) -> tuple[str, str, str]:
+    """(headline, banner class, sentence) of a finished turn: no ratio when nothing was drafted, "about the same"
+    when the spread of the ratio reaches both sides of 1, faster or slower only when all of it lies on one side."""
+    if speed.value is None:
+        return ("No speedup to report", "plain", f"No ratio: {speed.reason}.")
+    x, spread = speed.value, speed.spread_text()
+    if speed.noisy:
+        return (f"≈ AR speed ({x:.2f}×)", "even",
+                f"One run of each; the ratio's spread ({spread}) reaches both sides of 1×: no faster or slower here.")
+    if x >= 1:
+        return (f"{x:.2f}× faster", "", f"One run of each; the ratio's spread: {spread}.")
+    return (f"{x:.2f}× (slower here)", "slow",
+            f"One run of each; the ratio's spread: {spread}. On this model and hardware drafting costs more than it saves.")
 
 
 def tau_html(s: Summary | None, block: int, ar_rounds: int = 0) -> str:
     """τ over the speculative rounds; `ar_rounds`: rounds the policy decoded as plain AR (not in τ), with the
     policy's verdict when they are (almost) all of them."""
     verdict = ar_verdict(ar_rounds, s.rounds if s else 0)
-    ar = (f" · {ar_rounds} plain AR rounds (width 0)" if ar_rounds else "") + (f". {verdict}" if verdict else "")
+    ar = (f" · {ar_rounds} plain AR round{'s' if ar_rounds != 1 else ''} (block 1)" if ar_rounds else "") + (f". {verdict}" if verdict else "")
     if s is None or not s.rounds:
         return ('<div class="dfl-tau"><div class="dfl-tau-v">τ –</div><div class="dfl-tau-l">mean tokens per target '
                 f'forward (acceptance length){esc(ar)}</div></div>')
     return (f'<div class="dfl-tau"><div class="dfl-tau-v">τ {s.tau:.2f}</div><div class="dfl-tau-l">mean tokens per '
-            f'target forward, out of {block} possible · {s.rounds} speculative rounds{esc(ar)}</div></div>')
+            f'target forward, out of {block} possible (block {block}: {block - 1} drafted + 1) · {s.rounds} speculative '
+            f'round{"s" if s.rounds != 1 else ""}{esc(ar)}</div></div>')
 
 
 def acceptance_frame(s: Summary | None, width: int):

@@ -12,7 +12,9 @@ CSS = """
 .dfl-banner.done {background:#ecfdf5; border-color:#6ee7b7; display:flex; align-items:center; gap:18px; flex-wrap:wrap;}
 .dfl-banner.done.slow {background:#fffbeb; border-color:#fcd34d;}
 .dfl-banner.slow .dfl-x {color:#b45309;}
-.dfl-x {font-size:2.1em; font-weight:800; color:#047857; white-space:nowrap;}
+.dfl-banner.done.plain, .dfl-banner.done.even {background:#f3f4f6; border-color:#d1d5db;}
+.dfl-banner.plain .dfl-x, .dfl-banner.even .dfl-x {color:#374151;}
+.dfl-x {font-size:clamp(1.4em, 6vw, 2.1em); font-weight:800; color:#047857; overflow-wrap:anywhere;}
 .dfl-detail {color:#1f2937;}
 .dfl-panel {border:1px solid #e5e7eb; border-radius:10px; background:#ffffff; color:#111827; min-height:220px;}
 .dfl-panel.spec {border-top:4px solid #10b981;}

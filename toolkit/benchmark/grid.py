@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..core.target import read_optional
+from ..runtime import trace
 from ..runtime.backend import Backend, GenSettings
 from ..runtime.events import Round, summarize, tokens_of
 from ..policy.costs import CostTable
@@ -46,6 +47,7 @@ class Cell:
 def run_jobs(backend: Backend, prompts: list[list[int]], settings: GenSettings, speculative: bool) -> tuple[list[list[Round]], float]:
     """Decode `prompts` as concurrent jobs (one after another on a backend that does not batch); (rounds per job, seconds)."""
     rounds: list[list[Round]] = [[] for _ in prompts]
+    trace.emit("cell", label=f"{settings.block_size if speculative else 'ar'}/c{len(prompts)}/n{settings.max_new_tokens}")
     t0 = time.perf_counter()
     for i, r in backend.generate_many(prompts, settings, speculative=speculative):
         rounds[i].append(r)

@@ -92,25 +92,34 @@ def _num(x) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def _span(lo, hi, cap) -> str:
-    if lo is not None and hi is not None and hi != cap:
-        return f"from {_num(lo)} to {_num(hi)}"
-    return f">= {_num(lo)}" if lo is not None else f"<= {_num(hi)}"
-
-
-def check_number(field: str, value, d: Domain, integer: bool) -> None:
-    """One value against its domain: an integer (not a bool) or a finite float, within [lo, hi] and > above."""
+def rule_broken(value, d: Domain, integer: bool) -> str | None:
+    """The rule of the domain that `value` breaks ("a finite number", ">= 1", "from 0 to 3", ...), or None.
+    An undeclared bound is INT_MAX or FLOAT_MAX: nothing the toolkit counts comes near it."""
     cap = INT_MAX if integer else FLOAT_MAX
-    hi = d.hi if d.hi is not None else cap
+    lo, hi = (d.lo if d.lo is not None else -cap), (d.hi if d.hi is not None else cap)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise OptionError(field, f"must be a {'whole number' if integer else 'number'}, got {value!r}")
+        return "a whole number" if integer else "a number"
     if not math.isfinite(value):
-        raise OptionError(field, f"must be a finite number, got {value!r}")
+        return "a finite number"
     if d.above is not None and not value > d.above:
-        raise OptionError(field, f"must be > {_num(d.above)}, got {_num(value)}")
-    if d.lo is not None and value < d.lo or value > hi or value < -cap:
-        lo = d.lo if d.lo is not None else -cap
-        raise OptionError(field, f"must be {_span(lo, hi, cap) if value < lo else _span(None, hi, cap) if d.lo is None else _span(d.lo, hi, cap)}, got {_num(value)}")
+        return f"> {_num(d.above)}"
+    if not lo <= value <= hi:
+        return (f"from {_num(lo)} to {_num(hi)}" if d.lo is not None and d.hi is not None
+                else f">= {_num(lo)}" if value < lo else f"<= {_num(hi)}")
+    return None
+
+
+def check_number(field: str, value, d: Domain, integer: bool, many: list | None = None) -> None:
+    """One value against its domain: one OptionError naming the field and the rule (with `many`, the list the
+    value came from: "must be integers >= 1, got [0]")."""
+    rule = rule_broken(value, d, integer)
+    if rule is None:
+        return
+    if many is None:
+        raise OptionError(field, f"must be {rule}, got {value!r}")
+    kind = "integers" if integer else "numbers"
+    plural = {"a whole number": "integers", "a number": "numbers", "a finite number": f"finite {kind}"}
+    raise OptionError(field, f"must be {plural.get(rule, f'{kind} {rule}')}, got {many}")
 
 
 def check_device(field: str, value, kind: str) -> None:
@@ -139,7 +148,15 @@ def check_options(cls: type, values: dict) -> None:
             check_device(f.name, value, d.kind)
         elif tp in (int, float):
             for v in (value if many else [value]):
-                check_number(f.name, v, d, tp is int)
+                check_number(f.name, v, d, tp is int, list(value) if many else None)
+
+
+def check_values(cls: type, values: dict) -> None:
+    """check_options for a command function called from Python: the error names the flag, as on the command line."""
+    try:
+        check_options(cls, values)
+    except OptionError as e:
+        raise ToolkitError(f"{flag_of(cls, e.field)}{e.rest}") from None
 
 
 def with_default(help: str, default: Any, tp: type) -> str | None:

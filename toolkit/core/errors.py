@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from typing import Callable
 
 
@@ -36,8 +38,21 @@ def close_bars() -> None:
             pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, systemd and Spaces send), raised where the program is, as Ctrl-C's KeyboardInterrupt
+    is: every temp file and folder is removed on the way out and the user's output is left as it was."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # a second SIGTERM must not cut the clean-up short
+    raise Terminated
+
+
 def run_cli(main: Callable[[], object]) -> None:
-    """Run a CLI entry point: a ToolkitError becomes `error: <message>` on stderr and exit 2."""
+    """Run a CLI entry point: a ToolkitError becomes `error: <message>` on stderr and exit 2; Ctrl-C and SIGTERM
+    end it with `error: interrupted` (exit 130, or 143 for SIGTERM) once the temp files are removed."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         result = main()
     except ToolkitError as e:
@@ -45,8 +60,12 @@ def run_cli(main: Callable[[], object]) -> None:
         sys.stderr.flush()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         close_bars()
-        print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        term = isinstance(e, Terminated)
+        print(f"error: interrupted{' (SIGTERM)' if term else ''}", file=sys.stderr)
+        sys.exit(143 if term else 130)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)

@@ -1,10 +1,12 @@
 """Files and model folders: JSON and config.json reading with one-line errors, file hashes, atomic writes.
 
-The output policy of every command lives here (docs/outputs.md): `claim` checks an output location before any
-work starts and refuses a non-empty folder that is not the command's own earlier output unless forced;
-`atomic_dir` / `atomic_file` write beside the final path and replace it only once the new output is complete,
-so nothing half-written is left and nothing the command did not write is deleted without --force. A full disk
-is one line naming the path and the bytes needed."""
+The output policy of every command lives here (docs/outputs.md): `claim` / `claim_file` check an output location
+before any work starts and refuse a symlink, and a non-empty folder (or an existing file) that is not the
+command's own earlier output unless forced; own output is recognised by a marker the toolkit writes (`mark`,
+`marker`), checked field by field. `atomic_dir` / `atomic_file` / `atomic_write` write beside the final path and
+replace it only once the new output is complete, so nothing half-written is left and nothing the command did not
+write is deleted without --force. Their temp names carry this host and process, so a rerun removes what an
+interrupted run left (`sweep`). A full disk is one line naming the path and the bytes needed."""
 
 from __future__ import annotations
 
@@ -12,26 +14,31 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+from .. import __version__
+from . import files
 from .errors import OptionError, ToolkitError
 
-MARKER = ".dflash-toolkit.json"   # {"command": ...} in every folder a command writes: its own earlier output
+MARKER = ".dflash-toolkit.json"   # the own-output marker in every folder a command writes (see `marker`)
+TOOLKIT = "dflash-exl3-toolkit"
+HOST = re.sub(r"[^A-Za-z0-9-]", "", socket.gethostname())[:24] or "host"
+TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|src)-(?P<host>[A-Za-z0-9-]+)-(?P<pid>\d+)-")
 
 
 def read_json(path: str | Path, prefix: str = "", missing: str = "no such file"):
-    """A JSON file's content; a missing or broken file is one ToolkitError line starting with `prefix`."""
+    """A JSON file's content (core.files: UTF-8, size and depth caps); a missing or broken file is one
+    ToolkitError line starting with `prefix`."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ToolkitError(f"{prefix}{p}: {missing}")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ToolkitError(f"{prefix}{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return files.read_json(p, prefix)
 
 
 def read_config(folder: str | Path, what: str | None = None) -> dict:
@@ -39,7 +46,10 @@ def read_config(folder: str | Path, what: str | None = None) -> dict:
     prefix = f"--{what}: " if what else ""
     if not (Path(folder) / "config.json").is_file():
         raise ToolkitError(f"{prefix}{folder} has no config.json (not a model folder)")
-    return read_json(Path(folder) / "config.json", prefix)
+    cfg = read_json(Path(folder) / "config.json", prefix)
+    if not isinstance(cfg, dict):
+        raise ToolkitError(f"{prefix}{Path(folder) / 'config.json'} is not a JSON object (a JSON {type(cfg).__name__})")
+    return cfg
 
 
 def sha256(path: str | Path) -> str:
@@ -51,33 +61,83 @@ def sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def marker(command: str) -> dict:
+    """The own-output marker of `command`: which toolkit wrote it, the marker's format, the command, the version."""
+    return {"toolkit": TOOLKIT, "marker": 1, "command": command, "version": __version__}
+
+
+def marked_by(value) -> str | None:
+    """The command of a marker dict, checked field by field (exactly the four fields, of their values and types);
+    None for anything else, such as a user's file that happens to have a `command` key."""
+    if not (isinstance(value, dict) and set(value) == {"toolkit", "marker", "command", "version"}):
+        return None
+    ok = (value["toolkit"] == TOOLKIT and value["marker"] == 1 and isinstance(value["command"], str)
+          and isinstance(value["version"], str) and value["command"] and value["version"])
+    return value["command"] if ok else None
+
+
 def owner(folder: str | Path) -> str | None:
-    """The command that wrote `folder` (its marker), or None for a folder no command of ours wrote."""
+    """The command that wrote `folder` (its marker, a small regular file), or None for a folder no command wrote."""
+    path = Path(folder) / MARKER
     try:
-        return json.loads((Path(folder) / MARKER).read_text()).get("command")
-    except (OSError, ValueError, AttributeError):
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 4096:
+            return None
+        return marked_by(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
         return None
 
 
 def mark(folder: str | Path, command: str) -> None:
     """Record in `folder` that `command` wrote it, so a rerun may replace it without --force."""
-    (Path(folder) / MARKER).write_text(json.dumps({"command": command}) + "\n")
+    (Path(folder) / MARKER).write_text(json.dumps(marker(command)) + "\n")
+
+
+def file_owner(path: str | Path) -> str | None:
+    """The command that wrote a JSON file (its `written_by` field) or a PNG (its `dflash-toolkit` text chunk)."""
+    p = Path(path)
+    try:
+        if p.is_symlink() or not p.is_file() or p.stat().st_size > files.MAX_BYTES:
+            return None
+        if p.suffix == ".png":
+            return marked_by(json.loads(png_text(p.read_bytes()).get("dflash-toolkit", "null")))
+        d = json.loads(p.read_text(encoding="utf-8"))
+        return marked_by(d.get("written_by")) if isinstance(d, dict) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def png_text(data: bytes) -> dict[str, str]:
+    """The tEXt chunks of a PNG (matplotlib writes savefig's `metadata` there)."""
+    out, k = {}, 8
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return out
+    while k + 8 <= len(data):
+        n, kind = int.from_bytes(data[k:k + 4], "big"), data[k + 4:k + 8]
+        if kind == b"tEXt":
+            key, _, value = data[k + 8:k + 8 + n].partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        k += 12 + n
+    return out
 
 
 def claim(out: str | Path, command: str, force: bool, field: str = "out", force_flag: str = "--force",
           own: bool = True) -> Path:
-    """Check an output folder before any work: refuse a file, a path under a file, an unwritable place, the current
-    folder or one above it, and a non-empty folder that is not `command`'s earlier output unless forced."""
+    """Check an output folder before any work: refuse a file, a symlink, a path under a file, an unwritable place,
+    the current folder or one above it, and a non-empty folder that is not `command`'s earlier output (by its
+    marker) unless forced. Leftovers of this command's own interrupted runs beside it are removed (`sweep`)."""
     out = Path(out).expanduser()
     full, cwd = out.resolve(), Path.cwd().resolve()
     if full == cwd or full in cwd.parents or full == Path.home().resolve():
         raise OptionError(field, f"{out} is the current folder, one above it or the home folder: name a new folder for the output")
+    if out.is_symlink():
+        raise OptionError(field, f"{out} is a symbolic link: name the folder itself (the link is never replaced)")
     if out.exists() and not out.is_dir():
         raise OptionError(field, f"{out} exists and is not a folder")
     check_place(out, field)
     if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
         raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} "
                                  f"(pass {force_flag} to replace it once the new output is complete)")
+    sweep(out)
     return out
 
 
@@ -94,13 +154,56 @@ def check_place(out: Path, field: str = "out") -> None:
         raise OptionError(field, f"cannot write in {place} (permission denied)")
 
 
-def claim_file(out: str | Path, field: str = "out") -> Path:
-    """Check an output *file* before any work: refuse a folder, a path under a file, an unwritable place."""
+def claim_file(out: str | Path, field: str = "out", command: str | None = None) -> Path:
+    """Check an output *file* before any work: refuse a folder, a symlink, a path under a file, an unwritable place;
+    with `command`, also an existing file that is not its earlier output (`file_owner`)."""
     out = Path(out).expanduser()
+    if out.is_symlink():
+        raise OptionError(field, f"{out} is a symbolic link: name the file itself (the link is never replaced)")
     if out.is_dir():
-        raise OptionError(field, f"{out} is a folder: name a JSON file")
+        raise OptionError(field, f"{out} is a folder: name a {out.suffix.lstrip('.').upper() or 'JSON'} file")
     check_place(out, field)
+    if command and out.exists() and file_owner(out) != command:
+        raise OptionError(field, f"{out} exists and is not an earlier output of {command}: name a new file "
+                                 "(or remove this one)")
+    sweep(out)
     return out
+
+
+def temp_prefix(path: Path, kind: str = "tmp") -> str:
+    """The prefix of a temp entry beside `path`: hidden, naming it, this host and this process."""
+    return f".{path.name}.{kind}-{HOST}-{os.getpid()}-"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(path: str | Path) -> list[Path]:
+    """Remove the temp entries beside `path` that runs of this host left when they were killed (their process is
+    gone); a live run's are kept. Returns what was removed."""
+    path = Path(path)
+    removed = []
+    try:
+        siblings = list(path.parent.iterdir()) if path.parent.is_dir() else []
+    except OSError:
+        return removed
+    for p in siblings:
+        m = TEMP.match(p.name)
+        if not m or m["name"] != path.name or m["host"] != HOST or alive(int(m["pid"])):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 def no_space(path: Path, need: int | None = None) -> ToolkitError:
@@ -117,25 +220,43 @@ def check_space(path: str | Path, need: int) -> None:
         raise no_space(path, need)
 
 
-def atomic_file(path: str | Path, data: str | bytes) -> Path:
-    """Write a file beside `path` and rename it into place: readers never see half of it, a full disk leaves nothing."""
+def disk_full(e: BaseException) -> bool:
+    """True when `e` (or what caused it) is a full disk: an OSError ENOSPC, or a writer's own wording of one
+    (torch.save and safetensors raise RuntimeErrors that quote the message)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def atomic_write(path: str | Path, write: Callable[[object], None], need: int | None = None) -> Path:
+    """`write(f)` into a temp file beside `path` opened for binary writing, renamed into place once it returns:
+    readers never see half a file; a failure, an interrupt or a full disk (one line) leaves nothing behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
-            raise no_space(path, len(data)) from None
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception) and disk_full(e):
+            raise no_space(path, need) from None
         raise
     return path
+
+
+def atomic_file(path: str | Path, data: str | bytes) -> Path:
+    """Write a file beside `path` and rename it into place: readers never see half of it, a full disk leaves nothing."""
+    raw = data.encode() if isinstance(data, str) else data
+    return atomic_write(path, lambda f: f.write(raw), len(raw))
 
 
 @contextmanager
@@ -144,29 +265,47 @@ def atomic_dir(out: str | Path, command: str | None = None, need: int | None = N
 
     The old `out`, if any, is moved aside before the new one takes its place, so a reader never sees a half-written
     folder; the result is 0755 (mkdtemp's 0700 would hide a shared cache from other users). With `command` the
-    result is marked as that command's output; a full disk is one ToolkitError naming `out` (and `need` bytes)."""
+    result is marked as that command's output; a full disk is one ToolkitError naming `out` (and `need` bytes).
+    What an interrupted run left beside `out` is removed first (`sweep`)."""
     out = Path(out)
     if need:
         check_space(out.parent if out.parent.exists() else Path.cwd(), need)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    sweep(out)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         yield tmp
         if command:
             mark(tmp, command)
         os.chmod(tmp, 0o755)
-        if out.is_dir():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        if out.is_dir() and not out.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "old"), dir=out.parent))
             os.replace(out, old / "x")
             os.replace(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
+        if isinstance(e, Exception) and not isinstance(e, ToolkitError) and disk_full(e):
             raise no_space(out, need) from None
         raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+@contextmanager
+def lock(path: str | Path, field: str, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` for the block; a second run that finds it held is one OptionError
+    naming `field` (two runs writing one output would corrupt it)."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise OptionError(field, f"another run is writing {what} now; wait for it to end") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

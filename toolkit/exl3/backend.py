@@ -151,7 +151,6 @@ class Exl3Backend(Backend):
         self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
         self.policies: dict[tuple[bool, str], Policy] = {}    # (greedy, options tag) -> its policy
         self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds
-        self.on_iterate = None            # a callback(width, jobs, ms, tokens) after every decoding iterate()
         self.set_options(options or ADOPTED)
 
     @classmethod
@@ -381,9 +380,6 @@ class Exl3Backend(Backend):
                         seen.append((tr.index, proposal if rnd.drafted else (), rnd))
                 if policy is not None:
                     policy.observe(seen, t_round)
-                if self.on_iterate is not None and seen:
-                    self.on_iterate(max(len(r.drafted) for _, _, r in seen), len(seen), t_round,
-                                    sum(len(r.tokens) for _, _, r in seen))
                 yield from done
         finally:
             if gen.num_remaining_jobs():          # the consumer stopped early: free the jobs' pages

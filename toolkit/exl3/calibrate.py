@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from ..core.errors import ToolkitError
 from ..policy.costs import QUANTILE, low_quantile
+from ..runtime import trace
 from ..runtime.backend import GenSettings
 
 PAGE = 256                         # exllamav3's cache page size
@@ -106,7 +107,11 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
     cost); `emitted`, when given, gets the mean tokens a job emitted per round per width."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
     seen: dict[int, list[float]] = {}
-    times = time_rounds(be, concurrency, ws, CALIBRATION_REPS, CALIBRATION_WARM, context, emitted=seen)
+    trace.emit("cell", label=f"calibrate/c{concurrency}")
+    try:
+        times = time_rounds(be, concurrency, ws, CALIBRATION_REPS, CALIBRATION_WARM, context, emitted=seen)
+    finally:
+        trace.emit("cell_end")
     ms = {w: low_quantile(ts, QUANTILE) for w, ts in times.items()}
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})

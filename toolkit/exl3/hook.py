@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..core.errors import ToolkitError
+from ..runtime import trace
 from ..runtime.events import Round
 
 PINNED_VERSION = "1.6.5"
@@ -69,7 +70,17 @@ def recording_generator_class(generator_cls: type) -> type:
 
         def iterate(self):
             self.drafted, self.proposals, self.t_draft_ms = {}, {}, 0.0
-            return super().iterate()
+            if not trace.LISTENERS:
+                return super().iterate()
+            jobs = list(self.active_jobs)
+            before = [len(j.sequences[0].sequence_ids) for j in jobs]
+            width = self.num_draft_tokens if self.draft_model is not None else 0
+            t0 = time.perf_counter()
+            out = super().iterate()
+            ms = (time.perf_counter() - t0) * 1000.0
+            trace.emit("iterate", t=t0, w=width, rows=sum(1 for j in jobs if j.is_prefill_done()), jobs=len(jobs),
+                       ms=ms, emitted=sum(len(j.sequences[0].sequence_ids) - b for j, b in zip(jobs, before)))
+            return out
 
         def iterate_draftmodel_dflash_gen(self, results, window):
             full = max(self.full_window or 0, window)

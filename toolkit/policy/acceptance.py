@@ -55,6 +55,10 @@ class Acceptance:
             k = weight / self.weight
             self.sums, self.weight = [s * k for s in self.sums], weight
 
+    @property
+    def rates(self) -> list[float]:
+        return [s / self.weight for s in self.sums]
+
     def expected_tokens(self) -> list[float]:
         """1 + sum_{i<=w} a_i for w = 0..positions: the mean tokens of a round that verifies w drafts."""
         out = [1.0]

@@ -35,7 +35,7 @@ class Policy:
     """Chooses each round's verify width and learns from the rounds it sees; one per backend, drafter and mode."""
 
     def __init__(self, block_size: int, costs: CostTable | None = None, fixed_width: int | None = None, *,
-                 learn_costs: bool = True, prior: float = 0.6, decay: float = 0.95, probe_budget: float = 0.03,
+                 learn_costs: bool = False, prior: float = 0.6, decay: float = 0.95, probe_budget: float = 0.03,
                  min_probe_every: int = 4, first_probe_cost: float | None = None, carry_weight: float | None = None,
                  explore: float = 0.03):
         if fixed_width is None and (costs is None or block_size < 2):
@@ -48,7 +48,7 @@ class Policy:
         self.jobs: dict[Hashable, Hindsight] = {}
         self.probe_budget, self.min_probe_every, self.first_probe_cost = probe_budget, min_probe_every, first_probe_cost
         self.carry_weight, self.explore = carry_weight, explore
-        self.gap = self.every = min_probe_every     # AR rounds before the next probe; its doubling spacing
+        self.gap = self.every = 0                   # AR rounds before the next probe, its doubling spacing (0: the floor)
         self.ar_rounds, self.answer_rounds, self.probing = 0, 0, False
         self.request = 0                            # decoding rounds of the request under way
         self.plain_left: dict[int, list[int]] = {}  # jobs -> [plain requests still to serve, requests in a row]
@@ -89,8 +89,8 @@ class Policy:
             return self.fixed_width
         w, self.probing = self.best(jobs), False
         if w > 0:
-            self.gap = self.every = self.min_probe_every
-        elif self.ar_rounds >= self.gap and self.answer_rounds >= self.first_gap(jobs):
+            self.gap = self.every = 0
+        elif self.ar_rounds >= max(self.gap, self.floor(jobs)) and self.answer_rounds >= self.floor(jobs):
             self.probing, w = True, self.block_size - 1
         return w
 
@@ -140,9 +140,9 @@ class Policy:
         t, e = self.curve(jobs), self.acceptance.expected_tokens()
         return max((t[-1] - t[0] * e[-1]) / t[0], 0.01)
 
-    def first_gap(self, jobs: int) -> int:
-        """AR rounds of an answer before its first probe: with `first_probe_cost`, until a probe costs at most
-        that share of them, so a short answer never pays a whole probe."""
+    def floor(self, jobs: int) -> int:
+        """AR rounds before any probe, in an answer and between probes: with `first_probe_cost`, until a probe
+        costs at most that share of them, so a short answer never pays a whole probe."""
         if self.first_probe_cost is None:
             return self.min_probe_every
         return max(self.min_probe_every, min(math.ceil(self.probe_extra(jobs) / self.first_probe_cost), 1 << 16))
@@ -150,12 +150,13 @@ class Policy:
     def back_off(self, accepted: int) -> None:
         """After a probe that left AR ahead: probe again soon if this one alone beat AR, else wait twice as long,
         up to the spacing at which probes cost `probe_budget` of AR time."""
-        t = self.curve(self.last_jobs)
-        cap = max(self.min_probe_every, min(math.ceil(self.probe_extra(self.last_jobs) / self.probe_budget), 1 << 16))
+        jobs = self.last_jobs
+        t, floor = self.curve(jobs), self.floor(jobs)
+        cap = max(floor, min(math.ceil(self.probe_extra(jobs) / self.probe_budget), 1 << 16))
         if any((1 + w) / t[w] > 1 / t[0] for w in range(1, min(accepted, len(t) - 1) + 1)):
-            self.gap = self.min_probe_every
+            self.gap = 0
         else:
-            self.every = self.gap = min(2 * self.every, cap)
+            self.every = self.gap = min(2 * max(self.every, floor), cap)
 
     # -- whole requests on a batching engine ---------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 `CostTable` holds ms per round {concurrency: {verify width: ms}}, w = 0 the AR step, timed once per model pair and
 device and cached as JSON. `RoundCosts` is the cost model the policy decides by: a width it has seen often enough
 costs the low quartile of its recent rounds (host jitter only adds to a round), and every other width costs the
-table's value scaled by its nearest seen width's observed/tabled ratio. So a table timed under other load, on
-another machine or by another version is corrected after a few rounds of each kind.
+table's value scaled by the observed/tabled ratio of the nearest seen drafting width (AR's when none was seen; the
+AR step only by its own). So a table timed under other load, on another machine or by another version is
+corrected after a few rounds of each kind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import platform
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
@@ -32,7 +33,7 @@ class CostTable:
 
     ms: dict[int, dict[int, float]]
     device: str = ""
-    source: str = "given"
+    source: str = field(default="given", compare=False)
 
     def __post_init__(self) -> None:
         self.ms = {int(c): {int(w): float(t) for w, t in pts.items()} for c, pts in self.ms.items()}
@@ -145,11 +146,13 @@ class RoundCosts:
 
 
 def ratio(w: int, got: dict[int, float], prior: list[float]) -> float:
-    """observed / tabled ms of the seen width nearest w (ties: the narrower; 1 when none was seen)."""
-    if not got:
+    """observed / tabled ms of the seen width nearest w: a drafting width's nearest seen drafting width (else AR's),
+    AR's own (ties: the narrower; 1 when none was seen)."""
+    pool = {v: t for v, t in got.items() if (v > 0) == (w > 0)} or ({} if w == 0 else got)
+    if not pool:
         return 1.0
-    v = min(got, key=lambda x: (abs(x - w), x))
-    return got[v] / prior[v]
+    v = min(pool, key=lambda x: (abs(x - w), x))
+    return pool[v] / prior[v]
 
 
 def as_ms(curve: Iterable[float]) -> dict[int, float]:

@@ -1,0 +1,84 @@
+"""The tree's rules: no import circles between toolkit's modules, no module over 400 lines, libraries never import
+a command (a module at toolkit's root), and tests import experiments/ only in the smoke test."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PKG = ROOT / "toolkit"
+COMMANDS = {p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__")}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The toolkit modules `path` imports, at any depth of its code (lazy imports count too)."""
+    name = module_name(path)
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("toolkit")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base.startswith("toolkit"):
+                out.add(base)
+                out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    return {m: {i for i in imports(p) if i in mods and i != m} for m, p in mods.items()}
+
+
+def test_no_import_circles():
+    g = graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(g[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    # a package's __init__ importing its own modules is not a circle of code
+    cycles = [c for c in cycles if not any(a == b.rpartition(".")[0] or b == a.rpartition(".")[0] for a, b in zip(c, c[1:]))]
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_libraries_never_import_a_command():
+    for m, deps in graph().items():
+        if m.count(".") >= 2:                               # toolkit.<package>.<module>
+            bad = {d for d in deps if d.count(".") == 1 and d.split(".")[1] in COMMANDS}
+            assert not bad, (m, bad)
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_tests_import_experiments_only_in_the_smoke_test():
+    users = set()
+    for p in Path(__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "experiments" for n in names):
+                users.add(p.name)
+    assert users <= {"test_experiments.py"}, users

@@ -1,0 +1,317 @@
+"""Triton kernels of the expert-grouped EXL3 MoE forward (the host side and the lever are in grouped_moe.py, the
+format in grouped_moe_ref.py). Every kernel also runs under TRITON_INTERPRET=1 on a CPU.
+
+Decode: a block of BK x BN inner weights is decoded as a 4-d tensor [BK/RG, RG, BN/CG, CG] in which each
+(d0, d2) element is a group of G = RG*CG consecutive trellis positions (one tensor-core lane's run) whose windows
+lie in two consecutive 32-bit words: two loads per group, then per weight a select, a funnel shift and the
+codebook. Flattened to [BK, BN] the rows and columns of every 16x16 tile come out in a fixed permuted order
+(row' = r2 r1 r3 r0, col' = c2 c1 c0 c3 in bits); the GEMMs never undo it: the 128-point Hadamard matrices that
+rotate their inputs and outputs are permuted to match (grouped_moe.hadamards).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MUL1_K_INV = tl.constexpr(1774.0 / 262144.0)        # fp16 0x1EEE exactly
+MUL1_BIAS = tl.constexpr(-10.3828125)               # fp16 0xC931 exactly
+HAD_SCALE = tl.constexpr(0.08838834764831845)        # 1 / sqrt(128)
+
+
+# -- decode ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _window_end(p, KA: tl.constexpr, HALF: tl.constexpr):
+    # ring bit after position p's window: KA bits per position, one more on odd positions at the half rates
+    return (p + 1) * KA + HALF * ((p + 1) // 2)
+
+
+@triton.jit
+def _tile_bits(BK: tl.constexpr, BN: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr):
+    """Tile coordinates of the 4-d decode block: (tile row, tile col, row bits r3..r0, col bits c3..c0)."""
+    d0 = tl.arange(0, BK // RG)[:, None, None, None]
+    d1 = tl.arange(0, RG)[None, :, None, None]
+    d2 = tl.arange(0, BN // CG)[None, None, :, None]
+    d3 = tl.arange(0, CG)[None, None, None, :]
+    if RG == 4:
+        tk, r2, r1, r3, r0 = d0 // 4, (d0 // 2) % 2, d0 % 2, d1 // 2, d1 % 2
+    else:
+        tk, r2, r1, r3, r0 = d0 // 8, (d0 // 4) % 2, (d0 // 2) % 2, d0 % 2, d1
+    if CG == 2:
+        tn, c2, c1, c0, c3 = d2 // 8, (d2 // 4) % 2, (d2 // 2) % 2, d2 % 2, d3
+    else:
+        tn, c2, c1, c0, c3 = d2 // 16, (d2 // 8) % 2, (d2 // 4) % 2, (d2 // 2) % 2, d2 % 2
+    return tk, tn, r3, r2, r1, r0, c3, c2, c1, c0
+
+
+@triton.jit
+def _decode_setup(tiles_n, KA: tl.constexpr, HALF: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                  RG: tl.constexpr, CG: tl.constexpr):
+    """Per-block constants of the decode (independent of which block): word offsets of each group's two words
+    relative to the block's first tile, and per weight the word to shift and the shift."""
+    W: tl.constexpr = 8 * KA + 4 * HALF               # uint32 words per tile
+    L: tl.constexpr = 32 * W                           # ring bits per tile
+    tk, tn, r3, r2, r1, r0, c3, c2, c1, c0 = _tile_bits(BK, BN, RG, CG)
+    pg = 8 * r1 + 16 * r2 + 32 * c0 + 64 * c1 + 128 * c2     # the group's first position ...
+    if RG == 2:
+        pg += 2 * r3
+    if CG == 1:
+        pg += 4 * c3
+    j = r0                                                    # ... and each weight's place in it
+    if RG == 4:
+        j += 2 * r3
+    if CG == 2:
+        j += 4 * c3
+    first = (_window_end(pg, KA, HALF) - 16 + L) // 32        # unwrapped index of the group's first word
+    tile = (tk * tiles_n + tn) * W
+    off_a = tile + first % W
+    off_b = tile + (first + 1) % W
+    # right shift of the 64-bit word pair that ends each weight's window at bit 0: 0..48. The group part and
+    # the part within the group are kept apart so that neither is a full-size tensor (K = 1, 2, 4, 8: one value
+    # per group position for the whole block)
+    s_group = first * 32 + 64 - L - _window_end(pg, KA, HALF)
+    s_pos = j * KA + HALF * ((j + 1) // 2)                 # window end past the group's first (pg even)
+    return off_a, off_b, s_group, s_pos
+
+
+@triton.jit
+def _codebook(st, CB: tl.constexpr):
+    """fp16 value of 16-bit states (uint32) in codebook CB (0 3INST, 1 MCG, 2 MUL1), computed exactly in fp32."""
+    if CB == 2:
+        x = st * 0x83DCD12D
+        s = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
+        s = (s & 0xFFFF) + (s >> 16) + 1024
+        f = (s | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return (f * MUL1_K_INV + MUL1_BIAS).to(tl.float16)
+    else:
+        if CB == 1:
+            x = st * 0xCBAC1FED
+        else:
+            x = st * 89226354 + 64248484
+        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return (lo + hi).to(tl.float16)
+
+
+@triton.jit
+def _codebook_asm(lo, hi, s, CB: tl.constexpr):
+    """The same as _codebook(((hi:lo) >> s) & 0xFFFF) in the instructions exllamav3 uses (NVIDIA only)."""
+    if CB == 2:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, m; .reg .b16 h, k, c;"
+            " shf.r.wrap.b32 t, $1, $2, $3; and.b32 t, t, 65535; mul.lo.u32 m, t, 0x83DCD12D;"
+            " dp4a.u32.u32 t, m, 0x01010101, 0x6400; cvt.u16.u32 h, t;"
+            " mov.b16 k, 0x1EEE; mov.b16 c, 0xC931; fma.rn.f16 $0, h, k, c; }",
+            "=h,r,r,r", [lo, hi, s], dtype=tl.float16, is_pure=True, pack=1)
+    elif CB == 1:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 l, h;"
+            " shf.r.wrap.b32 t, $1, $2, $3; and.b32 t, t, 65535; mul.lo.u32 t, t, 0xCBAC1FED;"
+            " and.b32 t, t, 0x8FFF8FFF; xor.b32 t, t, 0x3B603B60; mov.b32 {l, h}, t; add.rn.f16 $0, l, h; }",
+            "=h,r,r,r", [lo, hi, s], dtype=tl.float16, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 l, h;"
+            " shf.r.wrap.b32 t, $1, $2, $3; and.b32 t, t, 65535; mad.lo.u32 t, t, 89226354, 64248484;"
+            " and.b32 t, t, 0x8FFF8FFF; xor.b32 t, t, 0x3B603B60; mov.b32 {l, h}, t; add.rn.f16 $0, l, h; }",
+            "=h,r,r,r", [lo, hi, s], dtype=tl.float16, is_pure=True, pack=1)
+
+
+@triton.jit
+def _decode_step(words, base, off_a, off_b, s_group, s_pos, CB: tl.constexpr, ASM: tl.constexpr):
+    """One 4-d block of fp16 weights, `base` the uint32 offset of its first tile."""
+    a = tl.load(words + base + off_a)
+    b = tl.load(words + base + off_b)
+    s = s_group - s_pos
+    lo = tl.where(s < 32, b, a)
+    if ASM:
+        return _codebook_asm(lo, a, s.to(tl.uint32), CB)             # shf.r.wrap takes the shift mod 32
+    s = (s % 32).to(tl.uint32)
+    st = ((lo >> s) | ((a << 1) << (31 - s))) & 0xFFFF
+    return _codebook(st, CB)
+
+
+@triton.jit
+def codebook_kernel(states, out, n, CB: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = codebook(states[i]): the exhaustive test of _codebook."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    st = tl.load(states + i, mask=i < n, other=0).to(tl.uint32)
+    tl.store(out + i, _codebook(st, CB), mask=i < n)
+
+
+@triton.jit
+def decode_kernel(trellis, out, n, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
+                  BK: tl.constexpr, BN: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr):
+    """The inner weight [k, n] fp16 in its true order, one BK x BN block per program."""
+    W: tl.constexpr = 8 * KA + 4 * HALF
+    words = trellis.to(tl.pointer_type(tl.uint32))
+    kb, nb = tl.program_id(0), tl.program_id(1)
+    off_a, off_b, s_group, s_pos = _decode_setup(n // 16, KA, HALF, BK, BN, RG, CG)
+    base = ((kb * BK // 16) * (n // 16) + nb * BN // 16) * W
+    v = _decode_step(words, base, off_a, off_b, s_group, s_pos, CB, ASM)
+    tk, tn, r3, r2, r1, r0, c3, c2, c1, c0 = _tile_bits(BK, BN, RG, CG)
+    row = kb * BK + tk * 16 + r3 * 8 + r2 * 4 + r1 * 2 + r0
+    col = nb * BN + tn * 16 + c3 * 8 + c2 * 4 + c1 * 2 + c0
+    tl.store(out + row * n + col, v)
+
+
+# -- the grouped MoE forward -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def route_kernel(sel, wts, tok_out, w_out, e_out, slot_of, seg, n_active, A, TOTAL, E: tl.constexpr,
+                 TOPK: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+    """Sort the A = rows*TOPK assignments (plus rows A..TOTAL-1: the shared expert, id E, weight 1) by expert in
+    one program: sorted token, weight and expert per slot, each assignment's slot, and per active expert
+    (segments in expert order) its id, first slot and end slot; n_active[0] = number of segments."""
+    i = tl.arange(0, BLOCK)
+    routed = i < A
+    e = tl.load(sel + i, mask=routed, other=0).to(tl.int32)
+    e = tl.where(routed, e, E)
+    key = tl.sort(tl.where(i < TOTAL, e * BLOCK + i, (E + 1) * BLOCK + i))
+    es, src = key // BLOCK, key % BLOCK
+    ok = i < TOTAL
+    tl.store(tok_out + i, tl.where(src < A, src // TOPK, src - A), mask=ok)
+    tl.store(w_out + i, tl.load(wts + src, mask=ok & (src < A), other=1.0).to(tl.float32), mask=ok)
+    tl.store(e_out + i, es, mask=ok)
+    tl.store(slot_of + src, i, mask=ok)
+    tl.debug_barrier()
+    prev = tl.load(e_out + i - 1, mask=ok & (i > 0), other=-1)
+    nxt = tl.load(e_out + i + 1, mask=(i + 1) < TOTAL, other=-1)
+    first = ok & (es != prev)
+    segment = tl.cumsum(first.to(tl.int32), 0) - 1
+    tl.store(seg + segment, es, mask=first)
+    tl.store(seg + S + segment, i, mask=first)
+    tl.store(seg + 2 * S + segment, i + 1, mask=ok & (es != nxt))
+    tl.store(n_active, tl.sum(first.to(tl.int32), 0))
+
+
+@triton.jit
+def rotate_kernel(x, tok, exp, g_suh, u_suh, had_in, xg, xu, HID: tl.constexpr, HB: tl.constexpr):
+    """Per sorted slot: the gate's and the up's rotated input had(x[token] * suh[expert]) in permuted order."""
+    pos = tl.program_id(0)
+    t = tl.load(tok + pos)
+    e = tl.load(exp + pos)
+    rb = tl.arange(0, HB)[:, None]
+    c = tl.arange(0, 128)[None, :]
+    m = rb < HID // 128
+    idx = rb * 128 + c
+    v = tl.load(x + t * HID + idx, mask=m, other=0.0).to(tl.float16).to(tl.float32)
+    h = tl.load(had_in + tl.arange(0, 128)[:, None] * 128 + c)
+    gs = tl.load(tl.load(g_suh + e).to(tl.pointer_type(tl.float16)) + idx, mask=m, other=0.0).to(tl.float32)
+    rg = tl.dot((v * gs).to(tl.float16), h) * HAD_SCALE
+    tl.store(xg + pos * HID + idx, rg.to(tl.float16), mask=m)
+    us = tl.load(tl.load(u_suh + e).to(tl.pointer_type(tl.float16)) + idx, mask=m, other=0.0).to(tl.float32)
+    ru = tl.dot((v * us).to(tl.float16), h) * HAD_SCALE
+    tl.store(xu + pos * HID + idx, ru.to(tl.float16), mask=m)
+
+
+@triton.jit
+def _rows(seg, n_active, S: tl.constexpr):
+    slot = tl.program_id(0)
+    live = slot < tl.load(n_active)
+    slot = tl.where(live, slot, 0)
+    e = tl.load(seg + slot)
+    start = tl.load(seg + S + slot)
+    end = tl.where(live, tl.load(seg + 2 * S + slot), start)     # a dead program loops over no rows
+    return e, start, end
+
+
+@triton.jit
+def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh, had_in, had_out,
+                   HID: tl.constexpr, INT: tl.constexpr, S: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
+                   CB: tl.constexpr, ASM: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr):
+    """Per (active expert, 128 intermediate columns): gate and up GEMMs over all the expert's rows with each
+    weight decoded once per row block, then had * svh, silu(g) * u, * the down's suh and had: the down's input."""
+    W: tl.constexpr = 8 * KA + 4 * HALF
+    e, start, end = _rows(seg, n_active, S)
+    nb = tl.program_id(1)
+    gw = tl.load(g_tab + e).to(tl.pointer_type(tl.uint32))
+    uw = tl.load(u_tab + e).to(tl.pointer_type(tl.uint32))
+    off_a, off_b, s_group, s_pos = _decode_setup(INT // 16, KA, HALF, BK, 128, RG, CG)
+    r = tl.arange(0, 128)
+    h_in = tl.load(had_in + r[:, None] * 128 + r[None, :])
+    h_out = tl.load(had_out + r[:, None] * 128 + r[None, :])
+    n = nb * 128 + r
+    gsv = tl.load(tl.load(g_svh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
+    usv = tl.load(tl.load(u_svh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
+    dsu = tl.load(tl.load(d_suh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
+    kk = tl.arange(0, BK)
+    for m0 in range(start, end, BM):
+        rows = m0 + tl.arange(0, BM)
+        rm = (rows < end)[:, None]
+        acc_g = tl.zeros((BM, 128), dtype=tl.float32)
+        acc_u = tl.zeros((BM, 128), dtype=tl.float32)
+        for k0 in range(0, HID, BK):
+            base = ((k0 // 16) * (INT // 16) + nb * 8) * W
+            a = tl.load(xg + rows[:, None] * HID + k0 + kk[None, :], mask=rm, other=0.0)
+            w = tl.reshape(_decode_step(gw, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
+            acc_g = tl.dot(a, w, acc_g)
+            a = tl.load(xu + rows[:, None] * HID + k0 + kk[None, :], mask=rm, other=0.0)
+            w = tl.reshape(_decode_step(uw, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
+            acc_u = tl.dot(a, w, acc_u)
+        g = (tl.dot(acc_g.to(tl.float16), h_out) * HAD_SCALE).to(tl.float16).to(tl.float32) * gsv[None, :]
+        u = (tl.dot(acc_u.to(tl.float16), h_out) * HAD_SCALE).to(tl.float16).to(tl.float32) * usv[None, :]
+        g = g.to(tl.float16).to(tl.float32)
+        u = u.to(tl.float16).to(tl.float32)
+        hmid = (g / (1.0 + tl.exp(-g))).to(tl.float16).to(tl.float32) * u
+        hmid = (hmid.to(tl.float16).to(tl.float32) * dsu[None, :]).to(tl.float16)
+        out = (tl.dot(hmid, h_in) * HAD_SCALE).to(tl.float16)
+        tl.store(act + rows[:, None] * INT + n[None, :], out, mask=rm)
+
+
+@triton.jit
+def down_kernel(act, slots, w_sorted, seg, n_active, d_tab, d_svh, had_out,
+                HID: tl.constexpr, INT: tl.constexpr, S: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
+                CB: tl.constexpr, ASM: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr, BM: tl.constexpr,
+                BK: tl.constexpr):
+    """Per (active expert, 128 hidden columns): the down GEMM over the expert's rows, had * svh * the routing
+    weight, written to each assignment's own fp32 slot row (summed per token by combine_kernel)."""
+    W: tl.constexpr = 8 * KA + 4 * HALF
+    e, start, end = _rows(seg, n_active, S)
+    nb = tl.program_id(1)
+    dw = tl.load(d_tab + e).to(tl.pointer_type(tl.uint32))
+    off_a, off_b, s_group, s_pos = _decode_setup(HID // 16, KA, HALF, BK, 128, RG, CG)
+    r = tl.arange(0, 128)
+    h_out = tl.load(had_out + r[:, None] * 128 + r[None, :])
+    n = nb * 128 + r
+    dsv = tl.load(tl.load(d_svh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
+    kk = tl.arange(0, BK)
+    for m0 in range(start, end, BM):
+        rows = m0 + tl.arange(0, BM)
+        rm = rows < end
+        acc = tl.zeros((BM, 128), dtype=tl.float32)
+        for k0 in range(0, INT, BK):
+            base = ((k0 // 16) * (HID // 16) + nb * 8) * W
+            a = tl.load(act + rows[:, None] * INT + k0 + kk[None, :], mask=rm[:, None], other=0.0)
+            w = tl.reshape(_decode_step(dw, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
+            acc = tl.dot(a, w, acc)
+        wr = tl.load(w_sorted + rows, mask=rm, other=0.0)
+        y = tl.dot(acc.to(tl.float16), h_out) * HAD_SCALE * dsv[None, :] * wr[:, None]
+        tl.store(slots + rows[:, None] * HID + n[None, :], y, mask=rm[:, None])
+
+
+@triton.jit
+def combine_kernel(slots, slot_of, x, shared_gate, out, A, HID: tl.constexpr, TOPK: tl.constexpr,
+                   SHARED: tl.constexpr, GATED: tl.constexpr, BH: tl.constexpr):
+    """out[t] = the token's slots summed in routing order, plus its shared-expert slot times sigmoid(x . gate)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(slots + tl.load(slot_of + t * TOPK + j) * HID + cols)
+    if SHARED:
+        y = tl.load(slots + tl.load(slot_of + A + t) * HID + cols)
+        if GATED:
+            z = tl.zeros((BH,), dtype=tl.float32)
+            for h0 in range(0, HID, BH):
+                hc = h0 + tl.arange(0, BH)
+                xv = tl.load(x + t * HID + hc).to(tl.float32)
+                z += xv * tl.load(shared_gate + hc).to(tl.float32)
+            y = y / (1.0 + tl.exp(-tl.sum(z, 0)))
+        acc += y
+    tl.store(out + t * HID + cols, acc)
