@@ -7,7 +7,8 @@ same answer (greedy, identical tokens checked). Modes:
   cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as the app's
   first turn does, else one policy learns over all answers as a running app's does;
 - `fixedN`: every round verifies N-1 drafts.
-Runs on a CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1`; writes
+Runs on a CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1` (`--poison 0.2`:
+from a cached table whose drafting costs read 5x too cheap); writes
 `$OUT/auto_cpu.json` (default /tmp/out).
 """
 
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128, help="the app's default")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the app runs)")
     ap.add_argument("--cold", action="store_true", help="a fresh policy for every auto answer (the app's first turn)")
+    ap.add_argument("--poison", type=float, default=None, metavar="F",
+                    help="decode from the cached table with every drafting cost times F (a table timed under other "
+                         "load), corrected by observed rounds as a cached table is")
     a = ap.parse_args(argv)
     if any(m != "auto" and not (m.startswith("fixed") and m[5:].isdigit()) for m in a.modes.split(",")):
         ap.error(f"--modes {a.modes}: each one auto or fixedN")
@@ -113,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if be is None:
         return run.finish()
     run.step("cost_table", lambda: {str(w): round(t, 2) for w, t in be.cost_table().ms[1].items()})
+    if a.poison is not None:
+        from toolkit.policy.costs import CostTable
+
+        be.costs = CostTable({1: {w: t * (a.poison if w else 1.0) for w, t in be.costs.ms[1].items()}}, source="poisoned")
+        run.results["poison"] = a.poison
     run.step("compare", compare, be, a.pair, a.modes.split(","), a.reps, a.max_new_tokens, a.cold)
     return run.finish()
 

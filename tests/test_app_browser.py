@@ -1,14 +1,16 @@
-"""Real browser: Debian chromium driven by Playwright against the app on the tiny pair: a turn at the default block
-size auto (the screenshot), then one at a fixed B = 16 (coloured tokens, popups).
+"""Real browser: Debian chromium driven by Playwright against the CPU app on the tiny pair: a short answer at the
+default block size auto that the policy decodes all as plain AR (no ratio shown), then one at a fixed B = 16 (a
+ratio with its spread, coloured tokens, popups), at a desktop width and at a phone's.
 
-Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/img/screenshot.png to refresh
+Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/screenshot.png to refresh
 the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
-(docs/img/screenshot_smollm2.png was made that way).
+(docs/screenshot_smollm2.png was made that way).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 TINY = os.environ.get("DFLASH_DEMO", "tiny").lower() == "tiny"
 PROMPT = "json.dumps" if TINY else "Write a Python function that returns the n-th Fibonacci number."
+SHORT = 6       # new tokens: fewer decode rounds than the policy waits before its first probe, so all plain AR
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
@@ -37,47 +40,76 @@ def url():
     demo.close()
 
 
-def test_browser_chat_round(url, tmp_path):
+@pytest.fixture()
+def browser():
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url)
-            page.get_by_text("Demo on tiny models" if TINY else "SmolLM2").first.wait_for()
-            block = page.locator("#dfl-block input")
-            assert "auto" in block.input_value()                              # the drafting policy is the default
-            page.locator("#dfl-input textarea").fill(PROMPT)
-            page.locator("#dfl-send").click()
-            page.locator(".dfl-banner.done").wait_for(timeout=300_000)      # both panels finished
-            banner = page.locator(".dfl-banner.done").inner_text()
-            assert "×" in banner and "tok/s" in banner and "outputs identical" in banner and "block auto:" in banner
-            page.get_by_text("Every round: its width").click()                 # open the round view
-            assert "width chosen per round" in page.locator("#dfl-blocks").inner_text()
-            assert page.locator("#dfl-spec .dfl-stream").inner_text().strip()
-            page.wait_for_timeout(500)   # let the plots draw
-            shot = tmp_path / "app.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 20_000
-            if os.environ.get("DFLASH_SCREENSHOT"):
-                shutil.copy(shot, os.environ["DFLASH_SCREENSHOT"])
-
-            block.click()                                                     # a fixed block: every round drafts
-            page.get_by_role("option", name="16", exact=True).click()
-            assert block.input_value() == "16"
-            page.locator("#dfl-input textarea").fill(PROMPT)
-            page.locator("#dfl-send").click()
-            page.locator(".dfl-banner.done", has_not_text="block auto").wait_for(timeout=300_000)
-            banner = page.locator(".dfl-banner.done").inner_text()
-            assert "×" in banner and "tok/s" in banner and "outputs identical" in banner
-            coloured = page.locator("#dfl-spec .tok.accepted, #dfl-spec .tok.correction, #dfl-spec .tok.bonus")
-            assert coloured.count() > 0 and coloured.first.is_visible()
-            assert page.locator("#dfl-ar .dfl-stream").inner_text().strip()
-            assert "tok/s" in page.locator("#dfl-ar .dfl-rate").inner_text()
-            assert "τ" in page.locator("#dfl-tau").inner_text()
-            rounds = page.locator("#dfl-spec .rnd")
-            if rounds.count():
-                rounds.nth(min(1, rounds.count() - 1)).hover()
-                assert page.locator("#dfl-spec .rnd .pop:visible").count() == 1
+            yield b
         finally:
-            browser.close()
+            b.close()
+
+
+def send(page, prompt: str, block: str | None = None, max_new: int | None = None) -> str:
+    """Ask once (optionally at a fixed block and a new-token budget); the finished banner's text."""
+    if block is not None:
+        page.locator("#dfl-block input").click()
+        page.get_by_role("option", name=block, exact=True).click()
+        assert page.locator("#dfl-block input").input_value() == block
+    if max_new is not None:
+        box = page.locator("#dfl-max-new input[type=number]")
+        box.fill(str(max_new))
+        box.press("Enter")
+    before = page.locator(".dfl-banner.done").count() and page.locator(".dfl-banner.done").inner_text()
+    page.locator("#dfl-input textarea").fill(prompt)
+    page.locator("#dfl-send").click()
+    page.wait_for_function("b => { const d = document.querySelector('.dfl-banner.done'); return d && d.innerText !== b; }",
+                           arg=before or "", timeout=300_000)
+    return page.locator(".dfl-banner.done").inner_text()
+
+
+def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    page.get_by_text("Demo on tiny models" if TINY else "SmolLM2").first.wait_for()
+    assert "PyTorch (CPU)" in page.title() and "ExLlamaV3" not in page.title()     # the backend that runs
+    assert "auto" in page.locator("#dfl-block input").input_value()                # the drafting policy is the default
+
+    banner = send(page, PROMPT, max_new=SHORT)                                    # auto, short: all plain AR
+    assert "block auto: all" in banner and "rounds plain AR" in banner
+    assert "No speedup to report" in banner and "×" not in banner and "faster" not in banner
+    page.get_by_text("Every round: its block").click()
+    assert "block per round: 1 (AR)" in page.locator("#dfl-blocks").inner_text()
+    assert page.locator("#dfl-spec .dfl-stream").inner_text().strip()
+    assert "0.000000" not in page.locator("#dfl-hist").inner_text()                # an empty histogram keeps its axis
+
+    banner = send(page, PROMPT, block="16", max_new=48)                           # every round drafts: a ratio
+    assert re.search(r"\d\.\d\d× ", banner) and "spread" in banner and "outputs identical" in banner
+    assert "block auto" not in banner
+    coloured = page.locator("#dfl-spec .tok.accepted, #dfl-spec .tok.correction, #dfl-spec .tok.bonus")
+    assert coloured.count() > 0 and coloured.first.is_visible()
+    assert "tok/s" in page.locator("#dfl-ar .dfl-rate").inner_text()
+    tau = page.locator("#dfl-tau").inner_text()
+    assert "out of 16 possible" in tau and "block 16: 15 drafted + 1" in tau
+    assert "block 16 (15 drafted)" in page.locator("#dfl-blocks").inner_text()    # the same words as τ's
+    rounds = page.locator("#dfl-spec .rnd")
+    rounds.nth(min(1, rounds.count() - 1)).hover()
+    assert page.locator("#dfl-spec .rnd .pop:visible").count() == 1
+    page.wait_for_timeout(500)   # let the plots draw
+    shot = tmp_path / "app.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("DFLASH_SCREENSHOT"):
+        shutil.copy(shot, os.environ["DFLASH_SCREENSHOT"])
+
+
+def test_browser_narrow_screen_keeps_the_plot_titles(url, browser):
+    """At a phone's width each plot takes a whole line, so its title is not cut."""
+    page = browser.new_page(viewport={"width": 420, "height": 900})
+    page.goto(url)
+    page.locator("#dfl-input textarea").wait_for()
+    for plot in ("#dfl-acc", "#dfl-hist"):
+        box = page.locator(plot).bounding_box()
+        assert box["width"] >= 300, (plot, box)
+    assert page.get_by_text("Acceptance by position").first.is_visible()

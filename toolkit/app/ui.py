@@ -89,7 +89,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
                                         info="auto: a measured policy picks each round's width, plain AR where drafting "
                                              "does not pay; a number N: every round verifies the last token plus N-1 drafts")
                     max_new = gr.Slider(1, max(1, min(1024, loaded.max_context // 2)), value=min(128, loaded.max_context // 4),
-                                        step=1, label="Max new tokens")
+                                        step=1, label="Max new tokens", elem_id="dfl-max-new")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature",
                                             info="0 = greedy: the two panels must be identical")
                     seed = gr.Number(0, precision=0, label="Seed (for temperature > 0)")

@@ -30,6 +30,9 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TARGET_NAME = "smollm2-135m-instruct"
 MARKER = ".complete.json"
 DRAFT = DATA / "smollm2_dflash"
+# The shipped drafter's weights. The repository keeps one version: a retrained drafter replaces it only when it
+# beats it on both held-out sets, and this pin changes with it (docs/app.md, "The demo drafter").
+DRAFT_SHA256 = "22c323b0465c0b62e837942423c5ff383eab8ba89c930b7ea69e0d2a9156b426"
 CHECK_PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
                  "Give me three tips for writing clear emails."]
 
@@ -208,4 +211,13 @@ def default_pair() -> tuple[Path, Path]:
     """(target folder, drafter folder) of the demo pair; converts the target on first use."""
     if not (DRAFT / "config.json").is_file():
         raise ToolkitError(f"{DRAFT}: the SmolLM2 DFlash drafter is not shipped yet; train one with `python -m toolkit.train_drafter`")
+    check_drafter()
     return Path(prepare().out), DRAFT
+
+
+def check_drafter(folder: Path = DRAFT, want: str = DRAFT_SHA256) -> None:
+    """One line when the shipped drafter's weights are not the pinned ones (a damaged install, or a Git LFS pointer)."""
+    weights = folder / "model.safetensors"
+    if not weights.is_file() or sha256(weights) != want:
+        raise ToolkitError(f"{weights}: the shipped SmolLM2 drafter is damaged or missing (checksum mismatch); "
+                           "reinstall the toolkit")
