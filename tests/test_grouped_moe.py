@@ -109,7 +109,7 @@ def test_forward_matches_reference(layer, rows):
     x, sel, w = routed(rows, seed=rows)
     tables = gm.build_tables(layer, x.device)
     assert tables.shared and tables.shared_gate is not None
-    assert_close(gm.grouped_forward(x, sel, w, tables, gm.KernelConfig(asm=False)), ref_moe(x, sel, w, layer))
+    assert_close(gm.grouped_forward(x, sel, w, tables, gm.KernelConfig(asm=False, bk=128)), ref_moe(x, sel, w, layer))
 
 
 @pytest.mark.parametrize("codebook,K,shared", [("mcg", 3, True), ("3inst", 2, False), ("mul1", 2.5, True),
@@ -134,7 +134,7 @@ def test_sort_groups_every_pick(interpreted, layer):
     t = gm.build_tables(layer, x.device)
     assert_close(gm.grouped_forward(x, sel, w, t), ref_moe(x, sel, w, layer))
     a, total = sel.numel(), sel.numel() + 16
-    ws = gm.workspace(x.device, total, min(EXPERTS, a) + 1, HID, INT)
+    ws = gm.workspace(x.device, total, min(EXPERTS, a) + 1, HID, INT, EXPERTS)
     n = int(ws["n_active"][0])
     counts = torch.bincount(sel.flatten(), minlength=EXPERTS)
     seg = ws["seg"].view(3, -1)[:, :n]

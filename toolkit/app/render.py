@@ -305,5 +305,5 @@ def histogram_frame(s: Summary | None, block: int):
 
 def message_html(kind: str, text: str) -> str:
     """A visible message banner: kind is error, warn or info."""
-    icon = {"error": "⚠️", "warn": "✋", "info": "ℹ️"}.get(kind, "")
+    icon = {"error": "⚠", "warn": "⚠", "info": "ℹ"}.get(kind, "")    # glyphs every font has (no emoji font needed)
     return f'<div class="dfl-msg {kind}">{icon} {esc(text)}</div>' if text else ""

@@ -41,7 +41,7 @@ def header_html(loaded: Loaded) -> str:
                 "the rest as plain AR; a fixed block size drafts every round. Look at the colours, τ and the measured "
                 "speedup. For real models start it with "
                 "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
-    notes = "".join(f'<div class="dfl-msg info">ℹ️ {render.esc(n)}</div>' for n in loaded.notes)
+    notes = "".join(render.message_html("info", n) for n in loaded.notes)
     models = (f'<div class="dfl-models">Backend <b>{render.esc(loaded.backend_name)}</b> on {render.esc(loaded.device)} · '
               f"target <code>{render.esc(loaded.target or '?')}</code> · drafter <code>{render.esc(loaded.draft or '?')}</code>"
               f" · native block {loaded.block_size} · context {loaded.max_context} · {render.esc(loaded.hardware.label())}</div>"

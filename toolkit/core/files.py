@@ -8,6 +8,7 @@ the byte where decoding failed), never a traceback. A name ending in `.gz` is de
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import math
@@ -48,6 +49,24 @@ def read_bytes(path: str | Path, what: str = "", limit: int = MAX_BYTES) -> byte
         raise ToolkitError(f"{pre}{p} is not a readable gzip file ({e or type(e).__name__})") from None
     except OSError as e:
         raise ToolkitError(f"{pre}cannot read {p} ({e.strerror or e})") from None
+
+
+def read_head(path: str | Path, what: str = "", n: int = 1 << 16) -> str:
+    """The first `n` bytes of a file too large to read whole, as UTF-8 text (a character cut at the end is fine)."""
+    p, pre = Path(path).expanduser(), _pre(what)
+    read_bytes(p, what, limit=0) if not p.is_file() else None
+    try:
+        with open(p, "rb") as f:
+            head = f.read(n)
+    except OSError as e:
+        raise ToolkitError(f"{pre}cannot read {p} ({e.strerror or e})") from None
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < n)
+    except UnicodeDecodeError as e:
+        raise ToolkitError(f"{pre}{p} is not UTF-8 text (byte {e.start}: {head[e.start:e.start + 1]!r})") from None
+    if "\x00" in text:
+        raise ToolkitError(f"{pre}{p} is not a text file (a NUL byte at byte {head.index(0)})")
+    return text
 
 
 def decode(data: bytes, where: str) -> str:

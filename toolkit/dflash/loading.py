@@ -57,6 +57,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
             raise ToolkitError(
                 f"{pre}{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
             )
+    check_finite(tensors, f"{pre}{path}")
     unknown = sorted(set(tensors) - set(state) - set(OPTIONAL))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -71,6 +72,14 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
     return model.to(device=device, dtype=dtype).eval()
 
 
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse NaN or infinite weights: a drafter is never loaded, written or published with them (one line naming
+    the first such tensor)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ToolkitError(f"{where}: tensor {name!r} has non-finite weights (NaN or inf)")
+
+
 def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict | None = None,
                  command: str | None = None) -> Path:
     """Write config.json + model.safetensors atomically: a temp folder renamed into place (marked as `command`'s
@@ -79,6 +88,7 @@ def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torc
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     if model.mask_embedding is not None:
         state["mask_embedding"] = model.mask_embedding.detach().to(dtype).contiguous()
+    check_finite(state, f"{path}: not written")
     need = sum(v.numel() * v.element_size() for v in state.values())
     with atomic_dir(path, command=command, need=need) as tmp:
         cfg = model.config.to_dict()

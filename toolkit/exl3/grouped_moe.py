@@ -148,12 +148,13 @@ def next_pow2(n: int) -> int:
 _WS: dict = {}
 
 
-def workspace(device: torch.device, total: int, segments: int, hidden: int, inter: int) -> dict[str, torch.Tensor]:
+def workspace(device: torch.device, total: int, segments: int, hidden: int, inter: int, experts: int) -> dict:
     """Scratch of one call shape, reused by every layer (their launches are ordered on one stream)."""
-    key = (str(device), total, segments, hidden, inter)
+    key = (str(device), total, segments, hidden, inter, experts)
     if key not in _WS:
         i32 = dict(dtype=torch.int32, device=device)
-        _WS[key] = {"tok": torch.empty(total, **i32), "w": torch.empty(total, dtype=torch.float32, device=device),
+        eb = next_pow2(experts + 1)
+        _WS[key] = {"count": torch.empty(eb, **i32), "start": torch.empty(eb, **i32), "tok": torch.empty(total, **i32), "w": torch.empty(total, dtype=torch.float32, device=device),
                     "exp": torch.empty(total, **i32), "slot_of": torch.empty(total, **i32),
                     "seg": torch.empty(3 * segments, **i32), "n_active": torch.empty(1, **i32),
                     "xg": torch.empty((total, hidden), dtype=torch.float16, device=device),
@@ -175,26 +176,27 @@ def grouped_forward(x: torch.Tensor, sel: torch.Tensor, weights: torch.Tensor, t
     if total > MAX_SORT:
         raise ValueError(f"{total} assignments exceed the sort's {MAX_SORT}")
     segments = min(t.experts, a) + int(t.shared)
-    ws = workspace(x.device, total, segments, t.hidden, t.inter)
+    ws = workspace(x.device, total, segments, t.hidden, t.inter, t.experts)
     had_in, had_out = hadamards(x.device)
     p = t.ptrs
     sel, weights = sel.contiguous(), weights.contiguous()
     k.route_kernel[(1,)](sel, weights, ws["tok"], ws["w"], ws["exp"], ws["slot_of"], ws["seg"], ws["n_active"],
-                         a, total, E=t.experts, TOPK=topk, S=segments, BLOCK=next_pow2(total))
+                         ws["count"], ws["start"], a, total, segments, E=t.experts, TOPK=topk,
+                         BLOCK=next_pow2(total), EB=next_pow2(t.experts + 1))
     k.rotate_kernel[(total,)](x, ws["tok"], ws["exp"], p["g_suh"], p["u_suh"], had_in, ws["xg"], ws["xu"],
                               HID=t.hidden, HB=max(16, next_pow2(t.hidden // HAD)), num_warps=4)
     ka, half, cb = t.fmt
     rg, cg = group_shape(t.rate)
-    shape = dict(HID=t.hidden, INT=t.inter, S=segments, KA=ka, HALF=half, CB=cb, ASM=cfg.use_asm(x.device), RG=rg,
+    shape = dict(HID=t.hidden, INT=t.inter, KA=ka, HALF=half, CB=cb, ASM=cfg.use_asm(x.device), RG=rg,
                  CG=cg, BM=cfg.bm, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
     k.gate_up_kernel[(segments, t.inter // HAD)](ws["xg"], ws["xu"], ws["act"], ws["seg"], ws["n_active"], p["g"], p["u"],
-                                                 p["g_svh"], p["u_svh"], p["d_suh"], had_in, had_out, **shape)
+                                                 p["g_svh"], p["u_svh"], p["d_suh"], had_in, had_out, segments, **shape)
     k.down_kernel[(segments, t.hidden // HAD)](ws["act"], ws["slots"], ws["w"], ws["seg"], ws["n_active"], p["d"],
-                                               p["d_svh"], had_out, **shape)
+                                               p["d_svh"], had_out, segments, **shape)
     out = torch.empty((rows, t.hidden), dtype=torch.float32, device=x.device)
     gated = t.shared_gate is not None
-    k.combine_kernel[(rows, t.hidden // HAD)](ws["slots"], ws["slot_of"], x, t.shared_gate if gated else x, out, a,
-                                              HID=t.hidden, TOPK=topk, SHARED=t.shared, GATED=gated, BH=HAD)
+    k.combine_kernel[(rows,)](ws["slots"], ws["slot_of"], x, t.shared_gate if gated else x, out, a, HID=t.hidden,
+                              TOPK=topk, SHARED=t.shared, GATED=gated, BH=next_pow2(t.hidden))
     return out
 
 

@@ -51,8 +51,8 @@ def _decode_setup(tiles_n, KA: tl.constexpr, HALF: tl.constexpr, BK: tl.constexp
                   RG: tl.constexpr, CG: tl.constexpr):
     """Per-block constants of the decode (independent of which block): word offsets of each group's two words
     relative to the block's first tile, and per weight the word to shift and the shift."""
-    W: tl.constexpr = 8 * KA + 4 * HALF               # uint32 words per tile
-    L: tl.constexpr = 32 * W                           # ring bits per tile
+    W = 8 * KA + 4 * HALF                              # uint32 words per tile
+    L = 32 * W                                         # ring bits per tile
     tk, tn, r3, r2, r1, r0, c3, c2, c1, c0 = _tile_bits(BK, BN, RG, CG)
     pg = 8 * r1 + 16 * r2 + 32 * c0 + 64 * c1 + 128 * c2     # the group's first position ...
     if RG == 2:
@@ -146,7 +146,7 @@ def codebook_kernel(states, out, n, CB: tl.constexpr, BLOCK: tl.constexpr):
 def decode_kernel(trellis, out, n, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
                   BK: tl.constexpr, BN: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr):
     """The inner weight [k, n] fp16 in its true order, one BK x BN block per program."""
-    W: tl.constexpr = 8 * KA + 4 * HALF
+    W = 8 * KA + 4 * HALF                              # uint32 words per tile
     words = trellis.to(tl.pointer_type(tl.uint32))
     kb, nb = tl.program_id(0), tl.program_id(1)
     off_a, off_b, s_group, s_pos = _decode_setup(n // 16, KA, HALF, BK, BN, RG, CG)
@@ -162,31 +162,41 @@ def decode_kernel(trellis, out, n, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.
 
 
 @triton.jit
-def route_kernel(sel, wts, tok_out, w_out, e_out, slot_of, seg, n_active, A, TOTAL, E: tl.constexpr,
-                 TOPK: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
-    """Sort the A = rows*TOPK assignments (plus rows A..TOTAL-1: the shared expert, id E, weight 1) by expert in
-    one program: sorted token, weight and expert per slot, each assignment's slot, and per active expert
-    (segments in expert order) its id, first slot and end slot; n_active[0] = number of segments."""
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def route_kernel(sel, wts, tok_out, w_out, e_out, slot_of, seg, n_active, count, start, A, TOTAL, S,
+                 E: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, EB: tl.constexpr):
+    """Group the A = rows*TOPK picks (plus picks A..TOTAL-1: the shared expert, id E, weight 1) by expert in one
+    program: each pick's slot (its expert's first slot + its arrival among the expert's picks), the token, weight
+    and expert per slot, and per active expert in id order its id, first slot and end slot (n_active of them).
+    The order of an expert's rows changes no result: every GEMM row is computed alone."""
     i = tl.arange(0, BLOCK)
-    routed = i < A
-    e = tl.load(sel + i, mask=routed, other=0).to(tl.int32)
-    e = tl.where(routed, e, E)
-    key = tl.sort(tl.where(i < TOTAL, e * BLOCK + i, (E + 1) * BLOCK + i))
-    es, src = key // BLOCK, key % BLOCK
     ok = i < TOTAL
-    tl.store(tok_out + i, tl.where(src < A, src // TOPK, src - A), mask=ok)
-    tl.store(w_out + i, tl.load(wts + src, mask=ok & (src < A), other=1.0).to(tl.float32), mask=ok)
-    tl.store(e_out + i, es, mask=ok)
-    tl.store(slot_of + src, i, mask=ok)
+    routed = i < A
+    e = tl.where(routed, tl.load(sel + i, mask=routed, other=0).to(tl.int32), E)
+    x = tl.arange(0, EB)
+    tl.store(count + x, tl.full((EB,), 0, tl.int32))
     tl.debug_barrier()
-    prev = tl.load(e_out + i - 1, mask=ok & (i > 0), other=-1)
-    nxt = tl.load(e_out + i + 1, mask=(i + 1) < TOTAL, other=-1)
-    first = ok & (es != prev)
-    segment = tl.cumsum(first.to(tl.int32), 0) - 1
-    tl.store(seg + segment, es, mask=first)
-    tl.store(seg + S + segment, i, mask=first)
-    tl.store(seg + 2 * S + segment, i + 1, mask=ok & (es != nxt))
-    tl.store(n_active, tl.sum(first.to(tl.int32), 0))
+    rank = tl.atomic_add(count + e, 1, mask=ok)
+    tl.debug_barrier()
+    c = tl.load(count + x)
+    first = tl.associative_scan(c, 0, _add) - c
+    tl.store(start + x, first)
+    tl.debug_barrier()
+    slot = tl.load(start + e, mask=ok, other=0) + rank
+    tl.store(slot_of + i, slot, mask=ok)
+    tl.store(tok_out + slot, tl.where(routed, i // TOPK, i - A), mask=ok)
+    tl.store(w_out + slot, tl.load(wts + i, mask=routed, other=1.0).to(tl.float32), mask=ok)
+    tl.store(e_out + slot, e, mask=ok)
+    live = c > 0
+    k = tl.associative_scan(live.to(tl.int32), 0, _add) - 1
+    tl.store(seg + k, x, mask=live)
+    tl.store(seg + S + k, first, mask=live)
+    tl.store(seg + 2 * S + k, first + c, mask=live)
+    tl.store(n_active, tl.reduce(live.to(tl.int32), 0, _add))
 
 
 @triton.jit
@@ -210,7 +220,7 @@ def rotate_kernel(x, tok, exp, g_suh, u_suh, had_in, xg, xu, HID: tl.constexpr, 
 
 
 @triton.jit
-def _rows(seg, n_active, S: tl.constexpr):
+def _rows(seg, n_active, S):
     slot = tl.program_id(0)
     live = slot < tl.load(n_active)
     slot = tl.where(live, slot, 0)
@@ -221,13 +231,13 @@ def _rows(seg, n_active, S: tl.constexpr):
 
 
 @triton.jit
-def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh, had_in, had_out,
-                   HID: tl.constexpr, INT: tl.constexpr, S: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
+def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh, had_in, had_out, S,
+                   HID: tl.constexpr, INT: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
                    CB: tl.constexpr, ASM: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr, BM: tl.constexpr,
                    BK: tl.constexpr):
     """Per (active expert, 128 intermediate columns): gate and up GEMMs over all the expert's rows with each
     weight decoded once per row block, then had * svh, silu(g) * u, * the down's suh and had: the down's input."""
-    W: tl.constexpr = 8 * KA + 4 * HALF
+    W = 8 * KA + 4 * HALF                              # uint32 words per tile
     e, start, end = _rows(seg, n_active, S)
     nb = tl.program_id(1)
     gw = tl.load(g_tab + e).to(tl.pointer_type(tl.uint32))
@@ -244,8 +254,8 @@ def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rm = (rows < end)[:, None]
-        acc_g = tl.zeros((BM, 128), dtype=tl.float32)
-        acc_u = tl.zeros((BM, 128), dtype=tl.float32)
+        acc_g = tl.full((BM, 128), 0.0, tl.float32)
+        acc_u = tl.full((BM, 128), 0.0, tl.float32)
         for k0 in range(0, HID, BK):
             base = ((k0 // 16) * (INT // 16) + nb * 8) * W
             a = tl.load(xg + rows[:, None] * HID + k0 + kk[None, :], mask=rm, other=0.0)
@@ -265,13 +275,13 @@ def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh
 
 
 @triton.jit
-def down_kernel(act, slots, w_sorted, seg, n_active, d_tab, d_svh, had_out,
-                HID: tl.constexpr, INT: tl.constexpr, S: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
+def down_kernel(act, slots, w_sorted, seg, n_active, d_tab, d_svh, had_out, S,
+                HID: tl.constexpr, INT: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
                 CB: tl.constexpr, ASM: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr, BM: tl.constexpr,
                 BK: tl.constexpr):
     """Per (active expert, 128 hidden columns): the down GEMM over the expert's rows, had * svh * the routing
     weight, written to each assignment's own fp32 slot row (summed per token by combine_kernel)."""
-    W: tl.constexpr = 8 * KA + 4 * HALF
+    W = 8 * KA + 4 * HALF                              # uint32 words per tile
     e, start, end = _rows(seg, n_active, S)
     nb = tl.program_id(1)
     dw = tl.load(d_tab + e).to(tl.pointer_type(tl.uint32))
@@ -284,7 +294,7 @@ def down_kernel(act, slots, w_sorted, seg, n_active, d_tab, d_svh, had_out,
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rm = rows < end
-        acc = tl.zeros((BM, 128), dtype=tl.float32)
+        acc = tl.full((BM, 128), 0.0, tl.float32)
         for k0 in range(0, INT, BK):
             base = ((k0 // 16) * (HID // 16) + nb * 8) * W
             a = tl.load(act + rows[:, None] * INT + k0 + kk[None, :], mask=rm[:, None], other=0.0)
@@ -300,18 +310,16 @@ def combine_kernel(slots, slot_of, x, shared_gate, out, A, HID: tl.constexpr, TO
                    SHARED: tl.constexpr, GATED: tl.constexpr, BH: tl.constexpr):
     """out[t] = the token's slots summed in routing order, plus its shared-expert slot times sigmoid(x . gate)."""
     t = tl.program_id(0)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    acc = tl.zeros((BH,), dtype=tl.float32)
+    cols = tl.arange(0, BH)
+    m = cols < HID
+    acc = tl.full((BH,), 0.0, tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(slots + tl.load(slot_of + t * TOPK + j) * HID + cols)
+        acc += tl.load(slots + tl.load(slot_of + t * TOPK + j) * HID + cols, mask=m, other=0.0)
     if SHARED:
-        y = tl.load(slots + tl.load(slot_of + A + t) * HID + cols)
+        y = tl.load(slots + tl.load(slot_of + A + t) * HID + cols, mask=m, other=0.0)
         if GATED:
-            z = tl.zeros((BH,), dtype=tl.float32)
-            for h0 in range(0, HID, BH):
-                hc = h0 + tl.arange(0, BH)
-                xv = tl.load(x + t * HID + hc).to(tl.float32)
-                z += xv * tl.load(shared_gate + hc).to(tl.float32)
-            y = y / (1.0 + tl.exp(-tl.sum(z, 0)))
+            z = tl.load(x + t * HID + cols, mask=m, other=0.0).to(tl.float32)
+            z = z * tl.load(shared_gate + cols, mask=m, other=0.0).to(tl.float32)
+            y = y / (1.0 + tl.exp(-tl.reduce(z, 0, _add)))
         acc += y
-    tl.store(out + t * HID + cols, acc)
+    tl.store(out + t * HID + cols, acc, mask=m)

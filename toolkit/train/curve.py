@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from .outputs import write_curve
 
 
 def curve(losses: list, evals: list[dict], best: dict | None) -> dict:
@@ -13,7 +14,7 @@ def curve(losses: list, evals: list[dict], best: dict | None) -> dict:
 
 def plot(data: dict, path: str | Path, title: str = "") -> bool:
     """Loss (left axis, log scale) and tau per category at each evaluated block size (right axis) against the step,
-    the kept checkpoint marked; written atomically. False when matplotlib is missing (the JSON still has it all)."""
+    the kept checkpoint marked; written atomically, with the toolkit's marker. False when matplotlib is missing (the JSON still has it all)."""
     try:
         import matplotlib
 
@@ -45,10 +46,8 @@ def plot(data: dict, path: str | Path, title: str = "") -> bool:
     tx.legend(handles, labels, loc="center right", fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_curve(fig, Path(path))
+    finally:
+        plt.close(fig)
     return True

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..assets.prompts import Prompt, load_prompts
+POOL_BYTES = 2**30             # a --prompts pool of 100k+ prompts decompresses to a few hundred MB
+
+from ..assets.prompts import Prompt
+from ..core import files
 from ..core.errors import ToolkitError
 
 CATEGORIES = ("chat", "code")
@@ -110,6 +113,8 @@ def read_json_array(path: str | Path, chunk: int = 1 << 20) -> Iterator[object]:
                 return
             try:
                 obj, end = dec.raw_decode(buf, pos)
+            except RecursionError:
+                raise ToolkitError(f"{path}: an entry is nested deeper than any conversation") from None
             except json.JSONDecodeError:
                 if eof:
                     return                         # the broken tail: everything before it was read
@@ -252,6 +257,8 @@ def prompt_pool(prompts: str | None = None, sharegpt: str | None = None, chat_ne
         if bad:
             raise ToolkitError(f"--prompts: category {bad[0]!r} is not one of {', '.join(CATEGORIES)}")
         return pool
+    if sharegpt is not None:
+        check_sharegpt(sharegpt)
     chat, held = [], 0
     for p in sharegpt_prompts(sharegpt):
         chat.append(p)
@@ -275,25 +282,32 @@ def write_pool(path: str | Path, pool: list) -> None:
 
 
 def read_pool(path: str | Path) -> list:
-    """The prompts of a pool file: Items when it carries groups, else Prompts (any load_prompts file)."""
-    if not str(path).endswith(".gz"):
-        pool = load_prompts(path)
-        text = Path(path).read_text(encoding="utf-8")
-        if '"group"' not in text:
-            return pool
-    else:
-        try:
-            text = gzip.decompress(Path(path).read_bytes()).decode("utf-8")
-        except (OSError, EOFError) as e:
-            raise ToolkitError(f"--prompts: cannot read {path} ({e})") from None
-    out = []
+    """The prompts of a pool file (JSON lines, or one prompt a line as bench takes; .gz ok): Items when it carries
+    groups, else Prompts. Read through core.files: a binary, non-UTF-8, corrupt or oversized file is one line."""
+    where = f"--prompts: {path}"
+    text = files.read_text(path, "--prompts", limit=POOL_BYTES)
+    out, grouped = [], '"group"' in text
     for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                d = json.loads(line)
-                out.append(Item(d["prompt"], d["category"], d.get("group"), bool(d.get("extra", False))))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ToolkitError(f"--prompts: {path} line {n} is not a pool line (prompt, category)") from None
+        line = line.strip()
+        if not line:
+            continue
+        if not line.startswith("{"):
+            out.append(Prompt(line))
+            continue
+        d = files.parse_json(line, f"{where} line {n}")
+        text_n, cat = d.get("prompt") or d.get("text"), d.get("category", "file")
+        if not isinstance(text_n, str) or not text_n.strip() or not isinstance(cat, str):
+            raise ToolkitError(f"{where} line {n} is not a pool line (a \"prompt\" string, a \"category\")")
+        group = d.get("group")
+        out.append(Item(text_n, cat, group if isinstance(group, str) else None, bool(d.get("extra", False)))
+                   if grouped else Prompt(text_n, cat))
     if not out:
-        raise ToolkitError(f"--prompts: {path} has no prompts")
+        raise ToolkitError(f"{where} has no prompts")
     return out
+
+
+def check_sharegpt(path: str | Path) -> None:
+    """--sharegpt before any work: a file whose start is UTF-8 text opening a JSON array (it is read as a stream
+    later, being far too large to read whole)."""
+    if not files.read_head(path, "--sharegpt").lstrip().startswith("["):
+        raise ToolkitError(f"--sharegpt: {path} is not a JSON array of conversations")

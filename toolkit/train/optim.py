@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from ..core.errors import ToolkitError
+
 
 REFIT = 50                                         # steps between refits of the schedule to a deadline
 
@@ -35,8 +37,35 @@ def _now() -> float:
     return time.time()
 
 
+RISE = 2.0                                         # a smoothed loss this many times its start: diverging
+SMOOTH = 0.1                                       # weight of each step in the smoothed loss
+SETTLE = 10                                        # steps before a rise is judged (the first batches vary)
+
+
 def lr_factor(step: int, steps: int, warmup: int) -> float:
-    return min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    return (min(1.0, step / warmup) if warmup > 0 else 1.0) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+@dataclass
+class Divergence:
+    """Stops a run whose loss is no longer a number, or whose smoothed loss has risen RISE times over its start
+    (a learning rate far too high): training on would only write a broken model."""
+
+    start: float | None = None
+    smooth: float | None = None
+    seen: int = 0
+
+    def check(self, loss: float, step: int) -> None:
+        if not math.isfinite(loss):
+            raise ToolkitError(f"training diverged: the loss is {loss} at step {step} (lower --lr, or check the data); "
+                               "nothing was written")
+        self.smooth = loss if self.smooth is None else (1 - SMOOTH) * self.smooth + SMOOTH * loss
+        self.seen += 1
+        if self.seen == 1:
+            self.start = loss
+        if self.seen > SETTLE and self.smooth > RISE * self.start:
+            raise ToolkitError(f"training diverged: the loss rose from {self.start:.3f} to {self.smooth:.3f} by step "
+                               f"{step} (lower --lr); nothing was written")
 
 
 def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, desc: str, warmup: int = 50,
@@ -54,6 +83,7 @@ def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, 
     mark, t_mark = st.step + 5, None              # refit the schedule to the deadline: first after 10 timed steps,
     timed = 0                                      # then every REFIT (a short budget gets a fitted schedule too)
     bar = tqdm(total=st.steps, initial=st.step, desc=desc, unit="step", disable=quiet)
+    guard = Divergence()
     while st.step < st.steps:
         if deadline is not None:
             if st.step == mark:
@@ -73,6 +103,7 @@ def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, 
         loss = loss_fn()
         if loss.requires_grad:                     # else loss_fn back-propagated its chunks itself (accumulation)
             loss.backward()
+        guard.check(loss.item(), st.step)          # before the step: a NaN never reaches the weights
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if st.step % log_every == 0:

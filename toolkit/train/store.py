@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..core import files
 from ..core.errors import ToolkitError
+from ..core.folders import atomic_file
 
 FORMAT = 1
 SHARD_TOKENS = 1 << 22             # ~4M ids a shard (8 MB as uint16): its JSON stays small to rewrite per batch
@@ -35,9 +37,31 @@ def id_dtype(vocab_size: int) -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    atomic_file(path, json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def check_index(index, folder: Path) -> dict:
+    """index.json of a store: its format, id dtype, meta and shard names, or one line naming what is wrong."""
+    ok = (isinstance(index, dict) and index.get("dtype") in ("uint16", "int32") and isinstance(index.get("meta"), dict)
+          and isinstance(index.get("shards"), list) and all(isinstance(n, str) and re.fullmatch(r"\d{5}", n)
+                                                            for n in index["shards"]))
+    if isinstance(index, dict) and index.get("format") != FORMAT:
+        raise ToolkitError(f"{folder}: answer store format {index.get('format')!r} is not {FORMAT}")
+    if not ok:
+        raise ToolkitError(f"{folder / 'index.json'}: not an answer store index (format, dtype, meta, shards)")
+    return index
+
+
+def check_shard(shard, path: Path) -> dict:
+    """A shard's JSON: {"tokens": N, "rows": {key: [offset, length, answer start, category]}}, consistent with N."""
+    def row_ok(r) -> bool:
+        return (isinstance(r, list) and len(r) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                           for x in r[:3]) and isinstance(r[3], str)
+                and r[0] + r[1] <= shard["tokens"] and r[2] <= r[1])
+    if not (isinstance(shard, dict) and isinstance(shard.get("tokens"), int) and shard["tokens"] >= 0
+            and isinstance(shard.get("rows"), dict) and all(row_ok(r) for r in shard["rows"].values())):
+        raise ToolkitError(f"{path}: not an answer store shard index (tokens, rows of [offset, length, start, category])")
+    return shard
 
 
 @dataclass
@@ -92,9 +116,7 @@ class AnswerStore:
         self.folder, self.shard_tokens = Path(folder), shard_tokens
         index = self.folder / "index.json"
         if index.is_file():
-            self.index = json.loads(index.read_text())
-            if self.index.get("format") != FORMAT:
-                raise ToolkitError(f"{self.folder}: answer store format {self.index.get('format')} is not {FORMAT}")
+            self.index = check_index(files.read_json(index, ""), self.folder)
             if meta is not None and self.index["meta"] != meta:
                 diff = sorted(k for k in set(meta) | set(self.index["meta"]) if meta.get(k) != self.index["meta"].get(k))
                 raise ToolkitError(f"{self.folder}: the stored answers were made with other settings ({', '.join(diff)}); "
@@ -114,7 +136,7 @@ class AnswerStore:
 
     def read_shard(self, name: str) -> dict:
         path = self.folder / f"{name}.json"
-        shard = json.loads(path.read_text()) if path.is_file() else {"tokens": 0, "rows": {}}
+        shard = check_shard(files.read_json(path), path) if path.is_file() else {"tokens": 0, "rows": {}}
         bin_path = self.folder / f"{name}.bin"
         if bin_path.is_file() and bin_path.stat().st_size > shard["tokens"] * self.dtype.itemsize:
             with open(bin_path, "r+b") as f:                # ids of a batch whose JSON was never written

@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,8 +24,9 @@ import numpy as np
 import torch
 
 from ..core.cli import check_options, option
+from ..core import files
 from ..core.errors import OptionError, ToolkitError
-from ..core.folders import claim, read_config
+from ..core.folders import read_config
 from ..core.target import text_config
 from ..dflash import DFlashConfig, DFlashDraft, load_drafter, save_drafter
 from ..dflash.shapes import drafter_config, spread_taps
@@ -37,7 +36,8 @@ from .data import CATEGORIES
 from .distill import target_taps
 from .objective import GAMMA, chunked_loss, position_weights, sample_anchors
 from .optim import OptimState, optimize
-from .prepare import group, heldout_answers, training_answers
+from .outputs import checkpoints, claim_outputs, remove_checkpoints, save_torch
+from .prepare import group, heldout_answers, read_inputs, training_answers
 from .tf_tau import eval_set, tf_tau
 
 SHAPE, DATA, OPT, MEASURE, RUN = "drafter shape", "data", "optimisation", "measurement", "checkpoints and output"
@@ -159,11 +159,20 @@ def initial_weights(folder: str, dcfg: dict) -> dict:
 def lineage(folder: str) -> dict:
     """--init: what the starting drafter had been trained on (its training.json, when it has one), for the card."""
     try:
-        t = json.loads((Path(folder).expanduser() / "training.json").read_text())
-    except (OSError, ValueError):
-        return {"folder": str(folder)}
-    keep = ("steps", "sequences", "response_tokens", "seconds", "device", "init")
-    return {"folder": str(folder), **{k: t[k] for k in keep if k in t}}
+        t = files.read_json(Path(folder).expanduser() / "training.json")
+    except ToolkitError:
+        t = None
+    return {"folder": str(folder), **(recorded(t) if isinstance(t, dict) else {})}
+
+
+def recorded(t: dict, depth: int = 0) -> dict:
+    """The fields of a training.json the card's lineage uses, of the types train_drafter writes (nested --init too)."""
+    out = {k: t[k] for k in ("steps", "sequences", "response_tokens") if type(t.get(k)) is int}
+    out.update({k: t[k] for k in ("seconds", "device") if type(t.get(k)) in (int, float, str)})
+    up = t.get("init")
+    if isinstance(up, dict) and isinstance(up.get("folder"), str) and depth < 16:
+        out["init"] = {"folder": up["folder"], **recorded(up, depth + 1)}
+    return out
 
 
 def started_from(init: dict) -> str:
@@ -183,16 +192,10 @@ def load_target(path: str, device: str):
     return load_hf_model(path, device, dtype, "--target")
 
 
-def save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(ckdir: Path, model: DFlashDraft, st: OptimState, run: dict) -> None:
     """Weights, optimizer, schedule and the run's record (evaluations, best so far): all a resume needs."""
     state = {k: v for k, v in asdict(st).items() if k != "optimizer"}
-    save_atomic({"model": model.state_dict(), "optim": state, "optimizer": st.optimizer, **run}, ckdir / "ckpt.pt")
+    save_torch({"model": model.state_dict(), "optim": state, "optimizer": st.optimizer, **run}, ckdir / "ckpt.pt")
 
 
 class Batches:
@@ -260,23 +263,29 @@ def train_drafter(target: str, out: str, **options) -> dict:
     training.json) atomically; returns training.json's content. `options`: the other TrainConfig fields."""
     cfg = TrainConfig(target, out, **options)
     cfg.check()
-    # --out and the checkpoint folder checked before any loading; an earlier drafter of ours (training.json) is replaced
-    claim(cfg.out, "train_drafter", cfg.force or (Path(cfg.out).expanduser() / "training.json").is_file())
-    ckdir = claim(cfg.checkpoint_dir or f"{cfg.out}.ckpt", "train_drafter", True, field="checkpoint_dir")
+    outs = claim_outputs(cfg.out, cfg.checkpoint_dir, cfg.curve, cfg.force)   # before any reading or loading
     t0 = time.time()
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
+    inputs = read_inputs(cfg)                                                 # every input file, checked now
     tok = load_hf_tokenizer(cfg.target, "--target")
     dcfg = build_config(cfg, tcfg, tok)
     conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
-    init = initial_weights(cfg.init, dcfg) if cfg.init and not cfg.resume else None   # refused before any loading
+    init = initial_weights(cfg.init, dcfg) if cfg.init is not None and not cfg.resume else None
     dev = pick_device(cfg.device)
-    if cfg.resume and not (ckdir / "ckpt.pt").is_file():
-        raise OptionError("resume", f": no checkpoint in {ckdir}")
-    ckdir.mkdir(parents=True, exist_ok=True)
+    with checkpoints(outs.ckdir, cfg.resume) as ckdir:
+        info = train(cfg, outs, inputs, ckdir, tcfg, tok, dcfg, conf, vocab, init, dev, t0, budget)
+    remove_checkpoints(outs.ckdir)
+    return info
+
+
+def train(cfg: TrainConfig, outs, inputs, ckdir: Path, tcfg: dict, tok, dcfg: dict, conf, vocab: int, init, dev: str,
+          t0: float, budget: float | None) -> dict:
+    """Load the target, answer, train, evaluate and write the drafter (and the curve) for a checked run."""
     torch.manual_seed(cfg.seed)
     tgt = load_target(cfg.target, dev)
-    corpus, held, gen_report = training_answers(cfg, ckdir, tgt, tok, vocab, t0 + 0.4 * budget if budget else None)
+    corpus, gen_report = training_answers(cfg, inputs, ckdir, tgt, tok, vocab, t0 + 0.4 * budget if budget else None)
+    held = inputs.held
     store = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     ev = None
     if cfg.eval_every and held:
@@ -320,7 +329,7 @@ def train_drafter(target: str, out: str, **options) -> dict:
         run["evals"].append({"step": step, **r})
         if run["best"] is None or r["score"] > run["best"]["score"]:
             run["best"] = {"step": step, "score": r["score"], "tau": r["tau"]}
-            save_atomic({k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}, ckdir / "best.pt")
+            save_torch({k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}, ckdir / "best.pt")
         log(cfg, f"step {step}: teacher-forced tau {json.dumps(r['tau'])} (best: step {run['best']['step']})")
 
     def on_step(s: OptimState) -> None:
@@ -343,11 +352,10 @@ def train_drafter(target: str, out: str, **options) -> dict:
             "epochs": round(st.step / batches.steps_per_epoch, 3), "stopped": st.stopped, "losses": st.losses,
             "accuracy": [round(a, 4) for a in acc_log[0].tolist()] if acc_log else [], "best": run["best"],
             "evals": run["evals"], "seconds": round(time.time() - t0, 1), "data": gen_report,
-            **({"init": lineage(cfg.init)} if cfg.init else {})}
+            **({"init": lineage(cfg.init)} if cfg.init is not None else {})}
     extra = {"README.md": card(cfg, dcfg, info), "heldout.json": json.dumps(group(held), indent=1) + "\n",
              "training.json": json.dumps(info, indent=1) + "\n"}
-    save_drafter(model.eval().cpu(), cfg.out, dtype=torch.bfloat16, extra_files=extra)
-    if cfg.curve:
-        curves.plot(curves.curve(st.losses, run["evals"], run["best"]), cfg.curve, f"{Path(cfg.target).name}: {len(corpus):,} answers")
-    shutil.rmtree(ckdir, ignore_errors=True)
+    save_drafter(model.eval().cpu(), outs.out, dtype=torch.bfloat16, extra_files=extra, command="train_drafter")
+    if outs.curve is not None:
+        curves.plot(curves.curve(st.losses, run["evals"], run["best"]), outs.curve, f"{Path(cfg.target).name}: {len(corpus):,} answers")
     return info
