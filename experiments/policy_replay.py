@@ -1,29 +1,18 @@
-"""Replay the exllamav3 drafting policy offline, on a CPU, against the pair bench's answers and measured round costs.
-
-The pair bench on the device says `auto` trails the best fixed width by 2-4 %; this replay says why and tries a
-change before device time is spent on it. Two steps:
+"""The inputs of the drafting policy's replay test (tests/replay.py, tests/test_policy_replay.py), made on a CPU.
 
 - `lengths`: decodes the SmolLM2 pair's held-out prompts greedily on the CPU (torch backend, fp32) in the pair
   bench's order (`--limit`), and at every answer position records the drafter's full-width accepted length L:
   how many of its B-1 proposed tokens equal the target's next ones. Greedy output does not depend on the widths
-  verified, so one decode gives every position; writes lengths.json.
-- `run`: replays the bench's `auto`, B=8 and B=16 cells (c = 1, 4, 8, the jobs of one request decoded together
-  with one width per round, as exllamav3 does) over those lengths, with round costs read from a `speed pair
-  --trace` file: each (jobs, width) costs a round drawn from that trace's rounds of that shape (rounds of a
-  width never traced at that job count: its nearest traced width's, shifted by the w=7 to w=15 slope), plus the
-  trace's measured cost per extra emitted token and SWITCH_MS for a round at another width than the last. The
-  policy is the backend's own `BatchPolicy`, with the bench's calibration table as its prior; it sees the rounds'
-  times as it would on the device. Prints tokens per ms per cell and `auto` over the best fixed width, paired
-  per repetition.
+  verified, so one decode gives every position.
+- `costs`: turns a `speed pair --trace` file and its bench.json into round costs per (jobs, width), the cost per
+  emitted token, the prefill ms and the calibration table the bench's `auto` cells started from.
 
-    python -m experiments.policy_replay lengths --limit 4 --out /tmp/replay/lengths.json
-    python -m experiments.policy_replay run /tmp/replay/lengths.json \\
-        --trace experiments/results/traces/pair_call4_trace.jsonl.gz --bench experiments/results/traces/pair_call4_bench.json
+    python -m experiments.policy_replay lengths --limit 8 --out /tmp/replay/lengths.json
+    python -m experiments.policy_replay costs experiments/results/traces/pair_call4_trace.jsonl.gz \
+        --bench experiments/results/traces/pair_call4_bench.json --out tests/data/replay/costs_h100_call4.json.gz
 
 The CPU drafter is the BF16 drafter in fp32, not the device's EXL3 6 bpw one, so the lengths are close to the
-device's, not equal; new shapes' CUDA graph captures are not modelled (every shape is warm). The replay compares
-policies on the same lengths and costs; its c=1 levels match the device (call 4: AR 77.5 vs 77.8 tok/s, auto / B=8
-0.980 vs 0.974), its c = 4 and 8 ones less well (per-job-count costs are thinner there).
+device's, not equal; new shapes' CUDA graph captures are not modelled (every shape is warm).
 """
 
 from __future__ import annotations

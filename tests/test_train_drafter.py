@@ -16,6 +16,7 @@ from toolkit.assets.prompts import Prompt
 from toolkit.dflash import DFlashConfig, load_drafter
 from toolkit.core.errors import ToolkitError
 from toolkit.assets.fixtures import build, drafter_config, random_drafter
+from toolkit.core.folders import owner
 from toolkit.train.data import is_heldout, read_json_array, sharegpt_prompts, split, write_pool
 from toolkit.train.objective import anchor_batch, anchor_forward
 
@@ -45,7 +46,9 @@ def test_training_lowers_the_loss_and_writes_a_drafter(setup):
     losses = [v for _, v in info["losses"]]
     assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     out = root / "a"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "heldout.json", "model.safetensors", "training.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".dflash-toolkit.json", "README.md", "config.json", "heldout.json",
+                                                      "model.safetensors", "training.json"]
+    assert owner(out) == "train_drafter"                       # its own output: a rerun may replace it
     assert not (root / "a.ckpt").exists() and not list(root.glob(".a.*"))
     conf = DFlashConfig.from_dir(out)
     conf.validate_against(json.loads((root / "target-llama" / "config.json").read_text()))
