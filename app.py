@@ -7,6 +7,9 @@ DFLASH_BACKEND, DFLASH_DEVICE do the same (for Spaces); on several GPUs --gpu-sp
 """
 
 import os
+import time
+
+STARTED = time.perf_counter()                       # the console says how long the page took to come up
 
 if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true"):
     import spaces  # noqa: F401  (ZeroGPU wants it imported before torch)
@@ -15,7 +18,7 @@ import json
 from pathlib import Path
 
 from toolkit.core.cli import Domain, Parser, check_device, check_number
-from toolkit.core.errors import run_cli
+from toolkit.core.errors import ToolkitError, run_cli
 from toolkit.runtime.gpu_split import ENV, add_split_args
 
 
@@ -41,8 +44,26 @@ def main(argv=None):
 
     from toolkit.app import launch_app
 
-    cfg = Path(__file__).with_name("space.json")        # written by `python -m toolkit.hub.space export`
-    launch_app(**args, defaults=json.loads(cfg.read_text()) if cfg.is_file() else None)
+    defaults = space_defaults(Path(__file__).with_name("space.json"))   # written by `python -m toolkit.space export`
+    launch_app(**args, defaults=defaults, started=STARTED)
+
+
+def space_defaults(cfg: Path) -> dict | None:
+    """space.json's models and placement, or None without one; a folder named relative to it (a model the export
+    copied into the Space) is read next to it. A file that is not such a JSON object is one error line."""
+    if not cfg.is_file():
+        return None
+    try:
+        d = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ToolkitError(f"{cfg}: not readable as JSON ({str(e).splitlines()[0]}); export the Space again") from None
+    if not isinstance(d, dict) or any(not isinstance(d.get(k), (str, type(None))) for k in ("target", "draft", "backend")):
+        raise ToolkitError(f"{cfg}: expected an object whose target, draft and backend are strings or null; "
+                           "export the Space again")
+    for key in ("target", "draft"):
+        if d.get(key) and not Path(d[key]).is_absolute() and (cfg.parent / d[key]).is_dir():
+            d[key] = str(cfg.parent / d[key])
+    return d
 
 
 def check_options(args: dict) -> None:

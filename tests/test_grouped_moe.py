@@ -208,3 +208,18 @@ def test_lever_falls_back_on_what_it_does_not_implement(layer):
     moe.activation_fn = "silu"
     moe.gates[0] = SimpleNamespace(inner=random_linear(HID, INT, 3, "mcg", torch.Generator()), quant_type="exl3")
     assert moe.forward(x, {}) == "stock" and "mix EXL3 formats" in vars(moe)["forward"].unfit
+
+
+def test_lever_turns_itself_off_when_a_kernel_fails(layer, monkeypatch):
+    moe = FakeMoE(layer)
+    gm.set_grouped_moe([moe], FakeMoE, True)
+
+    def broken(*a, **k):
+        raise RuntimeError("ptxas: no such instruction")
+
+    monkeypatch.setattr(gm, "grouped_forward", broken)
+    x, _, _ = routed(4, seed=23)
+    with pytest.warns(UserWarning, match="grouped MoE path off"):
+        assert moe.forward(x, {}) == "stock"
+    assert moe.forward(x, {}) == "stock" and "ptxas" in vars(moe)["forward"].unfit
+    assert gm.path_counts([moe], FakeMoE) == {"grouped": 0, "stock": 2}

@@ -383,3 +383,21 @@ def test_the_ar_baseline_never_touches_the_drafter(pair, pair_backend, monkeypat
         monkeypatch.setattr(be.drafter, name, lambda *a, **k: pytest.fail("the AR baseline ran the drafter"))
     rounds = list(be.generate(be.tokenizer.encode("Open the file"), GenSettings(max_new_tokens=24), speculative=False))
     assert len(rounds) == len(tokens_of(rounds)) and seen and not any(seen) and not be.policies
+
+
+def test_the_cost_source_is_reported_and_retiming_skips_the_cache(pair, pair_backend, tmp_path, monkeypatch):
+    from toolkit.runtime.backend import GenSettings
+
+    monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path))
+    ids = pair_backend.tokenizer.encode("Open the file")
+    first = fresh_backend(pair_backend, pair)
+    assert first.cost_source() is None
+    list(first.generate(ids, GenSettings(max_new_tokens=4)))
+    assert first.cost_source() == "timed now"
+    cached = fresh_backend(pair_backend, pair)
+    list(cached.generate(ids, GenSettings(max_new_tokens=4)))
+    assert cached.cost_source().startswith("cached ") and str(tmp_path) in cached.cost_source()
+    again = fresh_backend(pair_backend, pair)
+    again.retime_costs = True
+    list(again.generate(ids, GenSettings(max_new_tokens=4)))
+    assert again.cost_source() == "timed now"

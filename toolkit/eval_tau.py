@@ -11,7 +11,6 @@ chose to draft, and `ar_rounds` the plain AR ones). --write-card puts the number
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -22,7 +21,8 @@ from tqdm import tqdm
 
 from .core.cli import check_values, entry, option, run
 from .core.errors import OptionError, ToolkitError
-from .core.folders import atomic_file, claim_file
+from .core import files
+from .core.folders import atomic_file, claim_file, marker
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
@@ -32,19 +32,32 @@ CARD_TAU = re.compile(r"<!-- tau -->.*?<!-- /tau -->", re.S)
 
 
 def read_heldout(path: Path) -> dict[str, list[str]]:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ToolkitError(f"--heldout: cannot read {path} ({e})") from None
+    """{"chat": [prompts], "code": [prompts]} (core.files: UTF-8, size and depth caps); at least one prompt."""
+    d = files.read_json(path, "--heldout")
     if not isinstance(d, dict) or not all(isinstance(v, list) and all(isinstance(p, str) for p in v) for v in d.values()):
         raise ToolkitError(f"--heldout: {path} must be {{\"chat\": [prompts], \"code\": [prompts]}}")
+    if not any(d.values()):
+        raise ToolkitError(f"--heldout: {path} holds no prompt")
     return d
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def card_path(draft: Path) -> Path:
+    """DRAFT/README.md as --write-card writes it: through a link only when the link stays inside DRAFT."""
+    readme = Path(draft) / "README.md"
+    real = readme.resolve()
+    if readme.is_symlink() and Path(draft).resolve() not in real.parents:
+        raise ToolkitError(f"--write-card: {readme} links to {real}, outside {draft}; refusing to write there")
+    if real.exists() and not real.is_file():
+        raise ToolkitError(f"--write-card: {readme} is not a file")
+    return real
+
+
+def put_card(draft: Path, result: dict) -> Path:
+    """The tau table into DRAFT/README.md (replacing an earlier table, else appended)."""
+    path = card_path(draft)
+    text = files.read_text(path, "--write-card") if path.is_file() else ""
+    block = card_text(result)
+    return atomic_file(path, CARD_TAU.sub(lambda _: block, text) if CARD_TAU.search(text) else text + "\n" + block + "\n")
 
 
 def card_text(result: dict) -> str:
@@ -78,9 +91,11 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     for name, p in (("--target", target), ("--draft", draft)):
         if not Path(p).is_dir():
             raise ToolkitError(f"{name}: {p} is not a folder")
-    if out:
-        claim_file(out)
-    held = read_heldout(Path(heldout) if heldout else Path(draft) / "heldout.json")
+    if out is not None:
+        claim_file(out, command="eval_tau")
+    if write_card:
+        card_path(Path(draft))
+    held = read_heldout(Path(heldout) if heldout is not None else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
     exl3 = backend == "exllamav3"                 # exllamav3 runs fp16 on the GPU, `concurrency` prompts a wave
     dev = "cuda" if exl3 else ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -111,17 +126,14 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
                 rounds[(cat, b)] += decode(be, ids, GenSettings(max_new_tokens=max_new_tokens, block_size=b))
             done[cat] += len(ids)
             result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) | {"backend": be.name}
-            if out:
-                atomic_file(Path(out).expanduser(), json.dumps(result, indent=1) + "\n")
+            if out is not None:
+                atomic_file(Path(out).expanduser(), json.dumps({**result, "written_by": marker("eval_tau")}, indent=1) + "\n")
     finally:
         be.close()                                 # exllamav3: free the GPU for the next model
     if not result:
         raise ToolkitError("no prompt was evaluated (empty heldout.json or --minutes too small)")
     if write_card:
-        readme = Path(draft) / "README.md"
-        text = readme.read_text() if readme.is_file() else ""
-        block = card_text(result)
-        write_atomic(readme, CARD_TAU.sub(lambda _: block, text) if CARD_TAU.search(text) else text + "\n" + block + "\n")
+        put_card(Path(draft), result)
     return result
 
 
@@ -153,7 +165,7 @@ class EvalTauOptions:
     max_new_tokens: int = option(128, lo=1, hi=2**20)
     limit: int | None = option(None, "at most N prompts per category", lo=1)
     backend: str = option("torch", "runtime (default torch)", choices=["torch", "exllamav3"])
-    concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)", lo=1, hi=4096)
+    concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)", lo=1)
     device: str = option("auto", "torch backend: auto (cuda when available), cpu or cuda", kind="device_auto")
     dtype: str = option("auto", "torch backend: auto (float16 on cuda, float32 on cpu)",
                         choices=["auto", "float16", "bfloat16", "float32"])

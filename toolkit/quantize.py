@@ -37,6 +37,8 @@ class QuantizeOptions:
     target: str | None = option(None, "target: local folder or Hub ref USER/NAME[@REVISION] of an EXL3 target (one GPU: "
                                 "e.g. USER/Qwen3.6-35B-A3B-exl3@4.0bpw, runs on exllamav3) or a BF16 one "
                                 "(transformers) (default: the recipe's)")
+    target_model: str | None = option(None, "the Hub model the drafter serves, USER/NAME, as the model cards name it "
+                                      "(default: the recipe's [target] id)", metavar="USER/NAME")
     bits: str | None = option(None, "comma-separated bitrates, each 1-8 with at most two decimals, e.g. 3.0,4.0,5.0,6.0,8.0")
     out: str | None = option(None, "output folder (default out/<model name>-exl3): report.* and one folder per bitrate")
     work_dir: str | None = option(None, "scratch folder for Hessians and converter jobs (default OUT/.work)")

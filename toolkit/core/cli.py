@@ -29,8 +29,8 @@ DEVICES = {"device": r"cpu|cuda|cuda:\d+|mps", "device_auto": r"auto|cpu|cuda|cu
 
 @dataclasses.dataclass(frozen=True)
 class Domain:
-    """The values a numeric or device option may take: [lo, hi] (and > `above`), finite; `kind` "seed", "port" or
-    a device kind of DEVICES."""
+    """The values an option may take: for a number [lo, hi] (and > `above`), finite; `kind` "seed", a device kind
+    of DEVICES, or "text" for a string that may be empty (any other string option must not be)."""
 
     lo: float | None = None
     hi: float | None = None
@@ -144,6 +144,8 @@ def check_options(cls: type, values: dict) -> None:
             continue
         d = f.metadata.get("domain") or Domain()
         tp, _, many = _base(hints[f.name])
+        if tp is str and d.kind != "text" and any(isinstance(v, str) and not v.strip() for v in (value if many else [value])):
+            raise OptionError(f.name, "is empty")               # an unset shell variable, never a path or a name
         if d.kind in DEVICES:
             check_device(f.name, value, d.kind)
         elif tp in (int, float):

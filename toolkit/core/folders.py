@@ -120,11 +120,11 @@ def png_text(data: bytes) -> dict[str, str]:
     return out
 
 
-def claim(out: str | Path, command: str, force: bool, field: str = "out", force_flag: str = "--force",
+def claim(out: str | Path, command: str, force: bool, field: str = "out", force_flag: str | None = "--force",
           own: bool = True) -> Path:
     """Check an output folder before any work: refuse a file, a symlink, a path under a file, an unwritable place,
     the current folder or one above it, and a non-empty folder that is not `command`'s earlier output (by its
-    marker) unless forced. Leftovers of this command's own interrupted runs beside it are removed (`sweep`)."""
+    marker) unless forced (`force_flag` None: no flag forces it). Leftovers of this command's own interrupted runs beside it are removed (`sweep`)."""
     out = Path(out).expanduser()
     full, cwd = out.resolve(), Path.cwd().resolve()
     if full == cwd or full in cwd.parents or full == Path.home().resolve():
@@ -135,8 +135,9 @@ def claim(out: str | Path, command: str, force: bool, field: str = "out", force_
         raise OptionError(field, f"{out} exists and is not a folder")
     check_place(out, field)
     if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
-        raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} "
-                                 f"(pass {force_flag} to replace it once the new output is complete)")
+        how = (f"pass {force_flag} to replace it once the new output is complete" if force_flag
+               else "name a new or empty folder")
+        raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} ({how})")
     sweep(out)
     return out
 

@@ -151,6 +151,7 @@ class Exl3Backend(Backend):
         self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
         self.policies: dict[tuple[bool, str], Policy] = {}    # (greedy, options tag) -> its policy
         self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds
+        self.retime_costs = False         # calibrate again instead of reading the cost cache
         self.set_options(options or ADOPTED)
 
     @classmethod
@@ -285,7 +286,7 @@ class Exl3Backend(Backend):
                 self.calibration_tokens.setdefault(tag, {})[concurrency] = emitted
                 return CostTable({concurrency: ms}, device_name(self.device))
 
-            got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache)
+            got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache, refresh=self.retime_costs)
             ms = got.ms.get(concurrency) or next(iter(got.ms.values()))
             if table is None:
                 table = self.costs[tag] = CostTable({concurrency: ms}, got.device, got.source)

@@ -68,11 +68,14 @@ def _decode_setup(tiles_n, KA: tl.constexpr, HALF: tl.constexpr, BK: tl.constexp
     tile = (tk * tiles_n + tn) * W
     off_a = tile + first % W
     off_b = tile + (first + 1) % W
-    # right shift of the 64-bit word pair that ends each weight's window at bit 0: 0..48. The group part and
-    # the part within the group are kept apart so that neither is a full-size tensor (K = 1, 2, 4, 8: one value
-    # per group position for the whole block)
-    s_group = first * 32 + 64 - L - _window_end(pg, KA, HALF)
-    s_pos = j * KA + HALF * ((j + 1) // 2)                 # window end past the group's first (pg even)
+    # right shift of the 64-bit word pair that ends each weight's window at bit 0 (0..48): a group part and a
+    # part within the group, kept apart so that neither is a full-size tensor. When every group starts at the
+    # same bit of its word (G*K a multiple of 32: 4 and 8 bits) the group part is one number for the block.
+    if HALF == 0 and (RG * CG * KA) % 32 == 0:
+        s_group = ((KA - 16 + L) // 32) * 32 + 64 - L - KA
+    else:
+        s_group = first * 32 + 64 - L - _window_end(pg, KA, HALF)
+    s_pos = j * KA + HALF * ((j + 1) // 2)                 # window end past the group's first (pg is even)
     return off_a, off_b, s_group, s_pos
 
 
@@ -98,24 +101,24 @@ def _codebook(st, CB: tl.constexpr):
 
 @triton.jit
 def _codebook_asm(lo, hi, s, CB: tl.constexpr):
-    """The same as _codebook(((hi:lo) >> s) & 0xFFFF) in the instructions exllamav3 uses (NVIDIA only)."""
+    """_codebook((((hi:lo) >> s) & 0xFFFF) for s in 0..48, in the instructions exllamav3 uses (NVIDIA only)."""
     if CB == 2:
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; .reg .b16 h, k, c;"
-            " shf.r.wrap.b32 t, $1, $2, $3; and.b32 t, t, 65535; mul.lo.u32 m, t, 0x83DCD12D;"
+            "{ .reg .b64 d; .reg .b32 t, m; .reg .b16 h, k, c;"
+            " mov.b64 d, {$1, $2}; shr.b64 d, d, $3; cvt.u32.u64 t, d; and.b32 t, t, 65535; mul.lo.u32 m, t, 0x83DCD12D;"
             " dp4a.u32.u32 t, m, 0x01010101, 0x6400; cvt.u16.u32 h, t;"
             " mov.b16 k, 0x1EEE; mov.b16 c, 0xC931; fma.rn.f16 $0, h, k, c; }",
             "=h,r,r,r", [lo, hi, s], dtype=tl.float16, is_pure=True, pack=1)
     elif CB == 1:
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 l, h;"
-            " shf.r.wrap.b32 t, $1, $2, $3; and.b32 t, t, 65535; mul.lo.u32 t, t, 0xCBAC1FED;"
+            "{ .reg .b64 d; .reg .b32 t; .reg .b16 l, h;"
+            " mov.b64 d, {$1, $2}; shr.b64 d, d, $3; cvt.u32.u64 t, d; and.b32 t, t, 65535; mul.lo.u32 t, t, 0xCBAC1FED;"
             " and.b32 t, t, 0x8FFF8FFF; xor.b32 t, t, 0x3B603B60; mov.b32 {l, h}, t; add.rn.f16 $0, l, h; }",
             "=h,r,r,r", [lo, hi, s], dtype=tl.float16, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 l, h;"
-            " shf.r.wrap.b32 t, $1, $2, $3; and.b32 t, t, 65535; mad.lo.u32 t, t, 89226354, 64248484;"
+            "{ .reg .b64 d; .reg .b32 t; .reg .b16 l, h;"
+            " mov.b64 d, {$1, $2}; shr.b64 d, d, $3; cvt.u32.u64 t, d; and.b32 t, t, 65535; mad.lo.u32 t, t, 89226354, 64248484;"
             " and.b32 t, t, 0x8FFF8FFF; xor.b32 t, t, 0x3B603B60; mov.b32 {l, h}, t; add.rn.f16 $0, l, h; }",
             "=h,r,r,r", [lo, hi, s], dtype=tl.float16, is_pure=True, pack=1)
 
@@ -126,9 +129,9 @@ def _decode_step(words, base, off_a, off_b, s_group, s_pos, CB: tl.constexpr, AS
     a = tl.load(words + base + off_a)
     b = tl.load(words + base + off_b)
     s = s_group - s_pos
-    lo = tl.where(s < 32, b, a)
     if ASM:
-        return _codebook_asm(lo, a, s.to(tl.uint32), CB)             # shf.r.wrap takes the shift mod 32
+        return _codebook_asm(b, a, s.to(tl.uint32), CB)              # one 64-bit shift: no select
+    lo = tl.where(s < 32, b, a)
     s = (s % 32).to(tl.uint32)
     st = ((lo >> s) | ((a << 1) << (31 - s))) & 0xFFFF
     return _codebook(st, CB)
@@ -231,6 +234,32 @@ def _rows(seg, n_active, S):
 
 
 @triton.jit
+def _square(h):
+    r = tl.arange(0, 128)
+    return tl.load(h + r[:, None] * 128 + r[None, :])
+
+
+@triton.jit
+def _vector(table, e, n):
+    """fp32 of an expert's fp16 vector (its suh or svh, pointer table `table`) at columns n."""
+    return tl.load(tl.load(table + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
+
+
+@triton.jit
+def _gemm(x, words, rows, rm, nb, off_a, off_b, s_group, s_pos, K_DIM: tl.constexpr, TILES_N: tl.constexpr,
+          W: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """x[rows, :K_DIM] @ the inner weight's 128 columns of block nb, fp32 [BM, 128] in the decode's column order."""
+    kk = tl.arange(0, BK)
+    acc = tl.full((BM, 128), 0.0, tl.float32)
+    for k0 in range(0, K_DIM, BK):
+        a = tl.load(x + rows[:, None] * K_DIM + k0 + kk[None, :], mask=rm, other=0.0)
+        base = ((k0 // 16) * TILES_N + nb * 8) * W
+        w = tl.reshape(_decode_step(words, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh, had_in, had_out, S,
                    HID: tl.constexpr, INT: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
                    CB: tl.constexpr, ASM: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr, BM: tl.constexpr,
@@ -243,34 +272,24 @@ def gate_up_kernel(xg, xu, act, seg, n_active, g_tab, u_tab, g_svh, u_svh, d_suh
     gw = tl.load(g_tab + e).to(tl.pointer_type(tl.uint32))
     uw = tl.load(u_tab + e).to(tl.pointer_type(tl.uint32))
     off_a, off_b, s_group, s_pos = _decode_setup(INT // 16, KA, HALF, BK, 128, RG, CG)
-    r = tl.arange(0, 128)
-    h_in = tl.load(had_in + r[:, None] * 128 + r[None, :])
-    h_out = tl.load(had_out + r[:, None] * 128 + r[None, :])
-    n = nb * 128 + r
-    gsv = tl.load(tl.load(g_svh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
-    usv = tl.load(tl.load(u_svh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
-    dsu = tl.load(tl.load(d_suh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
-    kk = tl.arange(0, BK)
+    n = nb * 128 + tl.arange(0, 128)
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rm = (rows < end)[:, None]
-        acc_g = tl.full((BM, 128), 0.0, tl.float32)
-        acc_u = tl.full((BM, 128), 0.0, tl.float32)
-        for k0 in range(0, HID, BK):
-            base = ((k0 // 16) * (INT // 16) + nb * 8) * W
-            a = tl.load(xg + rows[:, None] * HID + k0 + kk[None, :], mask=rm, other=0.0)
-            w = tl.reshape(_decode_step(gw, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
-            acc_g = tl.dot(a, w, acc_g)
-            a = tl.load(xu + rows[:, None] * HID + k0 + kk[None, :], mask=rm, other=0.0)
-            w = tl.reshape(_decode_step(uw, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
-            acc_u = tl.dot(a, w, acc_u)
+        # one matrix per loop: both in one loop would double what is live in it (registers)
+        acc_g = _gemm(xg, gw, rows, rm, nb, off_a, off_b, s_group, s_pos, HID, INT // 16, W, CB, ASM, BM, BK)
+        acc_u = _gemm(xu, uw, rows, rm, nb, off_a, off_b, s_group, s_pos, HID, INT // 16, W, CB, ASM, BM, BK)
+        # epilogue operands loaded here, not ahead of the loop: two 128x128 matrices would hold 128 registers
+        h_out = _square(had_out)
+        gsv = _vector(g_svh, e, n)
+        usv = _vector(u_svh, e, n)
         g = (tl.dot(acc_g.to(tl.float16), h_out) * HAD_SCALE).to(tl.float16).to(tl.float32) * gsv[None, :]
         u = (tl.dot(acc_u.to(tl.float16), h_out) * HAD_SCALE).to(tl.float16).to(tl.float32) * usv[None, :]
         g = g.to(tl.float16).to(tl.float32)
         u = u.to(tl.float16).to(tl.float32)
         hmid = (g / (1.0 + tl.exp(-g))).to(tl.float16).to(tl.float32) * u
-        hmid = (hmid.to(tl.float16).to(tl.float32) * dsu[None, :]).to(tl.float16)
-        out = (tl.dot(hmid, h_in) * HAD_SCALE).to(tl.float16)
+        hmid = (hmid.to(tl.float16).to(tl.float32) * _vector(d_suh, e, n)[None, :]).to(tl.float16)
+        out = (tl.dot(hmid, _square(had_in)) * HAD_SCALE).to(tl.float16)
         tl.store(act + rows[:, None] * INT + n[None, :], out, mask=rm)
 
 
@@ -286,22 +305,13 @@ def down_kernel(act, slots, w_sorted, seg, n_active, d_tab, d_svh, had_out, S,
     nb = tl.program_id(1)
     dw = tl.load(d_tab + e).to(tl.pointer_type(tl.uint32))
     off_a, off_b, s_group, s_pos = _decode_setup(HID // 16, KA, HALF, BK, 128, RG, CG)
-    r = tl.arange(0, 128)
-    h_out = tl.load(had_out + r[:, None] * 128 + r[None, :])
-    n = nb * 128 + r
-    dsv = tl.load(tl.load(d_svh + e).to(tl.pointer_type(tl.float16)) + n).to(tl.float32)
-    kk = tl.arange(0, BK)
+    n = nb * 128 + tl.arange(0, 128)
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rm = rows < end
-        acc = tl.full((BM, 128), 0.0, tl.float32)
-        for k0 in range(0, INT, BK):
-            base = ((k0 // 16) * (HID // 16) + nb * 8) * W
-            a = tl.load(act + rows[:, None] * INT + k0 + kk[None, :], mask=rm[:, None], other=0.0)
-            w = tl.reshape(_decode_step(dw, base, off_a, off_b, s_group, s_pos, CB, ASM), (BK, 128))
-            acc = tl.dot(a, w, acc)
+        acc = _gemm(act, dw, rows, rm[:, None], nb, off_a, off_b, s_group, s_pos, INT, HID // 16, W, CB, ASM, BM, BK)
         wr = tl.load(w_sorted + rows, mask=rm, other=0.0)
-        y = tl.dot(acc.to(tl.float16), h_out) * HAD_SCALE * dsv[None, :] * wr[:, None]
+        y = tl.dot(acc.to(tl.float16), _square(had_out)) * HAD_SCALE * _vector(d_svh, e, n)[None, :] * wr[:, None]
         tl.store(slots + rows[:, None] * HID + n[None, :], y, mask=rm[:, None])
 
 

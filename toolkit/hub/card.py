@@ -3,7 +3,9 @@
 `render_card(report, upstream=OUT/upstream)` is the one entry point; `run_card(OUT)` renders what push uploads.
 Numbers come only from report.json, a null there reads "not measured"; the license and the original card come
 only from the upstream folder (toolkit/hub/upstream.py). Metadata goes through huggingface_hub's ModelCardData.
-The card says what the drafter is not (standalone, BF16), where to go instead, and how to run it.
+The card says what the drafter is not (standalone, BF16), where to go instead, and how to run it. It names models,
+never paths (hub/names.py): the target as the Hub model the drafter serves, the EXL3 target of the measurements by
+its Hub ref or as "a local EXL3 quant at N bpw"; only Hub ids are linked.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from ..core.errors import ToolkitError
 from ..core.folders import read_json
 from .howto import framing, requires_line, usage
+from .names import link, public_report
 from ..core.refs import is_repo_id
 from .upstream import UPSTREAM, Upstream, license_fields, read_upstream, upstream_url
 
@@ -105,6 +108,9 @@ def check_report(report, out_dir: str | Path | None = None) -> None:
             raise ToolkitError(f"report.json: field {key!r} is missing or empty")
     if not isinstance(report["model"], str):
         raise ToolkitError(f"report.json: field 'model' must be a repo id string, got {report['model']!r}")
+    for key in ("model", "revision", "target"):          # one printable line each: no text smuggled into the card
+        if isinstance(report.get(key), str) and not report[key].isprintable():
+            raise ToolkitError(f"report.json: field {key!r} must be one line of printable text, got {report[key]!r}")
     if not isinstance(report["results"], list):
         raise ToolkitError(f"report.json: field 'results' must be a list, got a JSON {type(report['results']).__name__}")
     if report.get("bf16") is not None:
@@ -122,6 +128,26 @@ def check_report(report, out_dir: str | Path | None = None) -> None:
             check_folder_inside(r["folder"], Path(out_dir), f"results[{i}].folder")
 
 
+def inside_run(path: Path, out_dir: Path) -> Path:
+    """`path` when it resolves (links followed) inside the run folder `out_dir`; else one line: a file linked out of
+    the run is never read, printed or published."""
+    real, root = path.resolve(), out_dir.resolve()
+    if real != root and root not in real.parents:
+        raise ToolkitError(f"--from: {path} resolves to {real}, outside {out_dir}; refusing to read it")
+    return path
+
+
+def run_upstream(out_dir: Path) -> Path | None:
+    """OUT/upstream confined like the bitrate folders: the folder and each file in it inside the run (or None)."""
+    up = out_dir / UPSTREAM
+    if not up.exists() and not up.is_symlink():
+        return None
+    inside_run(up, out_dir)
+    for p in sorted(up.iterdir()) if up.is_dir() else []:
+        inside_run(p, out_dir)
+    return up
+
+
 def check_folder_inside(folder: str, out_dir: Path, field: str) -> Path:
     """`out_dir / folder` when it names a folder inside `out_dir` (after resolving `..` and links), else one line."""
     root = out_dir.resolve()
@@ -133,11 +159,12 @@ def check_folder_inside(folder: str, out_dir: Path, field: str) -> Path:
 
 
 def card_data(report: dict, up: Upstream | None = None) -> ModelCardData:
-    """base_model (the drafter) quantized, the upstream license fields, exllamav3, tags."""
-    lic = license_fields(up or Upstream(), report["model"], report.get("revision"))
+    """base_model (the drafter, when it is a Hub model) quantized, the upstream license fields, exllamav3, tags."""
+    hub = is_repo_id(report["model"]) and "/" in report["model"]
+    lic = license_fields(up or Upstream(), report["model"], report.get("revision")) if hub else {}
     return ModelCardData(
-        base_model=report["model"],
-        base_model_relation="quantized",
+        base_model=report["model"] if hub else None,
+        base_model_relation="quantized" if hub else None,
         **lic,
         library_name="exllamav3",
         pipeline_tag="text-generation",
@@ -156,19 +183,15 @@ def _branch_cell(row: dict, branches: dict[str, str], repo: str | None) -> str:
     return f"[{branch}]({HUB}/{repo}/tree/{branch})" if repo else branch
 
 
-def _target_name(target: str) -> str:
-    """A Hub ref as given; a local folder by its last component (a card shows no paths of the machine)."""
-    return Path(target).name if target.startswith(("/", ".", "~")) else target
-
-
 def exl3_cells(m: dict | None) -> list[str]:
-    """τ, speedup and the named target (with its bitrate) measured on exllamav3, or "not measured"."""
+    """τ, speedup and the named target (with its bitrate) measured on exllamav3, or "not measured"; `m` comes from
+    public_report, so its target is a Hub ref or already "a local EXL3 quant at N bpw"."""
     if not m:
         return [NOT_MEASURED] * 3
     target = m.get("target")
-    if target:
+    if target and not target.startswith("a local"):
         bits = m.get("target_bits")
-        target = f"{_target_name(str(target))}" + (f" ({float(bits):.2f} bpw)" if bits is not None else "")
+        target = target + (f" ({float(bits):.2f} bpw)" if bits is not None else "")
     speed = m.get("speedup")
     return [_num(m.get("tau"), ".2f"), NOT_MEASURED if speed is None else f"{speed:.2f}×", target or NOT_MEASURED]
 
@@ -184,7 +207,7 @@ def table(report: dict, branches: dict[str, str], repo: str | None, bits: float 
                  _num(r.get("tau"), ".2f"), *exl3_cells(r.get("exl3")), _check(r.get("passed"))]
         lines.append("| " + " | ".join(cells) + " |")
     bf16 = report.get("bf16") or {}
-    ref = [f"[bf16 original]({HUB}/{report['model']})", "16.00", human_size(bf16.get("size_bytes")), "n/a",
+    ref = [link(report["model"], "bf16 original"), "16.00", human_size(bf16.get("size_bytes")), "n/a",
            "0 (reference)", "100% (reference)", _num(bf16.get("tau"), ".2f"), *exl3_cells(bf16.get("exl3")), "n/a"]
     lines.append("| " + " | ".join(ref) + " |")
     return lines
@@ -193,10 +216,10 @@ def table(report: dict, branches: dict[str, str], repo: str | None, bits: float 
 def _about(report: dict) -> list[str]:
     model, target = report["model"], report.get("target")
     rev = f" at revision `{report['revision']}`" if report.get("revision") else ""
-    target_txt = f" for [{target}]({HUB}/{target})" if target else ""
+    target_txt = f" for {link(target)}" if target else ""
     unknown = "unknown"
     return [
-        f"EXL3 quantizations of the DFlash block-diffusion drafter [{model}]({HUB}/{model}){rev}{target_txt}.",
+        f"EXL3 quantizations of the DFlash block-diffusion drafter {link(model)}{rev}{target_txt}.",
         "",
         f"Made with dflash-exl3-toolkit {report.get('toolkit_version') or unknown} and exllamav3 "
         f"{report.get('exllamav3_version') or unknown} on {report.get('created') or unknown}; block size "
@@ -223,6 +246,8 @@ def _method(report: dict) -> list[str]:
 
 def _license(report: dict, up: Upstream) -> list[str]:
     model, rev = report["model"], report.get("revision")
+    if not is_repo_id(model):
+        return [f"These weights are a quantization of the local drafter `{model}`: its license applies."]
     fields = license_fields(up, model, rev)
     files = ", ".join(f"[{n}]({upstream_url(model, rev, n)})" for n in up.licenses)
     if fields:
@@ -238,7 +263,7 @@ def _license(report: dict, up: Upstream) -> list[str]:
 
 def _original(report: dict, up: Upstream) -> list[str]:
     model, rev = report["model"], report.get("revision")
-    link = f"[{model}]({upstream_url(model, rev)})"
+    link = f"[{model}]({upstream_url(model, rev)})" if is_repo_id(model) else f"`{model}`"
     if up.readme is None:
         return [f"This run's upstream folder holds no README.md, so the original card is not reproduced here; "
                 f"read it at {link}."]
@@ -267,6 +292,7 @@ def render_card(report: dict, repo: str | None = None, bits: float | None = None
     """
     check_report(report)
     up = read_upstream(upstream)
+    report = public_report(report, up.metadata)    # names, never paths of this machine
     if branches is None:
         branches = default_branches(report)
     if bits is not None and not any(float(r["bits"]) == float(bits) for r in report["results"]):
@@ -276,7 +302,7 @@ def render_card(report: dict, repo: str | None = None, bits: float | None = None
     body = [title, "", *_about(report), "", *framing(report, has_card=up.readme is not None), "",
             requires_line(report), ""]
     if bits is not None:
-        main = f"[the main branch]({HUB}/{repo})" if repo else "the main branch"
+        main = link(repo, "the main branch") if repo else "the main branch"
         body += [f"This branch holds the {float(bits):.1f} bits-per-weight quant; {main} lists every bitrate.", ""]
     body += ["## Measured quality", "", *table(report, branches, repo, bits), ""]
     if image and bits is None:
@@ -300,8 +326,9 @@ def run_card(out_dir: str | Path, repo: str | None = None, bits: float | None = 
     out = Path(out_dir)
     if repo is not None and not (is_repo_id(repo) and "/" in repo):
         raise ToolkitError(f"--repo must be USER/NAME, got {repo!r}")
-    report = read_json(out / "report.json", "--from: ", "no report.json (run python -m toolkit.quantize first)")
+    report = read_json(inside_run(out / "report.json", out), "--from: ",
+                       "no report.json (run python -m toolkit.quantize first)")
     check_report(report, out)
     image = MAIN_IMAGE if bits is None and (out / MAIN_IMAGE).is_file() else None
     return render_card(report, repo, bits, branches=default_branches(report, out), image=image,
-                       upstream=out / UPSTREAM)
+                       upstream=run_upstream(out))

@@ -7,11 +7,7 @@ and this toolkit's generate command and chat app.
 
 from __future__ import annotations
 
-HUB = "https://huggingface.co"
-
-
-def _link(model: str) -> str:
-    return f"[{model}]({HUB}/{model})"
+from .names import link as _link
 
 
 def framing(report: dict, has_card: bool) -> list[str]:

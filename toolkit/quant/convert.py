@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..core import files
 from ..core.errors import ToolkitError
+from ..core.folders import atomic_file
 from .plan import STAMP, PlanItem, partial_dir
 from .recipe import HALF_RATES, format_bits
 from .validate import read_headers
@@ -97,7 +99,7 @@ def check_output(folder: Path, source_headers: dict, keep: list[str]) -> dict:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ToolkitError(f"converter finished but wrote no config.json into {folder}")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = files.read_object(cfg_path)
     q = cfg.get("quantization_config") or {}
     if q.get("quant_method") != "exl3":
         raise ToolkitError(f"{cfg_path}: quantization_config.quant_method is {q.get('quant_method')!r}, expected 'exl3'")
@@ -115,22 +117,17 @@ def check_output(folder: Path, source_headers: dict, keep: list[str]) -> dict:
 def pin_tap_shift(folder: Path, tap_shift: int) -> None:
     """Write the toolkit's tap_shift into config.json in exllamav3's convention (see EXL3_TAP_SHIFT_OFFSET)."""
     path = folder / "config.json"
-    cfg = json.loads(path.read_text())
+    cfg = files.read_object(path)
     cfg.setdefault("dflash_config", {})["tap_shift"] = tap_shift + EXL3_TAP_SHIFT_OFFSET
     cfg.pop("tap_shift", None)
     write_text(path, json.dumps(cfg, indent=4) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write through a temp file; a full disk is one line."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write through a temp file (core.folders.atomic_file); a full disk or an unwritable place is one line."""
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_file(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
-            raise ToolkitError(f"disk full while writing {path}") from None
         raise ToolkitError(f"cannot write {path} ({e.strerror or e})") from None
 
 

@@ -102,17 +102,21 @@ def exl3_weights(folder: Path, cfg: dict) -> int | None:
     if not size:
         try:
             size = int(json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"])
-        except (OSError, KeyError, ValueError, TypeError):
+        except (OSError, KeyError, ValueError, TypeError, RecursionError):
             return None
     t = target_text(cfg)
     return max(0, size - 2 * int(t.get("vocab_size") or 0) * int(t.get("hidden_size") or 0))
 
 
 def hf_weights(folder: Path, cfg: dict) -> int | None:
-    """GPU bytes of a transformers target as quant.blocks.load_target loads it: bf16, float32 below 2B parameters."""
+    """GPU bytes of a transformers target as quant.blocks.load_target loads it: bf16, float32 below 2B parameters
+    (the size from the safetensors, or the index's total_size when the weights are not here)."""
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     if not size:
-        return None
+        try:
+            size = int(json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"])
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or target_text(cfg).get("dtype") or "bfloat16")
     params = size // (4 if "32" in dtype else 2)
     return params * (4 if params < 2_000_000_000 else 2)

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..core.errors import ToolkitError
-from ..core.folders import atomic_dir, read_config
+from ..core.folders import atomic_dir, claim, mark, owner, read_config
 from ..dflash import load_drafter
 from ..runtime.backend import encode_chat
 from ..exl3.taps import free_gpu
@@ -31,11 +31,14 @@ from . import check as chk
 from . import convert as conv
 from . import engine
 from . import memory as mem
+from . import offline
 from . import report as rep
 from . import speed as spd
 from .plan import MANIFEST, check_out_dir, format_plan, make_plan, plan_json
 from .recipe import Recipe, merge
 from .run import STEPS, Run, step
+
+WORK = "quantize.work"               # the marker of a --work-dir folder
 from .source import fetch_ref, target_kind
 from .target import exl3_opener, exl3_target, fitting_shifts, hf_prompts, target_bits, target_shifts
 from .validate import linear_keys, unquantized_keys
@@ -48,8 +51,7 @@ def read_target_config(run: Run) -> dict | None:
     if not s.target:
         return None
     try:
-        run.target_dir, run.target_sha = fetch_ref(s.target, s.target_revision, "target", config_only=True,
-                                                   cache_only=run.dry_run)
+        run.target_dir, run.target_sha = offline.fetch_or_shapes(run, s.target, s.target_revision, "target", True)
         return read_config(run.target_dir, "target")
     except ToolkitError:
         if not run.dry_run:
@@ -62,14 +64,15 @@ def read_target_config(run: Run) -> dict | None:
 def validate(run: Run) -> None:
     """The drafter checkpoint against its target and the recipe, and OUT against a resume."""
     s = run.s
-    run.model_dir, run.model_sha = fetch_ref(s.model, s.revision, "model", config_only=run.dry_run,
-                                             cache_only=run.dry_run)
+    run.model_dir, run.model_sha = offline.fetch_or_shapes(run, s.model, s.revision, "model", run.dry_run)
     run.target_config = read_target_config(run)
     run.kind = target_kind(run.target_config) if run.target_config is not None else "none"
     run.checked = validate_checkpoint(run.model_dir, run.target_config, require_weights=not run.dry_run,
                                       target=s.target)
     s.recipe.check_expected(run.config)
     check_out_dir(s.out, run.manifest, run.force)
+    if s.work_dir is not None:       # a scratch folder of ours: new, empty or an earlier run's (its marker)
+        claim(s.work_dir, WORK, False, field="work_dir", force_flag=None)
 
 
 @step
@@ -96,7 +99,8 @@ def plan_memory(run: Run, max_prompt: int = mem.PROMPT_TOKENS) -> list[mem.Need]
 def show_plan(run: Run) -> None:
     """--dry-run: the drafter, the plan as a table, the GPU memory per step and the notes."""
     s, c = run.s, run.config
-    print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({run.model_dir}), target {s.target or 'none'}"
+    where = "the recipe's shapes" if "model" in run.offline else run.model_dir
+    print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({where}), target {s.target or 'none'}"
           + (f" ({'EXL3 on exllamav3' if run.kind == 'exl3' else 'transformers'})" if run.kind != "none" else ""))
     print(f"drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block {c.block_size}, "
           f"taps {c.target_layer_ids}, layer types {sorted(set(c.layer_types))}")
@@ -104,8 +108,11 @@ def show_plan(run: Run) -> None:
         run.notes.append("no weights in the model folder: tensors not checked")
     print(format_plan(run.items, s.out))
     print(mem.format_memory(run.needs, run.kind == "none" or run.target_weights is not None))
-    if not run.split.default:
+    if not run.split.default and run.kind == "exl3":
         print(f"EXL3 target placement: {run.split.tag} (each device is checked when the target loads)")
+    elif not run.split.default:
+        run.notes.append(f"{run.split.tag} places an EXL3 target; the target was not checked, so it may not apply")
+    print("\n".join(offline.downloads(run)))
     for n in run.notes:
         print(f"note: {n}")
 
@@ -183,6 +190,10 @@ def begin(run: Run, dest: Path) -> None:
     run.dest = dest
     dest.mkdir(parents=True, exist_ok=True)
     conv.write_text(dest / MANIFEST, json.dumps(run.manifest) + "\n")
+    if run.s.work_dir is not None:
+        run.s.work_dir.mkdir(parents=True, exist_ok=True)
+        if owner(run.s.work_dir) != WORK:
+            mark(run.s.work_dir, WORK)
 
 
 def encode(run: Run, texts: list[str]) -> list[list[int]]:
@@ -338,6 +349,7 @@ def report(run: Run) -> None:
     run.report = rep.build_report(
         s.model_id, s.revision, s.target, c.block_size, run.tap_shift, device, run.bf16_tau, run.checked.size_bytes,
         results, model_sha=run.model_sha, target_sha=run.target_sha, target_kind=run.kind, bf16_exl3=run.bf16_exl3,
+        target_model=s.target_model, model_local=s.model_local, target_local=s.target_local,
         exl3_widths=run.exl3_widths, recommended_draft_tokens=run.recommended, steps=list(run.timings),
         memory=mem.summary(run.timings, run.needs))
     rep.write_report(run.dest, run.report, run.notes)
@@ -347,11 +359,12 @@ def start(recipe: str | None = None, model: str | None = None, revision: str | N
           bits: str | list | None = None, out: str | None = None, work_dir: str | None = None, calibrate: bool = True,
           also_uncalibrated: bool = False, check: bool = True, dry_run: bool = False, force: bool = False,
           device: str | None = None, progress: bool = True, gpu_split: str | None = None,
-          tensor_parallel: bool = False, draft_device: int = 0, on_step: Callable[[dict], None] | None = None) -> Run:
+          tensor_parallel: bool = False, draft_device: int = 0, on_step: Callable[[dict], None] | None = None,
+          target_model: str | None = None) -> Run:
     """A Run from the recipe and the command line (flags win); nothing is read or written yet. gpu_split,
     tensor_parallel and draft_device place an EXL3 target (and the drafter of the speed step) across GPUs;
     on_step gets each step's row of report.json's `steps` as the step ends (a device script records them)."""
-    s = merge(recipe, model, revision, target, bits, out, work_dir)
+    s = merge(recipe, model, revision, target, bits, out, work_dir, target_model)
     split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
     return Run(s, calibrate, also_uncalibrated, check, dry_run, force, device, progress, split=split, on_step=on_step)
 
@@ -363,6 +376,8 @@ def execute(run: Run) -> Run:
         validate(run)
         plan(run)
         if run.dry_run:
+            if run.kind != "none":       # a BF16 target: the split would be refused by the run, so by its plan too
+                run.check_split(run.calibrate or run.check)
             show_plan(run)
             return run
         prepare(run)

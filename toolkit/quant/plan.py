@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..core import files
 from ..core.errors import ToolkitError
 from ..dflash import DFlashConfig
 from .recipe import branch_name, format_bits
@@ -55,9 +55,9 @@ def folder_status(out: Path, item: PlanItem, model: str, revision: str | None) -
     stamp = final / STAMP
     if stamp.is_file():
         try:
-            if json.loads(stamp.read_text()) == item.stamp(model, revision):
+            if files.read_json(stamp) == item.stamp(model, revision):
                 return "done"
-        except json.JSONDecodeError:
+        except ToolkitError:
             pass
         return "partial"
     return "partial" if final.exists() or part.exists() else "todo"
@@ -71,8 +71,8 @@ def check_out_dir(out: Path, manifest: dict, force: bool) -> None:
     prev = None
     if m.is_file():
         try:
-            prev = json.loads(m.read_text())
-        except json.JSONDecodeError:
+            prev = files.read_json(m)
+        except ToolkitError:
             prev = None
     if prev != manifest:
         raise ToolkitError(f"--out: {out} exists and is not a resumable run of {manifest['model']}; pass --force to overwrite it")

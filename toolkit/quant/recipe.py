@@ -7,6 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core import files
 from ..core.errors import ToolkitError
 from .source import split_ref
 
@@ -159,9 +160,11 @@ def load_recipe(path: str | Path) -> Recipe:
     if not p.is_file():
         raise ToolkitError(f"recipe: {p} does not exist")
     try:
-        raw = tomllib.loads(p.read_text())
+        raw = tomllib.loads(files.read_text(p, "recipe"))
     except tomllib.TOMLDecodeError as e:
         raise ToolkitError(f"recipe: {p} is not valid TOML ({e})") from None
+    except RecursionError:
+        raise ToolkitError(f"recipe: {p} is nested deeper than any recipe") from None
     model, target, cal, chk, bits = (_table(raw, k, p) for k in ("model", "target", "calibration", "check", "bits"))
     if not model.get("id"):
         raise ToolkitError(f"recipe: {p} has no [model] id")
@@ -205,10 +208,25 @@ class Settings:
     out: Path
     work_dir: Path | None     # None: OUT/.work, inside the folder this run writes
     recipe: Recipe = field(default_factory=lambda: Recipe(model=""))
+    target_model: str | None = None   # the Hub model the drafter serves, as the cards name it (never a path)
+    model_local: bool = False         # model_id is a folder of this machine, not a Hub id
+    target_local: bool = False        # --target is a folder of this machine
+
+
+def served_model(flag: str | None, recipe: Recipe | None) -> str | None:
+    """--target-model (a Hub id USER/NAME), else the recipe's [target] id when it is one."""
+    from ..core.refs import is_repo_id
+
+    if flag is not None:
+        if not (is_repo_id(flag) and flag.count("/") == 1):
+            raise ToolkitError(f"--target-model must be the Hub id USER/NAME of the model the drafter serves, got {flag!r}")
+        return flag
+    name = recipe.target if recipe else None
+    return name if name and is_repo_id(name) and name.count("/") == 1 and not Path(name).exists() else None
 
 
 def merge(recipe: str | None, model: str | None, revision: str | None, target: str | None, bits, out: str | None,
-          work_dir: str | None) -> Settings:
+          work_dir: str | None, target_model: str | None = None) -> Settings:
     """The run's settings: a flag wins over the recipe; the recipe's pinned revisions follow only its own model and target."""
     r = load_recipe(recipe) if recipe else None
     if not model and not r:
@@ -222,4 +240,6 @@ def merge(recipe: str | None, model: str | None, revision: str | None, target: s
     trev = r.target_revision if r and tgt == r.target else None
     b = parse_bits(bits) if bits else (r.bits if r else [4.0])
     o = Path(out) if out else Path("out") / (model_id.rstrip("/").split("/")[-1] + "-exl3")
-    return Settings(model, model_id, rev, tgt, trev, b, o, Path(work_dir) if work_dir else None, r or Recipe(model=model))
+    return Settings(model, model_id, rev, tgt, trev, b, o, Path(work_dir) if work_dir else None, r or Recipe(model=model),
+                    served_model(target_model, r), model_id == repo and not r and Path(model).expanduser().is_dir(),
+                    bool(tgt) and Path(tgt).expanduser().is_dir())

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import io
 import json
 from pathlib import Path
 
 from .. import __version__
+from ..core.folders import atomic_write
 from .convert import write_text
 from .recipe import format_bits
 
@@ -40,11 +42,13 @@ def result_row(item, size_bytes: int, metrics=None, passed: bool | None = None, 
 
 def build_report(model: str, revision: str | None, target: str | None, block_size: int, tap_shift: int,
                  device: str | None, bf16_tau: float | None, bf16_size: int, results: list[dict], **extra) -> dict:
-    """report.json. `extra`: model_sha, target_sha, target_kind, bf16_exl3, exl3_widths, recommended_draft_tokens,
-    steps, memory (None or empty when not known)."""
+    """report.json. `extra`: model_sha, target_sha, target_kind, target_model, model_local, target_local,
+    bf16_exl3, exl3_widths, recommended_draft_tokens, steps, memory (None or empty when not known)."""
     return {
         "schema": SCHEMA, "model": model, "revision": revision, "model_sha": extra.get("model_sha"),
         "target": target, "target_sha": extra.get("target_sha"), "target_kind": extra.get("target_kind"),
+        "target_model": extra.get("target_model"), "model_local": bool(extra.get("model_local")),
+        "target_local": bool(extra.get("target_local")),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "toolkit_version": __version__, "exllamav3_version": exllamav3_version(),
         "block_size": int(block_size), "tap_shift": int(tap_shift), "device": device,
@@ -178,11 +182,10 @@ def plot(report: dict, path: Path) -> Path:
     else:
         ax1.text(0.5, 0.5, "not measured (run with --check)", ha="center", transform=ax1.transAxes)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
-    tmp.replace(path)
-    return path
+    return atomic_write(path, lambda f: f.write(buf.getvalue()))      # a full disk: one line, no partial file
 
 
 def write_report(out: Path, report: dict, notes: list[str] | None = None) -> list[Path]:

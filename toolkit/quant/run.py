@@ -68,6 +68,7 @@ class Run:
     phases: Phases = field(default_factory=Phases)      # the running step's phases (a step may measure some)
     failures: list[str] = field(default_factory=list)
     report: dict | None = None
+    offline: dict[str, dict] = field(default_factory=dict)   # dry run: model/target configs read from the recipe's shapes
 
     @property
     def out(self) -> Path:

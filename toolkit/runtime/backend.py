@@ -177,6 +177,12 @@ class Backend(ABC):
         """The auto policy `settings` decode with (None before its first auto run, or without one)."""
         return getattr(self, "policies", {}).get(settings.temperature <= 0)
 
+    def cost_source(self) -> str | None:
+        """Where the auto policy's cost table came from ("timed now", "cached PATH", "given"), once it has one."""
+        for pol in getattr(self, "policies", {}).values():
+            return pol.costs.table.source if pol.costs is not None else None
+        return None
+
     def calibration_report(self) -> dict | None:
         """What the current options' cost timing saw in this process (tokens a job emitted per round), if any."""
         return None

@@ -288,6 +288,7 @@ class TorchBackend(Backend):
         self.max_context, self.eos_ids = info.max_context, info.eos_ids
         self.costs, self.folders = costs, tuple(folders)
         self.learn_costs = costs is None           # a measured table is corrected by observed rounds, a given one not
+        self.retime_costs = False                  # time the table again instead of reading the cost cache
         self.policies: dict[bool, Policy] = {}     # greedy -> its policy
 
     @classmethod
@@ -310,7 +311,7 @@ class TorchBackend(Backend):
             measure = lambda: measure_torch_costs(self.target, self.drafter, B, reps=3, widths=widths, stat=min)  # noqa: E731
             if self.folders:
                 key = cost_key(self.folders, self.target.device, self.target.dtype, B)
-                self.costs = cached_costs(key, measure)
+                self.costs = cached_costs(key, measure, refresh=self.retime_costs)
             else:
                 self.costs = measure()
         return self.costs

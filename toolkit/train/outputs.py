@@ -36,13 +36,7 @@ def claim_outputs(out: str, checkpoint_dir: str | None, curve: str | None, force
     """Check --out, --checkpoint-dir and --curve before any work (docs/outputs.md)."""
     o = claim(out, COMMAND, force)
     ck = Path(checkpoint_dir).expanduser() if checkpoint_dir is not None else o.with_name(o.name + ".ckpt")
-    try:
-        claim(ck, CHECKPOINTS, False, field="checkpoint_dir")
-    except OptionError as e:
-        if "not an earlier output" not in e.rest:
-            raise
-        raise OptionError("checkpoint_dir", f"{ck} is not empty and is not a checkpoint folder of train_drafter; "
-                                            "name a new or empty folder (it is deleted after the final save)") from None
+    claim(ck, CHECKPOINTS, False, field="checkpoint_dir", force_flag=None)     # --force never applies to it
     full_o, full_ck = o.resolve(), ck.resolve()
     if full_o == full_ck or full_o in full_ck.parents or full_ck in full_o.parents:
         raise OptionError("checkpoint_dir", f"{ck} overlaps --out {o}: name a folder beside it")

@@ -1,0 +1,388 @@
+"""The expert-grouped EXL3 MoE path (toolkit/exl3/grouped_moe.py) against exllamav3's own on the real MoE shape.
+
+One call (about 4-6 minutes; results to $OUT/moe_grouped.json after every step):
+
+    source .device/on-device.sh && timeout 480 python -m experiments.moe_grouped          (carry [".device"])
+
+1. synthesise (toolkit.synthetic, on the GPU) a one-layer cut of the Qwen3.6-35B-A3B target at 4.0 bpw (256
+   experts, hidden 2048, expert width 512, 8 routed and a gated shared expert) into /tmp/moe_grouped (kept on a
+   warm machine) and load it with exllamav3; its BlockSparseMLP is the layer under test;
+2. decode: the grouped path's Triton decode (PTX and portable variants) against exllamav3's reconstruct kernel
+   (LinearEXL3.get_inner_weight_tensor) bit for bit, on a random 256x256 tensor of every codebook and bitrate the
+   converter writes and on the layer's own experts; the reference's dense weight against get_weight_tensor;
+3. agreement: the grouped forward against exllamav3's BlockSparseMLP.forward on the same rows (random hidden
+   states, routed by the layer's router) at R = 1, 2, 8, 16, 32, 64, and both against a dense fp32 reference
+   built from get_weight_tensor: max abs differences and the output's scale;
+4. speed: per layer call, stock vs grouped (PTX decode) vs grouped (portable decode), plus the grouped kernels
+   alone and the router alone, at R = 8, 16, 32, 64; >= 10 interleaved repetitions of `--calls` calls each
+   between CUDA events (medians), the host time per call, and the memory-bound time of the distinct experts'
+   bytes at 3.35 TB/s (H100) or 4.8 TB/s (H200);
+5. the grouped kernels at R = 16 under each launch shape of `--sweep` (rows, k step, warps, stages);
+6. torch.profiler over a few grouped and stock calls at R = 16: GPU time per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from experiments.harness import Run, device_name, env_float
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = ROOT / "quantize" / "shapes" / "qwen3.6-35b-a3b.json"
+WORK = Path("/tmp/moe_grouped")
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}     # bytes/s, from the device name
+SWEEP = ["16,64,8,2", "16,32,4,2", "16,64,4,2", "16,32,8,2", "16,128,8,2", "16,64,8,3", "32,64,8,2"]
+
+
+def bandwidth(name: str) -> float | None:
+    return next((b for k, b in BANDWIDTH.items() if k in name), None)
+
+
+def summary(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4), "n": len(xs)}
+
+
+# -- 1. the layer ---------------------------------------------------------------------------------------------
+
+
+def synth_layer(work: Path, resynth: bool) -> dict:
+    """The one-layer cut of the target at 4.0 bpw (reused when present)."""
+    import torch
+
+    from toolkit.synthetic import synth
+
+    folder = work / "layer-4.0"
+    if (folder / "config.json").is_file() and not resynth:
+        return {"reused": str(folder)}
+    cfg = json.loads(SHAPE.read_text())
+    text = cfg["text_config"]
+    text.update(num_hidden_layers=1, layer_types=["linear_attention"])
+    work.mkdir(parents=True, exist_ok=True)
+    shape = work / "shape-1layer.json"
+    shape.write_text(json.dumps(cfg))
+    out = synth(str(shape), 4, str(folder), device="cuda", overwrite=True, quiet=True)
+    torch.cuda.empty_cache()
+    return {k: out[k] for k in ("out", "bits", "codebook", "size", "seconds")}
+
+
+def load_layer(work: Path):
+    """(model, its BlockSparseMLP, facts about the layer)."""
+    import exllamav3 as exl
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    model = exl.Model.from_config(exl.Config.from_directory(str(work / "layer-4.0")))
+    model.load(device="cuda:0", progressbar=False)
+    moe = next(m for m in model if isinstance(m, BlockSparseMLP))
+    lin = moe.gates[0].inner
+    info = {"experts": moe.num_experts, "per_token": moe.num_experts_per_tok, "hidden": moe.hidden_size,
+            "intermediate": moe.intermediate_size, "K": lin.K, "mcg": lin.mcg, "mul1": lin.mul1,
+            "shared": moe.shared_experts is not None, "shared_gate": moe.shared_gate is not None,
+            "support_fused": getattr(moe, "support_fused", None), "fused_rows": getattr(moe, "fused_rows", None),
+            "activation": moe.activation_fn, "router": getattr(moe.routing_fn, "__name__", "?")}
+    return model, moe, info
+
+
+def why_not(moe) -> list[str]:
+    """The eligibility attributes of the layer that keep the grouped path off (empty: it applies)."""
+    from toolkit.exl3 import grouped_moe as gm
+
+    if gm.applies(moe, {}):
+        return []
+    names = ("bc", "is_quantized", "support_quant_paths", "gated", "activation_fn", "act_limit", "interm_div",
+             "latent_in", "routed_pre_norm", "routed_post_norm", "routing_gate", "alt_residual_channel", "tp_reduce",
+             "routing_device", "cpu_split_first", "cpu_offload", "num_local_experts", "num_experts",
+             "intermediate_size", "intermediate_size_padded", "shared_experts_post_norm")
+    return [f"{n}={getattr(moe, n, None)!r}"[:80] for n in names]
+
+
+# -- 2. decode ------------------------------------------------------------------------------------------------
+
+
+def random_exl3(codebook: str, K: float, gen):
+    import torch
+    from exllamav3.modules.quant.exl3 import LinearEXL3
+
+    from toolkit.exl3.grouped_moe_ref import tile_words
+
+    trellis = torch.randint(-32768, 32768, (16, 16, tile_words(K)), dtype=torch.int16, generator=gen).cuda()
+    sign = lambda n: ((torch.randint(0, 2, (n,), generator=gen) * 2 - 1).half()).cuda()
+    marker = torch.tensor(1, dtype=torch.int32).cuda()
+    return LinearEXL3(None, 256, 256, suh=sign(256), svh=sign(256), trellis=trellis,
+                      mcg=marker if codebook == "mcg" else None, mul1=marker if codebook == "mul1" else None)
+
+
+def check_decode(moe) -> dict:
+    import torch
+
+    from toolkit.exl3 import grouped_moe as gm
+    from toolkit.exl3.grouped_moe_ref import RATES, dense_weight
+
+    gen = torch.Generator().manual_seed(0)
+    out, bad = {}, 0
+    for cb in ("mul1", "mcg", "3inst"):
+        for K in RATES:
+            if K != int(K) and cb != "mul1":
+                continue
+            lin = random_exl3(cb, K, gen)
+            ref = lin.get_inner_weight_tensor().view(torch.int16)
+            row = {}
+            for name, asm in (("ptx", True), ("portable", False)):
+                try:
+                    row[name] = int((gm.decode_inner(lin, asm=asm).view(torch.int16) != ref).sum())
+                    bad += row[name]
+                except Exception as e:                     # a compile failure is a result here, not the end of the run
+                    row[name] = f"{type(e).__name__}: {e}"[:300]
+                    bad += 1
+            row["dense_max_abs"] = float((dense_weight(lin).cuda() - lin.get_weight_tensor().double()).abs().max())
+            out[f"{cb}-{K}"] = row
+    own = {}
+    for e in range(4):
+        for name, ms in (("gate", moe.gates), ("up", moe.ups), ("down", moe.downs)):
+            lin = ms[e].inner
+            own[f"{name}{e}"] = int((gm.decode_inner(lin).view(torch.int16) != lin.get_inner_weight_tensor().view(torch.int16)).sum())
+            bad += own[f"{name}{e}"]
+    return {"mismatched_weights_total": bad, "formats": out, "layer_experts": own}
+
+
+# -- 3. agreement ---------------------------------------------------------------------------------------------
+
+
+def hidden_rows(moe, rows: int, seed: int):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn((1, rows, moe.hidden_size), generator=g, device="cuda").half()
+
+
+def route(moe, x):
+    rows = x.numel() // x.shape[-1]
+    sel, w = moe.routing_fn(rows, moe.routing_cfg, x.view(rows, -1), {})
+    return sel.clone(), w.clone()
+
+
+def dense_reference(moe, x, sel, w):
+    """fp32 output of the layer from exllamav3's dequantised weights (get_weight_tensor)."""
+    import torch
+
+    y = x.view(-1, x.shape[-1]).float()
+    out = torch.zeros_like(y)
+
+    def mlp(g, u, d, rows):
+        a = rows @ g.get_weight_tensor().float()
+        return (a * torch.sigmoid(a) * (rows @ u.get_weight_tensor().float())) @ d.get_weight_tensor().float()
+
+    for e in sel.unique().tolist():
+        r, s = (sel == e).nonzero(as_tuple=True)
+        out.index_add_(0, r, mlp(moe.gates[e].inner, moe.ups[e].inner, moe.downs[e].inner, y[r]) * w[r, s].float()[:, None])
+    se = moe.shared_experts
+    if se is not None:
+        sh = mlp(se.gates[0].inner, se.ups[0].inner, se.downs[0].inner, y)
+        if moe.shared_gate is not None:
+            sh = sh * torch.sigmoid(y @ moe.shared_gate.inner.weight.float().view(-1))[:, None]
+        out += sh
+    return out
+
+
+def grouped_wrap(moe, asm: bool | None = None, rows=(1, 64)):
+    from toolkit.exl3 import grouped_moe as gm
+
+    wrap = gm.GroupedForward(moe)
+    wrap.rows, wrap.config = rows, gm.KernelConfig(asm=asm)
+    return wrap
+
+
+def check_agreement(moe, rows_list) -> dict:
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    wrap = grouped_wrap(moe)
+    out = {}
+    for rows in rows_list:
+        x = hidden_rows(moe, rows, seed=rows)
+        sel, w = route(moe, x)
+        stock = BlockSparseMLP.forward(moe, x, {}).clone().float().view(rows, -1)
+        grouped = wrap(x, {}).float().view(rows, -1)
+        ref = dense_reference(moe, x, sel, w)
+        diff = lambda a, b: float((a - b).abs().max())
+        out[rows] = {"grouped_vs_stock": diff(grouped, stock), "stock_vs_dense": diff(stock, ref),
+                     "grouped_vs_dense": diff(grouped, ref), "scale": float(ref.abs().max()),
+                     "distinct_experts": int(sel.unique().numel())}
+    out["paths"] = dict(wrap.calls)
+    out["unfit"] = wrap.unfit
+    return out
+
+
+# -- 4-6. speed -----------------------------------------------------------------------------------------------
+
+
+def expert_bytes(moe) -> tuple[int, int, int]:
+    """(bytes of one routed expert, of the shared expert, of the router) as stored on the GPU."""
+    size = lambda lin: sum(t.numel() * t.element_size() for t in (lin.trellis, lin.suh, lin.svh))
+    routed = sum(size(m[0].inner) for m in (moe.gates, moe.ups, moe.downs))
+    se = moe.shared_experts
+    shared = sum(size(m[0].inner) for m in (se.gates, se.ups, se.downs)) if se is not None else 0
+    gate = moe.routing_cfg.gate_tensor if moe.routing_cfg is not None else None
+    return routed, shared, (gate.numel() * gate.element_size() if gate is not None else 0)
+
+
+def timed(fn, calls: int) -> tuple[float, float]:
+    """(GPU ms per call between CUDA events, host ms per call) over `calls` back-to-back calls."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    end.synchronize()
+    return start.elapsed_time(end) / calls, host
+
+
+def variants(moe, rows: int) -> tuple[dict, int]:
+    """The timed callables at `rows` rows, and how many distinct experts their routing touches."""
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    from toolkit.exl3 import grouped_moe as gm
+
+    x = hidden_rows(moe, rows, seed=100 + rows)
+    sel, w = route(moe, x)
+    ptx, portable = grouped_wrap(moe, asm=True), grouped_wrap(moe, asm=False)
+    tables = ptx.current_tables()
+    y = x.view(rows, -1)
+    return {"stock": lambda: BlockSparseMLP.forward(moe, x, {}), "grouped": lambda: ptx(x, {}),
+            "grouped_portable": lambda: portable(x, {}),
+            "kernels": lambda: gm.grouped_forward(y, sel, w, tables, ptx.config),
+            "router": lambda: moe.routing_fn(rows, moe.routing_cfg, y, {})}, int(sel.unique().numel())
+
+
+def time_layer(run: Run, moe, rows_list, reps: int, calls: int) -> dict:
+    routed, shared, router = expert_bytes(moe)
+    bw = bandwidth(device_name())
+    fns, out = {}, {"bytes_per_expert": routed, "bytes_shared": shared, "bytes_router": router, "bandwidth": bw}
+    for rows in rows_list:
+        fns[rows], distinct = variants(moe, rows)
+        for fn in fns[rows].values():                      # compile and warm every shape
+            fn()
+        experts_only = distinct * routed
+        out[rows] = {"distinct_experts": distinct, "bytes_experts": experts_only,
+                     "bound_ms_experts": round(experts_only / bw * 1e3, 4) if bw else None,
+                     "bound_ms_all": round((experts_only + shared + router) / bw * 1e3, 4) if bw else None}
+    samples = {(r, n): [] for r in rows_list for n in fns[r]}
+    host = {(r, n): [] for r in rows_list for n in fns[r]}
+    for rep in range(reps):
+        if rep >= 3 and run.left() < 60:
+            run.log(f"timing: stopping after {rep} repetitions, {run.left():.0f} s left")
+            break
+        for rows in rows_list:
+            for name, fn in fns[rows].items():
+                gpu, h = timed(fn, calls)
+                samples[(rows, name)].append(gpu)
+                host[(rows, name)].append(h)
+    for (rows, name), xs in samples.items():
+        out[rows][name] = {"gpu_ms": summary(xs), "host_ms": summary(host[(rows, name)])}
+    for rows in rows_list:
+        cell = out[rows]
+        med = lambda n: cell[n]["gpu_ms"]["median"]
+        cell["stock_over_grouped"] = round(med("stock") / med("grouped"), 3)
+        if cell["bound_ms_experts"]:
+            cell["kernels_over_bound"] = round(med("kernels") / cell["bound_ms_experts"], 2)
+            cell["stock_over_bound"] = round((med("stock") - med("router")) / cell["bound_ms_experts"], 2)
+    return out
+
+
+def sweep(moe, rows: int, shapes: list[str], calls: int) -> dict:
+    from toolkit.exl3 import grouped_moe as gm
+
+    x = hidden_rows(moe, rows, seed=7)
+    sel, w = route(moe, x)
+    tables = grouped_wrap(moe).current_tables()
+    y, out = x.view(rows, -1), {}
+    for shape in shapes:
+        bm, bk, warps, stages = (int(v) for v in shape.split(","))
+        cfg = gm.KernelConfig(bm=bm, bk=bk, warps=warps, stages=stages)
+        try:
+            gm.grouped_forward(y, sel, w, tables, cfg)
+            out[shape] = summary([timed(lambda: gm.grouped_forward(y, sel, w, tables, cfg), calls)[0] for _ in range(5)])
+        except Exception as e:
+            out[shape] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def profile(moe, rows: int, calls: int = 5) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fns, _ = variants(moe, rows)
+    out = {}
+    for name in ("grouped", "stock"):
+        fns[name]()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fns[name]()
+            torch.cuda.synchronize()
+        rows_ = []
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t:
+                rows_.append({"kernel": ev.key[:90], "us_per_call": round(t / calls, 1), "launches_per_call": ev.count / calls})
+        rows_.sort(key=lambda r: -r["us_per_call"])
+        out[name] = {"kernels": rows_[:12], "total_us_per_call": round(sum(r["us_per_call"] for r in rows_), 1)}
+    return out
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    import exllamav3
+
+    p = torch.cuda.get_device_properties(0)
+    return {"device": device_name(), "sms": p.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
+            "exllamav3": getattr(exllamav3, "__version__", "?"), "bandwidth": bandwidth(device_name())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.moe_grouped", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=WORK, help="where the one-layer checkpoint lives (default /tmp/moe_grouped)")
+    ap.add_argument("--resynth", action="store_true", help="synthesise again even when present")
+    ap.add_argument("--check-rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64], help="rows per call timed")
+    ap.add_argument("--reps", type=int, default=12, help="interleaved repetitions (default 12)")
+    ap.add_argument("--calls", type=int, default=20, help="calls per timed window (default 20)")
+    ap.add_argument("--sweep", nargs="*", default=SWEEP, help="launch shapes bm,bk,warps,stages timed at 16 rows")
+    ap.add_argument("--budget-s", type=float, default=env_float("MOE_GROUPED_BUDGET_S", 450),
+                    help="start no step that does not fit in what is left of it (default 450)")
+    a = ap.parse_args(argv)
+    run = Run("moe_grouped.json", budget_s=a.budget_s)
+    run.results.update(args={k: str(v) for k, v in vars(a).items()})
+    import torch
+
+    with torch.inference_mode():
+        run.step("environment", environment)
+        if run.step("synth", synth_layer, a.work, a.resynth, need_s=120) is None:
+            return run.finish()
+        loaded = run.step("load", load_layer, a.work, keep=False, need_s=60)
+        if loaded is None:
+            return run.finish()
+        model, moe, info = loaded
+        run.results["layer"] = info
+        run.results["why_not"] = why_not(moe)
+        run.step("decode", check_decode, moe, need_s=90)
+        run.step("agreement", check_agreement, moe, a.check_rows, need_s=40)
+        run.step("timing", time_layer, run, moe, a.rows, a.reps, a.calls, need_s=90)
+        run.step("sweep", sweep, moe, 16, a.sweep, a.calls, need_s=60)
+        run.step("profile", profile, moe, 16, need_s=20)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
