@@ -12,7 +12,8 @@ One call (about 4-6 minutes; results to $OUT/moe_grouped.json after every step):
    converter writes and on the layer's own experts; the reference's dense weight against get_weight_tensor;
 3. agreement: the grouped forward against exllamav3's BlockSparseMLP.forward on the same rows (random hidden
    states, routed by the layer's router) at R = 1, 2, 8, 16, 32, 64, and both against a dense fp32 reference
-   built from get_weight_tensor: max abs differences and the output's scale;
+   built from get_weight_tensor: max abs differences and the output's scale; then the lever installed on the
+   loaded model (set_grouped_moe): which path 16 rows and 1 row take;
 4. speed: per layer call, stock vs grouped (PTX decode) vs grouped (portable decode), plus the grouped kernels
    alone and the router alone, at R = 8, 16, 32, 64; >= 10 interleaved repetitions of `--calls` calls each
    between CUDA events (medians), the host time per call, and the memory-bound time of the distinct experts'
@@ -89,16 +90,14 @@ def load_layer(work: Path):
 
 
 def why_not(moe) -> list[str]:
-    """The eligibility attributes of the layer that keep the grouped path off (empty: it applies)."""
+    """The layer's eligibility attributes when the grouped path does not apply to it (empty when it does)."""
     from toolkit.exl3 import grouped_moe as gm
 
-    if gm.applies(moe, {}):
-        return []
     names = ("bc", "is_quantized", "support_quant_paths", "gated", "activation_fn", "act_limit", "interm_div",
              "latent_in", "routed_pre_norm", "routed_post_norm", "routing_gate", "alt_residual_channel", "tp_reduce",
              "routing_device", "cpu_split_first", "cpu_offload", "num_local_experts", "num_experts",
              "intermediate_size", "intermediate_size_padded", "shared_experts_post_norm")
-    return [f"{n}={getattr(moe, n, None)!r}"[:80] for n in names]
+    return [] if gm.applies(moe, {}) else [f"{n}={getattr(moe, n, None)!r}"[:80] for n in names]
 
 
 # -- 2. decode ------------------------------------------------------------------------------------------------
@@ -217,6 +216,22 @@ def check_agreement(moe, rows_list) -> dict:
     return out
 
 
+def check_lever(model, moe) -> dict:
+    """The lever installed on the loaded model: rows 16 grouped, 1 stock, the same output as the direct wrap."""
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    from toolkit.exl3 import grouped_moe as gm
+
+    wrapped = gm.set_grouped_moe(model, BlockSparseMLP, True)
+    try:
+        x16, x1 = hidden_rows(moe, 16, seed=3), hidden_rows(moe, 1, seed=4)
+        same = bool((moe.forward(x16, {}) == grouped_wrap(moe)(x16, {})).all())
+        moe.forward(x1, {})
+        return {"wrapped": wrapped, "paths": gm.path_counts(model, BlockSparseMLP), "same_as_direct": same}
+    finally:
+        gm.set_grouped_moe(model, BlockSparseMLP, False)
+
+
 # -- 4-6. speed -----------------------------------------------------------------------------------------------
 
 
@@ -264,8 +279,7 @@ def variants(moe, rows: int) -> tuple[dict, int]:
 
 
 def time_layer(run: Run, moe, rows_list, reps: int, calls: int) -> dict:
-    routed, shared, router = expert_bytes(moe)
-    bw = bandwidth(device_name())
+    (routed, shared, router), bw = expert_bytes(moe), bandwidth(device_name())
     fns, out = {}, {"bytes_per_expert": routed, "bytes_shared": shared, "bytes_router": router, "bandwidth": bw}
     for rows in rows_list:
         fns[rows], distinct = variants(moe, rows)
@@ -275,8 +289,7 @@ def time_layer(run: Run, moe, rows_list, reps: int, calls: int) -> dict:
         out[rows] = {"distinct_experts": distinct, "bytes_experts": experts_only,
                      "bound_ms_experts": round(experts_only / bw * 1e3, 4) if bw else None,
                      "bound_ms_all": round((experts_only + shared + router) / bw * 1e3, 4) if bw else None}
-    samples = {(r, n): [] for r in rows_list for n in fns[r]}
-    host = {(r, n): [] for r in rows_list for n in fns[r]}
+    samples, host = ({(r, n): [] for r in rows_list for n in fns[r]} for _ in range(2))
     for rep in range(reps):
         if rep >= 3 and run.left() < 60:
             run.log(f"timing: stopping after {rep} repetitions, {run.left():.0f} s left")
@@ -340,14 +353,12 @@ def profile(moe, rows: int, calls: int = 5) -> dict:
 
 
 def environment() -> dict:
+    import exllamav3
     import torch
     import triton
 
-    import exllamav3
-
-    p = torch.cuda.get_device_properties(0)
-    return {"device": device_name(), "sms": p.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-            "exllamav3": getattr(exllamav3, "__version__", "?"), "bandwidth": bandwidth(device_name())}
+    return {"device": device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__, "exllamav3": getattr(exllamav3, "__version__", "?")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         run.results["why_not"] = why_not(moe)
         run.step("decode", check_decode, moe, need_s=90)
         run.step("agreement", check_agreement, moe, a.check_rows, need_s=40)
+        run.step("lever", check_lever, model, moe, need_s=10)
         run.step("timing", time_layer, run, moe, a.rows, a.reps, a.calls, need_s=90)
         run.step("sweep", sweep, moe, 16, a.sweep, a.calls, need_s=60)
         run.step("profile", profile, moe, 16, need_s=20)

@@ -307,3 +307,20 @@ def test_hook_takes_the_whole_block_and_verifies_the_first_w():
     g.iterate()
     r = build_round(JobTrack(0, 3), [0, 1, 2, 9], [(1, 4, 3)], g.drafted[id(a)], 1.0, 4.0, len(g.proposals[id(a)]))
     assert (r.drafted, r.accepted, r.bonus, r.proposed) == ((0, 1, 2, 3), 3, 9, 7)
+
+
+def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkeypatch, tmp_path):
+    from toolkit.exl3.grouped_moe import GroupedForward
+
+    class FakeMoE:
+        def forward(self, x, params, out_dtype=None):
+            return x
+
+    moe = FakeMoE()
+    be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
+    assert be.engine_report() is None                              # off by default
+    be.set_options(Exl3Options(graph_draft_swa=True, grouped_moe=True))
+    assert isinstance(vars(moe)["forward"], GroupedForward) and be.options.tag == "graph_draft_swa,grouped_moe"
+    assert be.engine_report() == {"moe_paths": {"grouped": 0, "stock": 0}}
+    be.set_options(None)
+    assert "forward" not in vars(moe) and be.engine_report() is None

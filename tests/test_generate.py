@@ -39,7 +39,7 @@ def test_embedded_default_runs_the_trained_pair(capsys):
     (["--prompt", "  "], "--prompt is empty"),
     (["--prompt", "hi", "--target", "/nonexistent/model"], "--target: /nonexistent/model is not a folder"),
     (["--prompt", "hi", "--draft", "/tmp"], "--draft needs --target"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--block-size", "1"], "block_size must be >= 2"),
     (["--prompt", "hi", "--block-size", "fast"], "block_size must be auto or an integer >= 2, got 'fast'"),
 ])

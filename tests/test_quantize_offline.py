@@ -6,10 +6,8 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "quantize/qwen3.6-35b-a3b-dflash.toml"

@@ -162,7 +162,7 @@ class EvalTauOptions:
     heldout: str | None = option(None, "held-out prompts JSON (default DRAFT/heldout.json)")
     block_sizes: list[str] = option(["8", "16"], "block sizes B, and/or auto for the drafting policy (default 8 16: the "
                                     "drafter's own tau)", metavar="auto|B")
-    max_new_tokens: int = option(128, lo=1, hi=2**20)
+    max_new_tokens: int = option(128, lo=1)
     limit: int | None = option(None, "at most N prompts per category", lo=1)
     backend: str = option("torch", "runtime (default torch)", choices=["torch", "exllamav3"])
     concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)", lo=1)

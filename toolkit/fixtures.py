@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 
-from .assets.fixtures import ARCHS, __doc__ as DOC, fixtures
+from .assets.pairs import ARCHS
 from .core.cli import entry, option, run
+
+DOC = ast.get_docstring(ast.parse((Path(__file__).parent / "assets" / "fixtures.py").read_text()))   # without torch
+
+
+def fixtures(**options) -> list[dict]:
+    """The fixtures' builder, imported on use (torch loads only to build them, not for --help)."""
+    from .assets.fixtures import fixtures as build
+
+    return build(**options)
 
 
 @dataclass

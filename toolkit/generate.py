@@ -48,6 +48,7 @@ def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, syste
     """Decode the prompt speculatively (and with compare_ar plain AR too, the two alternating `reps` times); the
     JSON-contract dict and its summary (of the first speculative run)."""
     ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
+    be.check_prompts([ids], settings.max_new_tokens)       # the real length, not the warm-up's 4 tokens
     be.warm_up(ids, settings, (True, False) if compare_ar else (True,))   # outside the clock: a fair comparison
     rounds, secs = timed(be, ids, settings, speculative=True)
     toks = tokens_of(rounds)
@@ -108,7 +109,7 @@ def generate(
         settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=block_size)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
-    checks.whole("reps", reps, 1, 100)
+    checks.whole("reps", reps, 1, 10**6)
     if device is not None:
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
@@ -146,7 +147,7 @@ class GenerateOptions:
     prompt: str = option(help="user message (goes through the chat template when there is one)")
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
     draft: str | None = option(None, "DFlash drafter folder in the upstream layout")
-    max_new_tokens: int = option(64, lo=1, hi=2**20)
+    max_new_tokens: int = option(64, lo=1)
     block_size: str = option("auto", "auto (default): a measured policy picks each round's verify width, plain AR where "
                              "drafting does not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)",
                              metavar="auto|N")
@@ -155,7 +156,7 @@ class GenerateOptions:
     backend: str = option("torch", choices=["torch", "exllamav3"])
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
     reps: int = option(3, "with --compare-ar: speculative and AR decodes alternate this many times; the speedup is "
-                       "the median of the paired ratios, printed with their min-max (default 3)")
+                       "the median of the paired ratios, printed with their min-max (default 3)", lo=1, hi=10**6)
     system: str | None = option(None, "system prompt")
     raw: bool = option(False, "tokenize the prompt as is, without the chat template")
     device: str | None = option(None, "torch device for the torch backend (default cpu)", kind="device")

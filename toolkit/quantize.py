@@ -18,10 +18,6 @@ from dataclasses import dataclass
 
 from .core.cli import entry, option, run
 from .core.folders import claim
-from .hub.push import push as push_to_hub
-from .hub.push import write_cards
-from .hub.upstream import copy_upstream
-from .quant.pipeline import enforce, execute, start
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP
 
 SPLIT_GROUP = "EXL3 target on several GPUs (its target and speed steps)"
@@ -61,6 +57,11 @@ class QuantizeOptions:
 def quantize(push: str | None = None, on_step: Callable[[dict], None] | None = None, **args) -> int:
     """The pipeline (`start(**args)`: the library), then publishing; `push` is the Hub repo of a passing run,
     `on_step` gets each step's timing row as it ends (not a flag: for callers such as the device scripts)."""
+    from .hub.push import push as push_to_hub      # here, not at the top: --help loads neither torch nor the Hub client
+    from .hub.push import write_cards
+    from .hub.upstream import copy_upstream
+    from .quant.pipeline import enforce, execute, start
+
     run = start(on_step=on_step, **args)
     claim(run.s.out, "quantize", True)        # OUT a file, under a file, unwritable: refused before any work
     run = execute(run)                        # OUT's bitrate folders and report, thresholds not yet enforced

@@ -13,7 +13,6 @@ import json
 from dataclasses import dataclass
 
 from .core.cli import OUTPUT_POLICY, entry, option, run
-from .synthetic.build import synth
 
 EPILOG = """examples:
   python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b.json --bits 4 --out /tmp/q36-4bpw
@@ -23,12 +22,19 @@ supported configs: qwen3_5_moe targets (hub layout with text_config, or the flat
 DFlashDraftModel drafters. The last stdout line is a JSON summary (size, shards, decoded-weight check)."""
 
 
+def synth(**options) -> dict:
+    """The writer, imported on use (torch loads only to write a checkpoint, not for --help)."""
+    from .synthetic.build import synth as write
+
+    return write(**options)
+
+
 @dataclass
 class SynthOptions:
     config: str = option(help="HF config.json of the model to imitate (e.g. one under quantize/shapes/)")
-    bits: float = option(help="bits per weight of the decoder linears: an integer 1-8")
+    bits: float = option(help="bits per weight of the decoder linears: an integer 1-8", lo=1, hi=8)
     out: str = option(help="folder to create (must not exist or be empty, unless --overwrite)")
-    head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)")
+    head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)", lo=1, hi=16)
     codebook: str = option("mul1", "trellis codebook (mul1 as the converter)", choices=["mul1", "mcg", "3inst"])
     seed: int = option(0, "random seed", kind="seed")
     std: float | None = option(None, "std of the decoded weights (default: the config's initializer_range, else 0.02)",

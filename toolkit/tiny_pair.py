@@ -18,9 +18,9 @@ from .core.folders import claim, mark
 class TinyPairOptions:
     out: str = option(str(PAIR), "output folder")
     seed: int = option(0, "random seed", kind="seed")
-    target_steps: int = option(1500, "target training steps", lo=1, hi=10**7)
-    draft_steps: int = option(3000, "drafter training steps", lo=1, hi=10**7)
-    sequences: int = option(3072, "self-distilled sequences for the drafter", lo=1, hi=10**7)
+    target_steps: int = option(1500, "target training steps", lo=1)
+    draft_steps: int = option(3000, "drafter training steps", lo=1)
+    sequences: int = option(3072, "self-distilled sequences for the drafter", lo=1)
     force: bool = option(False, "replace a non-empty --out that is not an earlier tiny pair (once the new one is complete)")
 
 

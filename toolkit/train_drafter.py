@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 from .core.cli import entry, run
-from .train.trainer import TrainConfig, train_drafter, __doc__ as DOC
+from .train.config import TrainConfig
+
+DOC = ast.get_docstring(ast.parse((Path(__file__).parent / "train" / "trainer.py").read_text()))  # without torch
+
+
+def train_drafter(**options) -> dict:
+    """The trainer, imported on use (torch loads only for a run, not for --help)."""
+    from .train.trainer import train_drafter as run_training
+
+    return run_training(**options)
+
 
 EXAMPLE = (" Example (GPU, SmolLM2): python -m toolkit.train_drafter --target ~/.cache/dflash-toolkit/smollm2-135m-instruct "
            "--out smol-dflash --minutes 8. At scale, generate the answers first (experiments/smol_scale.py gen) and pass "

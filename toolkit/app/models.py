@@ -188,12 +188,13 @@ def say(line: str) -> None:
 
 
 @contextmanager
-def step(out: "Loaded", name: str, what: str) -> Iterator[None]:
-    """Time one start-up step into out.steps and name it on the console when it ends."""
+def step(out: "Loaded", name: str, what: str | Callable[[], str]) -> Iterator[None]:
+    """Time one start-up step into out.steps and name it on the console when it ends (`what` may be a function,
+    called then)."""
     t0 = time.perf_counter()
     yield
     out.steps[name] = time.perf_counter() - t0
-    say(f"{name}: {what} ({out.steps[name]:.1f} s)")
+    say(f"{name}: {what() if callable(what) else what} ({out.steps[name]:.1f} s)")
 
 
 def prepare_demo(smollm2) -> tuple[Path, Path]:
@@ -260,7 +261,8 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
                                + (f" ({notes[-1].rstrip('.')})" if notes else ""))
         with step(out, "load", f"{name} backend on {out.device}"):
             open_models(out, spec, hw, opener, target, draft)
-        with step(out, "calibrate", "round costs of each verify width for the auto policy (cached on disk)"):
+        with step(out, "calibrate", lambda: "the auto policy's round cost of each verify width: "
+                                            + (out.backend.cost_source() or "none needed")):
             out.backend.prepare(GenSettings())
         with step(out, "warm-up", "a short speculative and a plain decode"):
             out.backend.warm_up(out.backend.encode("Hello"))

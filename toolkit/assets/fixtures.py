@@ -15,13 +15,12 @@ import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, save_drafter
 from ..dflash.shapes import drafter_config, kv_heads, spread_taps
-from .pairs import PAIR, tiny_pair
+from .pairs import ARCHS, PAIR, tiny_pair
 from ..core import checks
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_dir, claim
 
 TOKENIZER = PAIR / "target"           # the fixtures' BPE tokenizer (trained on stdlib docstrings) lives here
-ARCHS = ("llama", "qwen3", "qwen3_5_moe")
 MASK_TOKEN = "<|mask|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

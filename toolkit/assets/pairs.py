@@ -8,6 +8,7 @@ from ..core.errors import ToolkitError
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 PAIR = DATA / "tiny_pair"
+ARCHS = ("llama", "qwen3", "qwen3_5_moe")      # target families of the random fixtures (assets/fixtures.py)
 
 
 def tiny_pair() -> tuple[Path, Path]:

@@ -103,6 +103,7 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     cells then say how many ran (`reps`)."""
     runs: dict[Cell, list[tuple[list[list[Round]], float]]] = {c: [] for c in cells}
     costs: dict[Cell, dict] = {}              # auto cells: the policy's cost curves after the cell's last run
+    paths: dict[Cell, dict] = {}              # the engine's kernel paths after the cell's last run (cumulative)
     bar = tqdm(total=reps * len(cells), desc="bench", disable=quiet, file=sys.stderr)
     t0 = time.time()
     for rep in range(reps):
@@ -113,6 +114,9 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
             st = GenSettings(**{**vars(settings), "block_size": cell.block})
             runs[cell].append(run_cell(be, job_list(ids, cell.concurrency), cell.concurrency, st,
                                        speculative=not cell.ar, warmup=warmup))
+            engine = be.engine_report()
+            if engine:
+                paths[cell] = engine
             pol = be.auto_policy(st) if st.auto else None
             if pol is not None:
                 costs[cell] = pol.report()
@@ -129,6 +133,8 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     for c, stats in zip([c for c in cells if not c.ar], out):
         if c in costs:
             stats["costs"] = costs[c]
+        if c in paths:
+            stats["engine"] = paths[c]
     pair_auto(out)
     return list(ar_cells.values()), out
 

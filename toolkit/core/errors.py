@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 import threading
@@ -23,6 +24,18 @@ class OptionError(ToolkitError):
         message = " ".join(str(message).split())
         self.rest = (" " if message[:1].isalpha() else ": " if message[:1] not in ":," else "") + message
         super().__init__(f"{field}{self.rest}")
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """True when `e` (or what caused it) is a full disk: an OSError ENOSPC or EDQUOT, or a writer's own wording of
+    one (torch.save and safetensors raise RuntimeErrors that quote the system's message)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def close_bars() -> None:
@@ -59,6 +72,13 @@ def run_cli(main: Callable[[], object]) -> None:
         close_bars()
         sys.stderr.flush()
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:
+        if not disk_full(e):             # a full disk that no writer turned into its own line yet
+            raise
+        close_bars()
+        where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: no space left on the device{where}; free some space and run the command again", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
         close_bars()

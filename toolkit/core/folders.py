@@ -10,7 +10,6 @@ interrupted run left (`sweep`). A full disk is one line naming the path and the 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ from typing import Callable, Iterator
 
 from .. import __version__
 from . import files
-from .errors import OptionError, ToolkitError
+from .errors import OptionError, ToolkitError, disk_full
 
 MARKER = ".dflash-toolkit.json"   # the own-output marker in every folder a command writes (see `marker`)
 TOOLKIT = "dflash-exl3-toolkit"
@@ -219,18 +218,6 @@ def check_space(path: str | Path, need: int) -> None:
     path = Path(path)
     if shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free < need:
         raise no_space(path, need)
-
-
-def disk_full(e: BaseException) -> bool:
-    """True when `e` (or what caused it) is a full disk: an OSError ENOSPC, or a writer's own wording of one
-    (torch.save and safetensors raise RuntimeErrors that quote the message)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def atomic_write(path: str | Path, write: Callable[[object], None], need: int | None = None) -> Path:

@@ -6,21 +6,15 @@ same cache with no drafter. exllamav3 is imported only when a backend is built, 
 any machine.
 
 The drafting policy (block_size "auto", the default; toolkit/policy) maps onto exllamav3's knobs as follows:
-- the verify width per round is ours: before each iterate() the recording Generator's `num_draft_tokens` is set
-  to the width the policy picks for the current number of jobs (one width for all jobs: exllamav3 verifies a
-  rectangle); 0 makes that iterate a plain decode step without a drafter call. The drafter's block is always
-  computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. No Generator is rebuilt between
-  widths, fixed or auto: one speculative Generator (built for B-1) serves every width, and one without drafter
-  is the AR baseline.
-- a request runs on the AR baseline's Generator instead (no drafter at all) after requests of as many jobs
-  settled on AR: the policy's AR rounds on the speculative Generator cost more than plain steps (the drafter's
-  K/V follows the target), so runs of 1, 4, then 16 plain requests follow each one that settled on AR, and one
-  that drafted ends the runs (Policy.plain / end_request).
-- t_round(w, c) is measured on the loaded model at first use of each concurrency c (calibrate.py), cached per
-  model pair, GPU and options; between calibrated concurrencies the nearest one is used. That table is the prior:
-  the policy corrects it from the iterate() times it observes (`learn_costs`, on by default), and picks only
-  widths the calibration ran (their CUDA graphs exist).
-- the adopted levers (options.py, on by default) change what a round costs, never the width or the output.
+- before each iterate() the recording Generator's `num_draft_tokens` is set to the width the policy picks for the
+  current number of jobs (one width for all: exllamav3 verifies a rectangle; 0 is a plain decode step). The
+  drafter's block is computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. One
+  speculative Generator (built for B-1) serves every width; one without drafter is the AR baseline.
+- a request runs on the AR baseline's Generator when the policy says drafting stopped paying (Policy.plain).
+- t_round(w, c) is timed on the loaded model at first use of each concurrency c (calibrate.py) and cached per
+  model pair, GPU and options: the policy's prior, corrected by the iterate() times it observes, over the widths
+  the calibration ran (their CUDA graphs exist).
+- the levers (options.py) change what a round costs, never the width or the output.
 """
 
 from __future__ import annotations
@@ -219,6 +213,10 @@ class Exl3Backend(Backend):
         """Use these options from the next generate on (None: ADOPTED); the Generator is rebuilt and the
         drafter's wraps follow."""
         options = options or ADOPTED
+        if options.grouped_moe or self.options.grouped_moe:
+            from .grouped_moe import set_grouped_moe
+
+            set_grouped_moe(self.model, self.moe_class(), options.grouped_moe)
         if self.draft is not None:
             set_draft_levers(self.draft, options, self.options, self.draft_classes)
         if options != self.options and self._gen is not None:
@@ -311,13 +309,19 @@ class Exl3Backend(Backend):
     def calibration_report(self) -> dict | None:
         return self.calibration_tokens.get(self.options.tag)
 
+    def engine_report(self) -> dict | None:
+        """Which MoE path the target's layers took so far ({"grouped": calls, "stock": calls}), with grouped_moe on."""
+        if not self.options.grouped_moe:
+            return None
+        from .grouped_moe import path_counts
+
+        return {"moe_paths": path_counts(self.model, self.moe_class())}
+
     def plan(self, settings: GenSettings, speculative: bool) -> int | None:
         """The fixed verify width of a run (0 = AR), or None when the policy picks it per round."""
         if not speculative or self.block_size < 2 or self.draft is None:
             return 0
-        if settings.auto:
-            return None
-        return settings.fixed_block(self.block_size) - 1
+        return None if settings.auto else settings.fixed_block(self.block_size) - 1
 
     def _jobs(self, prompts: list[list[int]], settings: GenSettings) -> list:
         import torch

@@ -124,7 +124,8 @@ def build_tables(layer: MoeLayer, device: torch.device) -> Tables:
     for g, u, d in routed:
         if {fmt(g), fmt(u), fmt(d)} != {f0}:
             raise ValueError(f"experts mix EXL3 formats: {fmt(g)} {fmt(u)} {fmt(d)} against {f0}")
-        if (g.in_features, g.out_features, u.out_features, d.in_features, d.out_features) != (hidden, inter, inter, inter, hidden):
+        dims = (g.in_features, g.out_features, u.out_features, d.in_features, d.out_features)
+        if dims != (hidden, inter, inter, inter, hidden):
             raise ValueError("experts differ in shape")
     if hidden % HAD or inter % HAD:
         raise ValueError(f"hidden {hidden} and intermediate {inter} must be multiples of {HAD}")
@@ -153,14 +154,13 @@ def workspace(device: torch.device, total: int, segments: int, hidden: int, inte
     """Scratch of one call shape, reused by every layer (their launches are ordered on one stream)."""
     key = (str(device), total, segments, hidden, inter, experts)
     if key not in _WS:
-        i32 = dict(dtype=torch.int32, device=device)
+        i32, f16 = dict(dtype=torch.int32, device=device), dict(dtype=torch.float16, device=device)
         eb = next_pow2(experts + 1)
-        _WS[key] = {"count": torch.empty(eb, **i32), "start": torch.empty(eb, **i32), "tok": torch.empty(total, **i32), "w": torch.empty(total, dtype=torch.float32, device=device),
-                    "exp": torch.empty(total, **i32), "slot_of": torch.empty(total, **i32),
-                    "seg": torch.empty(3 * segments, **i32), "n_active": torch.empty(1, **i32),
-                    "xg": torch.empty((total, hidden), dtype=torch.float16, device=device),
-                    "xu": torch.empty((total, hidden), dtype=torch.float16, device=device),
-                    "act": torch.empty((total, inter), dtype=torch.float16, device=device),
+        _WS[key] = {"count": torch.empty(eb, **i32), "start": torch.empty(eb, **i32), "tok": torch.empty(total, **i32),
+                    "w": torch.empty(total, dtype=torch.float32, device=device), "exp": torch.empty(total, **i32),
+                    "slot_of": torch.empty(total, **i32), "seg": torch.empty(3 * segments, **i32),
+                    "n_active": torch.empty(1, **i32), "xg": torch.empty((total, hidden), **f16),
+                    "xu": torch.empty((total, hidden), **f16), "act": torch.empty((total, inter), **f16),
                     "slots": torch.empty((total, hidden), dtype=torch.float32, device=device)}
     return _WS[key]
 

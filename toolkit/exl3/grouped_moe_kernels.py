@@ -3,8 +3,9 @@ format in grouped_moe_ref.py). Every kernel also runs under TRITON_INTERPRET=1 o
 
 Decode: a block of BK x BN inner weights is decoded as a 4-d tensor [BK/RG, RG, BN/CG, CG] in which each
 (d0, d2) element is a group of G = RG*CG consecutive trellis positions (one tensor-core lane's run) whose windows
-lie in two consecutive 32-bit words: two loads per group, then per weight a select, a funnel shift and the
-codebook. Flattened to [BK, BN] the rows and columns of every 16x16 tile come out in a fixed permuted order
+lie in two consecutive 32-bit words: two loads per group, then per weight a 64-bit shift of the word pair and
+the codebook. With exllamav3's PTX (shr.b64, dp4a / lop3, fma.f16) that is about five instructions a weight at
+4 bits, as in its own kernels; the portable form (the only one the interpreter runs) about twice that. Flattened to [BK, BN] the rows and columns of every 16x16 tile come out in a fixed permuted order
 (row' = r2 r1 r3 r0, col' = c2 c1 c0 c3 in bits); the GEMMs never undo it: the 128-point Hadamard matrices that
 rotate their inputs and outputs are permuted to match (grouped_moe.hadamards).
 """
@@ -49,8 +50,8 @@ def _tile_bits(BK: tl.constexpr, BN: tl.constexpr, RG: tl.constexpr, CG: tl.cons
 @triton.jit
 def _decode_setup(tiles_n, KA: tl.constexpr, HALF: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                   RG: tl.constexpr, CG: tl.constexpr):
-    """Per-block constants of the decode (independent of which block): word offsets of each group's two words
-    relative to the block's first tile, and per weight the word to shift and the shift."""
+    """Per-block constants of the decode (the same for every block): each group's two word offsets relative to the
+    block's first tile, and the shift that ends each weight's window at bit 0 as (group part, in-group part)."""
     W = 8 * KA + 4 * HALF                              # uint32 words per tile
     L = 32 * W                                         # ring bits per tile
     tk, tn, r3, r2, r1, r0, c3, c2, c1, c0 = _tile_bits(BK, BN, RG, CG)

@@ -5,6 +5,12 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
 - `graph_draft_swa`: the DFlash drafter's sliding-window layers run through exllamav3's graph-captured decode
   attention (draft_levers.py). Measured 1.0-1.5 ms cheaper per round at c=1 on the real shape, lossless.
 
+One lever is built and on trial (off by default until the benchmark shows it pays):
+
+- `grouped_moe`: the target's EXL3 MoE layers take an expert-grouped Triton forward for 2-64 rows per call
+  (grouped_moe.py): each touched expert's weights decoded once per block of its rows; exllamav3's own path
+  elsewhere. The bench JSON says how many MoE calls took which path.
+
 `python -m toolkit.bench --levers graph_draft_swa=off` measures a lever against exllamav3's own behaviour.
 Levers measured and not adopted are listed with their numbers on docs/results.md.
 """
@@ -21,6 +27,7 @@ class Exl3Options:
     """Options of the exllamav3 backend; the defaults are exllamav3's own (every lever off)."""
 
     graph_draft_swa: bool = False
+    grouped_moe: bool = False
 
     @property
     def tag(self) -> str:
@@ -32,7 +39,7 @@ class Exl3Options:
 # The toolkit's defaults on exllamav3 (generate, bench, eval_tau and the app use them unless told otherwise).
 ADOPTED = Exl3Options(graph_draft_swa=True)
 
-LEVERS = {"graph_draft_swa": True}  # lever name -> the value `--levers NAME` uses when none is given
+LEVERS = {"graph_draft_swa": True, "grouped_moe": True}   # lever -> the value `--levers NAME` uses when none is given
 
 
 def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Options]:

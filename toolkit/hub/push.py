@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from .card import (MAIN_IMAGE, check_folder_inside, check_report, human_size, inside_run, pick_pushed, render_card,
                    run_upstream)
 from .names import write_public_reports
-from .upstream import UPSTREAM, read_upstream
+from .upstream import read_upstream
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
 from ..core.refs import is_repo_id

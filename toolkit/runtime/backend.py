@@ -187,6 +187,10 @@ class Backend(ABC):
         """What the current options' cost timing saw in this process (tokens a job emitted per round), if any."""
         return None
 
+    def engine_report(self) -> dict | None:
+        """Engine facts a benchmark cell records (which kernel path ran), if the backend has any."""
+        return None
+
     # -- shared checks -------------------------------------------------------------------------------
 
     def draft_width(self, settings: GenSettings, speculative: bool) -> int:
