@@ -4,7 +4,9 @@
         --upgrade --target /tmp/site .whl/app/*.whl && python -m experiments.app_device [--trained]
 
 (one line on the device, carry [".device", ".whl/app"]; on-device.sh already puts /tmp/site on PYTHONPATH.)
-Builds a hidden-128 llama fixture pair (exllamav3 pads linears to 128; --trained trains the pair128 recipe on
+With --demo TARGET it serves the app's own SmolLM2 demo instead (the target staged by `smol_device stage`, padded
+for exllamav3 by the app, as a GPU Space runs it) and records the ratio each answer shows at the page's defaults.
+Otherwise it builds a hidden-128 llama fixture pair (exllamav3 pads linears to 128; --trained trains the pair128 recipe on
 the GPU for a drafter that accepts, under a minute; default: a random pair, seconds), loads it through the
 app's own model choice with backend exllamav3, serves the page in-process (no browser), and drives /chat
 through gradio_client: a greedy round at the native block, one at block 8, a second turn that must carry the
@@ -150,6 +152,53 @@ def check_app(run: Run, loaded, url: str) -> None:
     run.step("queue_of_two", queue_of_two)
 
 
+DEMO_PROMPTS = ["Explain speculative decoding to a ten-year-old in three sentences.",
+                "Write a Python function that checks whether a string is a palindrome.",
+                "List five facts about the Moon.", "Write a short email asking a colleague to review a pull request."]
+
+
+def run_demo(run: Run, smol_target: Path, turns: int) -> int:
+    """The app's own SmolLM2 demo as a GPU Space serves it (the staged target, padded for exllamav3 by the app), driven
+    through gradio_client at the page's defaults (block auto, greedy): the ratio each answer shows, lossless."""
+    cache = Path(tempfile.mkdtemp(prefix="app-demo-")) / "dflash-toolkit"
+    cache.mkdir(parents=True)
+    (cache / smol_target.name).symlink_to(smol_target)        # prepared by `smol_device stage`: found, not converted
+    os.environ["XDG_CACHE_HOME"] = str(cache.parent)
+    os.environ["DFLASH_DEMO"] = "smollm2"
+    from gradio_client import Client
+
+    from toolkit.app.models import Hardware, ModelSpec, load
+    from toolkit.app.ui import build_app, serve
+
+    run.results["device"] = device_name()
+    hw = Hardware.detect()
+    loaded = run.step("load_demo", lambda: load(ModelSpec(), hw), keep=False)
+    if loaded is None:
+        return run.finish()
+    run.results["load"] = {"backend": loaded.backend_name, "demo": loaded.demo_kind, "error": loaded.error,
+                           "notes": loaded.notes, "block_size": loaded.block_size, "hardware": hw.label()}
+    if loaded.error or loaded.backend_name != "exllamav3" or loaded.demo_kind != "smollm2":
+        run.errors["load"] = f"expected the SmolLM2 demo on exllamav3, got {run.results['load']}"
+        return run.finish()
+    demo = serve(build_app(loaded), block=False)
+    try:
+        client = Client(demo.local_url, verbose=False)
+        chat(client, "Hello", "auto", 8)                                   # the first turn times the costs
+
+        def turn(prompt: str) -> dict:
+            out = chat(client, prompt, "auto", 128)
+            r = out["result"]
+            assert r["lossless"] and r["text"] == r["ar_text"], "speculative != AR under greedy"
+            return {k: r.get(k) for k in ("tau", "tok_s", "ar_tok_s", "speedup", "speedup_reason")} | {
+                "tokens": len(r["tokens"]), "banner": out["banner"][:300]}
+
+        shown = [run.step(f"turn_{i + 1}", turn, DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) for i in range(turns)]
+        run.results["shown_speedups"] = [t["speedup"] for t in shown if t]
+    finally:
+        demo.close()
+    return run.finish()
+
+
 def run_checks(run: Run, trained: bool) -> int:
     from toolkit.app.models import Hardware, ModelSpec, load
     from toolkit.app.ui import build_app, serve
@@ -176,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.app_device", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trained", action="store_true", help="train the hidden-128 pair on the GPU (accepting drafter)")
     ap.add_argument("--build-wheels", type=Path, metavar="DIR", help="here, not on the device: download and slim the wheels")
+    ap.add_argument("--demo", type=Path, metavar="TARGET", help="serve the app's SmolLM2 demo from this staged target "
+                    "(smol_device stage: /tmp/smol-run/smollm2-135m-instruct) and record the ratio each answer shows")
+    ap.add_argument("--turns", type=int, default=6, help="answers in --demo mode (default 6)")
     args = ap.parse_args(argv)
     if args.build_wheels:
         return build_wheels(args.build_wheels)
@@ -183,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     run = Run("app_device.json", section="checks")
     try:
-        return run_checks(run, args.trained)
+        return run_demo(run, args.demo, args.turns) if args.demo else run_checks(run, args.trained)
     except Exception as e:      # an import or serve failure: still leave the report
         run.fail("main", e)
         raise

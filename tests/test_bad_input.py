@@ -108,7 +108,7 @@ def synth_cases() -> list[Case]:
          Case("shard-gb-nan", "synth", [*a, "--shard-gb", "nan"], "--shard-gb must be a finite number, got nan"),
          Case("std-negative", "synth", [*a, "--std", "-0.02"], "--std must be > 0"),
          Case("device-unknown", "synth", [*a, "--device", "tpu"], "--device: 'tpu' is not a device"),
-         Case("bits-nine", "synth", [*a[:3], "9", *a[4:]], "--bits must be from 1 to 8, got 9.0"),
+         Case("bits-nine", "synth", [*a[:3], "9", *a[4:]], "--bits must be an integer from 1 to 8"),
          Case("bits-half", "synth", [*a[:3], "2.5", *a[4:]], "--bits must be an integer from 1 to 8"),
          Case("head-bits-twelve", "synth", [*a, "--head-bits", "12"], "--head-bits must be an integer"),
          Case("seed-negative", "synth", [*a, "--seed", "-1"], "--seed must be from 0"),

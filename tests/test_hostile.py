@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import gzip
-import importlib
 import json
 import os
 import shutil
@@ -236,6 +235,23 @@ def test_non_finite_weights_are_never_loaded_or_written(tmp_path, prompts):
     with pytest.raises(ToolkitError, match="has non-finite weights"):
         save_drafter(model, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_quantize_never_converts_a_drafter_with_non_finite_weights(tmp_path, monkeypatch):
+    import test_quantize_fakes as quantize_fakes
+    from toolkit.quant import quantize
+
+    quantize_fakes.install(monkeypatch)
+    bad = tmp_path / "nan"
+    shutil.copytree(PAIR / "draft", bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = sorted(tensors)[-1]
+    tensors[name][0] = float("inf")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ToolkitError, match=f"tensor '{name}' has non-finite weights"):
+        quantize(model=str(bad), out=str(tmp_path / "q"), bits="4", device="cpu", progress=False, check=False,
+                 calibrate=False)
+    assert not (tmp_path / "q").exists()
 
 
 def test_a_diverging_run_stops_with_one_line():

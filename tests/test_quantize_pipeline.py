@@ -48,9 +48,11 @@ def test_end_to_end_calibrated_and_uncalibrated(tmp_path, pair, monkeypatch):
     assert on_disk == report
     assert set(report) == {"schema", "model", "revision", "target", "created", "toolkit_version", "exllamav3_version",
                            "block_size", "tap_shift", "device", "bf16", "results", "model_sha", "target_sha",
-                           "target_kind", "recommended_draft_tokens", "exl3_widths", "steps", "memory"}
+                           "target_kind", "recommended_draft_tokens", "exl3_widths", "steps", "memory",
+                           "target_model", "model_local", "target_local"}
     # a local BF16 target: no shas, the torch runtime's tau, nothing measured on exllamav3
     assert report["model_sha"] is None and report["target_sha"] is None and report["target_kind"] == "hf"
+    assert report["target_local"] is True and report["model_local"] is False    # the recipe names the drafter
     assert report["bf16"]["exl3"] is None and report["recommended_draft_tokens"] is None and report["exl3_widths"] == []
     assert [s["step"] for s in report["steps"]] == ["validate", "plan", "target", "calibrate", "convert", "check", "speed"]
     assert all(s["seconds"] >= 0 for s in report["steps"]) and report["memory"]["card_budget_bytes"] == 22 * 1024**3

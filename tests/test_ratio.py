@@ -37,7 +37,7 @@ def test_no_round_drafted_means_no_ratio():
 def test_paired_ratio_is_the_median_with_min_max():
     speed = paired_speedup([120.0, 90.0, 200.0], [100.0, 100.0, 100.0], True)
     assert speed.value == pytest.approx(1.2) and (speed.low, speed.high, speed.n) == (pytest.approx(0.9), 2.0, 3)
-    assert speed.noisy and "0.90-2.00x over 3 alternating runs" in speed.text()
+    assert speed.noisy and "0.90-2.00x, over 3 alternating runs" in speed.text()
     one = paired_speedup([150.0], [100.0], True)
     assert one.low is None and one.noisy and "no spread measured" in one.text()
 

@@ -178,7 +178,8 @@ def test_eval_tau_on_the_trained_drafter(setup):
     res = eval_tau(target, str(root / "e"), max_new_tokens=8, limit=1, out=str(out), write_card=True, quiet=True)
     assert set(res["tau"]) == {"chat", "code"} and set(res["tau"]["chat"]) == {"8", "16"}
     assert all(1.0 <= t <= 16 for per in res["tau"].values() for t in per.values()) and res["complete"]
-    assert json.loads(out.read_text()) == res
+    written = json.loads(out.read_text())
+    assert written.pop("written_by")["command"] == "eval_tau" and written == res    # the file carries its marker
     card = (root / "e" / "README.md").read_text()
     assert "| chat (1) |" in card and "not measured yet" not in card
 

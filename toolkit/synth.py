@@ -32,9 +32,10 @@ def synth(**options) -> dict:
 @dataclass
 class SynthOptions:
     config: str = option(help="HF config.json of the model to imitate (e.g. one under quantize/shapes/)")
-    bits: float = option(help="bits per weight of the decoder linears: an integer 1-8", lo=1, hi=8)
+    bits: float = option(help="bits per weight of the decoder linears: an integer 1-8", lo=1, hi=8, whole=True)
     out: str = option(help="folder to create (must not exist or be empty, unless --overwrite)")
-    head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)", lo=1, hi=16)
+    head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)", lo=1, hi=16,
+                              whole=True)
     codebook: str = option("mul1", "trellis codebook (mul1 as the converter)", choices=["mul1", "mcg", "3inst"])
     seed: int = option(0, "random seed", kind="seed")
     std: float | None = option(None, "std of the decoded weights (default: the config's initializer_range, else 0.02)",

@@ -25,7 +25,7 @@ def title_of(loaded: Loaded) -> str:
 
 def block_choices(native: int) -> list[tuple[str, str | int]]:
     """The block-size control: "auto" (the default, the drafting policy) and every fixed size 2..native."""
-    return [("auto (policy picks the width per round)", "auto")] + [(str(n), n) for n in range(max(native, 2), 1, -1)]
+    return [("auto (the policy picks each round's block)", "auto")] + [(str(n), n) for n in range(max(native, 2), 1, -1)]
 
 
 def header_html(loaded: Loaded) -> str:
@@ -88,7 +88,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             with gr.Column(scale=3):
                 with gr.Accordion("Settings", open=True):
                     block = gr.Dropdown(block_choices(B), value="auto", label=f"Block size B (drafter's native: {B})", elem_id="dfl-block",
-                                        info="auto: a measured policy picks each round's width, plain AR where drafting "
+                                        info="auto: a measured policy picks each round's block, plain AR where drafting "
                                              "does not pay; a number N: every round verifies the last token plus N-1 drafts")
                     max_new = gr.Slider(1, max(1, min(1024, loaded.max_context // 2)), value=min(128, loaded.max_context // 4),
                                         step=1, label="Max new tokens", elem_id="dfl-max-new")

@@ -2,9 +2,10 @@
 
 A command declares its options once, as a dataclass whose fields carry their help in `option(...)` and, for
 numbers and devices, their domain (`lo`, `hi`, `above`, `kind`); `parser()` turns it into an argparse parser and
-`run()` checks every parsed value against its field's domain before calling the command's function with them. Libraries
-raise `OptionError(field, message)` naming the *field*; `run` prints it with the field's flag, so the same error
-reads `--max-new-tokens must be >= 1` on the command line and `max_new_tokens must be >= 1` from Python.
+`run()` checks every parsed value against its field's domain (`check_options`) before calling the command's
+function with them; a string option must not be empty or hold bytes that are not UTF-8. Libraries raise
+`OptionError(field, message)` naming the *field*; `run` prints it with the field's flag, so the same error reads
+`--max-new-tokens must be >= 1` on the command line and `max_new_tokens must be >= 1` from Python.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Domain:
     hi: float | None = None
     above: float | None = None
     kind: str = ""
+    whole: bool = False          # a float option that takes whole values only (e.g. bits 1-8)
+
 
 OUTPUT_POLICY = ("Outputs: a non-empty folder that is not this command's own earlier output is refused unless --force; "
                  "nothing it did not write is deleted; --force replaces only once the new output is complete (docs/outputs.md).")
@@ -53,12 +56,12 @@ class Parser(argparse.ArgumentParser):
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, short: str | None = None,
            choices: typing.Sequence | None = None, metavar: str | None = None, positional: bool = False,
            group: str | None = None, negatable: bool = False, lo: float | None = None, hi: float | None = None,
-           above: float | None = None, kind: str = "") -> Any:
-    """A dataclass field that is also a command-line option (flag defaults to --field-name); `lo`, `hi`, `above`
-    and `kind` declare its domain, checked by `check_options` before the command runs."""
+           above: float | None = None, kind: str = "", whole: bool = False) -> Any:
+    """A dataclass field that is also a command-line option (flag defaults to --field-name); `lo`, `hi`, `above`,
+    `kind` and `whole` declare its domain, checked by `check_options` before the command runs."""
     meta = {"help": help, "flag": flag, "short": short, "choices": choices, "metavar": metavar,
             "positional": positional, "group": group, "negatable": negatable,
-            "domain": Domain(0, SEED_MAX, kind=kind) if kind == "seed" else Domain(lo, hi, above, kind)}
+            "domain": Domain(0, SEED_MAX, kind=kind) if kind == "seed" else Domain(lo, hi, above, kind, whole)}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -103,6 +106,8 @@ def rule_broken(value, d: Domain, integer: bool) -> str | None:
         return "a finite number"
     if d.above is not None and not value > d.above:
         return f"> {_num(d.above)}"
+    if d.whole and (not float(value).is_integer() or not lo <= value <= hi):
+        return f"an integer from {_num(lo)} to {_num(hi)}"
     if not lo <= value <= hi:
         return (f"from {_num(lo)} to {_num(hi)}" if d.lo is not None and d.hi is not None
                 else f">= {_num(lo)}" if value < lo else f"<= {_num(hi)}")
@@ -135,6 +140,15 @@ def check_device(field: str, value, kind: str) -> None:
         checks.device(field, f"cuda:{value}")
 
 
+def valid_text(text: str) -> bool:
+    """No undecodable byte (argv that is not UTF-8 arrives as lone surrogates) and no NUL."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
+
+
 def check_options(cls: type, values: dict) -> None:
     """Every parsed value of the options dataclass `cls` against its field's domain (None: not given)."""
     hints = typing.get_type_hints(cls)
@@ -144,8 +158,12 @@ def check_options(cls: type, values: dict) -> None:
             continue
         d = f.metadata.get("domain") or Domain()
         tp, _, many = _base(hints[f.name])
-        if tp is str and d.kind != "text" and any(isinstance(v, str) and not v.strip() for v in (value if many else [value])):
+        texts = [v for v in (value if many else [value]) if isinstance(v, str)]
+        if tp is str and d.kind != "text" and any(not v.strip() for v in texts):
             raise OptionError(f.name, "is empty")               # an unset shell variable, never a path or a name
+        bad = next((v for v in texts if not valid_text(v)), None)
+        if bad is not None:
+            raise OptionError(f.name, f"is not UTF-8 text: {ascii(bad)[:80]}")
         if d.kind in DEVICES:
             check_device(f.name, value, d.kind)
         elif tp in (int, float):

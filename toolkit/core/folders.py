@@ -27,8 +27,8 @@ from .errors import OptionError, ToolkitError, disk_full
 
 MARKER = ".dflash-toolkit.json"   # the own-output marker in every folder a command writes (see `marker`)
 TOOLKIT = "dflash-exl3-toolkit"
-HOST = re.sub(r"[^A-Za-z0-9-]", "", socket.gethostname())[:24] or "host"
-TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|src)-(?P<host>[A-Za-z0-9-]+)-(?P<pid>\d+)-")
+HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:24] or "host"
+TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|src)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-")
 
 
 def read_json(path: str | Path, prefix: str = "", missing: str = "no such file"):
@@ -123,7 +123,8 @@ def claim(out: str | Path, command: str, force: bool, field: str = "out", force_
           own: bool = True) -> Path:
     """Check an output folder before any work: refuse a file, a symlink, a path under a file, an unwritable place,
     the current folder or one above it, and a non-empty folder that is not `command`'s earlier output (by its
-    marker) unless forced (`force_flag` None: no flag forces it). Leftovers of this command's own interrupted runs beside it are removed (`sweep`)."""
+    marker) unless forced (`force_flag` None: no flag forces it). What killed runs left beside it is removed
+    (`sweep`)."""
     out = Path(out).expanduser()
     full, cwd = out.resolve(), Path.cwd().resolve()
     if full == cwd or full in cwd.parents or full == Path.home().resolve():

@@ -41,7 +41,7 @@ from .run import STEPS, Run, step
 WORK = "quantize.work"               # the marker of a --work-dir folder
 from .source import fetch_ref, target_kind
 from .target import exl3_opener, exl3_target, fitting_shifts, hf_prompts, target_bits, target_shifts
-from .validate import linear_keys, unquantized_keys
+from .validate import check_finite_weights, linear_keys, unquantized_keys
 from .validate import validate as validate_checkpoint
 
 
@@ -121,6 +121,7 @@ def prepare(run: Run) -> None:
     """Refuse what cannot run here before OUT is touched: the EXL3 target's engine, the converter, the prompts,
     the GPU memory of the plan's biggest step; fetch the target and tokenize the prompts."""
     s, r = run.s, run.s.recipe
+    check_finite_weights(run.model_dir)          # a NaN drafter is never converted, reported or pushed
     run.dev = run.device or ("cuda" if torch.cuda.is_available() else "cpu")
     uses_target = run.calibrate or run.check
     if uses_target and not s.target:

@@ -96,6 +96,19 @@ def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool
     return Checked(config, headers, size)
 
 
+def check_finite_weights(folder: Path) -> None:
+    """Refuse a drafter with a NaN or infinite weight before anything is converted or published (read tensor by
+    tensor: the whole drafter is never in memory at once)."""
+    from safetensors import safe_open
+
+    from ..dflash.loading import check_finite
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                check_finite({k: sf.get_tensor(k)}, f"--model: {f}")
+
+
 def linear_keys(config: DFlashConfig) -> list[str]:
     """exllamav3's keys of the drafter's quantized Linears, in module order."""
     keys = ["fc"]

@@ -164,8 +164,8 @@ class Speedup:
             return ""
         if self.low is None:
             return "one run of each: no spread measured"
-        what = f"over {self.n} alternating runs" if self.basis == "runs" else "5-95 % over the rounds' timings"
-        return f"{self.low:.2f}-{self.high:.2f}x {what}"
+        what = f"over {self.n} alternating runs" if self.basis == "runs" else "the middle 90 % with the rounds resampled"
+        return f"{self.low:.2f}-{self.high:.2f}x, {what}"
 
     def text(self) -> str:
         """`1.12x (0.98-1.20x over 3 alternating runs)`, or `none (every round was plain AR: ...)`."""

@@ -17,13 +17,12 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..core.cli import check_options, option
 from ..core import files
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import read_config
