@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.errors import ToolkitError
+from ..core.files import finite_numbers, read_json
+
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
 KEEP = 16          # recent rounds kept per (jobs, width)
 MIN_SEEN = 3       # rounds before a width's own cost replaces the table's
@@ -194,18 +197,22 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
     path = Path(folder or cost_dir()) / f"{key}.json"
     if path.is_file() and not refresh:
         try:
-            if path.stat().st_size < 1 << 20:
-                return CostTable.from_json(json.loads(path.read_text(encoding="utf-8")), f"cached {path}")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
-            pass
+            d = read_json(path, "cost cache", limit=1 << 20)
+            finite_numbers(d, str(path))
+            return CostTable.from_json(d, f"cached {path}")
+        except (ToolkitError, ValueError, KeyError, TypeError, AttributeError):
+            pass                                 # broken or foreign: time it again and overwrite
     table = measure()
     table.source = "timed now"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(table.to_json(), f, indent=1)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(table.to_json(), f, indent=1)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     except OSError:
-        pass                                     # a read-only cache only costs a re-timing next time
+        pass                                     # a read-only or full cache only costs a re-timing next time
     return table
