@@ -112,7 +112,7 @@ def test_auto_lossless_smollm2_pair():
     except ToolkitError as e:
         pytest.skip(f"SmolLM2 demo pair unavailable: {e}")
     be = TorchBackend.from_dirs(target, draft)
-    be.costs = cheap_costs(be.block_size)                            # drafts every round, widths from acceptance
+    be.costs, be.learn_costs = cheap_costs(be.block_size), False     # drafts every round, widths from acceptance
     widths = []
     for p in ("Write a Python function that checks whether a string is a palindrome.", "List five facts about the Moon."):
         ids = be.encode(p)

@@ -224,7 +224,7 @@ def test_the_app_stat_line_states_the_verdict():
 
     probe = Round((1, 2, 3), 1, 9, proposed=15)
     mostly_ar = render.tau_html(summarize([probe]), 16, ar_rounds=40)
-    assert "40 plain AR rounds (width 0). Drafting does not pay here" in html.unescape(mostly_ar)
+    assert "40 plain AR rounds (block 1). Drafting does not pay here" in html.unescape(mostly_ar)
     mixed = render.tau_html(summarize([probe] * 10), 16, ar_rounds=5)
     assert "Drafting does not pay" not in html.unescape(mixed)
     assert "Drafting does not pay" not in render.tau_html(None, 16)

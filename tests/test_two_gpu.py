@@ -284,7 +284,7 @@ def test_generate_and_eval_tau_pass_the_split(pair, monkeypatch, tmp_path):
     with pytest.raises(ToolkitError, match="stop here"):
         eval_tau.main(["--target", str(pair[0]), "--draft", str(pair[1]), "--heldout", str(write_heldout(tmp_path)), *args])
     assert seen == [("exllamav3", GpuSplit("auto", False, 1))] * 2
-    with pytest.raises(ToolkitError, match=r"^--draft-device must be a GPU index >= 0, got -1$"):
+    with pytest.raises(ToolkitError, match=r"^--draft-device must be from 0 to 1023, got -1$"):
         generate.main(["--prompt", "hi", "--draft-device", "-1"])
 
 

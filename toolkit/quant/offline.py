@@ -17,7 +17,9 @@ import tempfile
 from pathlib import Path
 
 from ..core.errors import ToolkitError
+from . import memory as mem
 from .memory import GIB
+from .plan import format_plan
 from .source import fetch_ref
 
 SHAPES = "shapes"
@@ -137,3 +139,24 @@ def downloads(run) -> list[str]:
                          f"{size_text(exl3_bytes(cfg))} (a published quant, or exllamav3's converter: docs/quantize.md)")
     head = "a real run downloads (unless already in the Hub cache):"
     return [head, *lines] if lines else ["a real run downloads nothing: the model and target are local folders"]
+
+
+def show_plan(run) -> None:
+    """--dry-run: the drafter, the plan as a table, the GPU memory per step and the notes."""
+    s, c = run.s, run.config
+    where = "the recipe's shapes" if "model" in run.offline else run.model_dir
+    print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({where}), target {s.target or 'none'}"
+          + (f" ({'EXL3 on exllamav3' if run.kind == 'exl3' else 'transformers'})" if run.kind != "none" else ""))
+    print(f"drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block {c.block_size}, "
+          f"taps {c.target_layer_ids}, layer types {sorted(set(c.layer_types))}")
+    if not run.checked.has_weights:
+        run.notes.append("no weights in the model folder: tensors not checked")
+    print(format_plan(run.items, s.out))
+    print(mem.format_memory(run.needs, run.kind == "none" or run.target_weights is not None))
+    if not run.split.default and run.kind == "exl3":
+        print(f"EXL3 target placement: {run.split.tag} (each device is checked when the target loads)")
+    elif not run.split.default:
+        run.notes.append(f"{run.split.tag} places an EXL3 target; the target was not checked, so it may not apply")
+    print("\n".join(downloads(run)))
+    for n in run.notes:
+        print(f"note: {n}")

@@ -1,13 +1,10 @@
 """quantize(): validate, plan, target, calibrate, convert, check, speed, report, as steps over one Run.
 
-Each step reads what the earlier ones left on the Run and adds its own; each is timed and its peak GPU memory
-measured (memory.Meter) into report.json's `steps` (and handed to `on_step` as it ends). The target is either a
-transformers (BF16) checkpoint that stays loaded, or an EXL3 one that runs on exllamav3 (engine.ENGINE): once for
-every prompt's continuation and taps (then unloaded, so calibration, conversion and the KL check run beside the
-drafters only), and once more in `speed`, with the drafters swapped in one at a time, for τ and tok/s on the
-engine users serve with. The pipeline writes OUT only: one folder per bitrate, report.json / report.md /
-tau_top1.png. Model cards, the upstream card and the push are publishing (hub/), composed by toolkit/quantize.py.
-CLI and Python share start(**vars(args))."""
+Each step reads what the earlier ones left on the Run, adds its own, and is timed with its peak GPU memory
+(report.json's `steps`). A BF16 target stays loaded; an EXL3 one runs on exllamav3 once for the prompts'
+continuations and taps, and again in `speed`, with each drafter swapped in, for τ and tok/s on the engine users
+serve with. The pipeline writes OUT only (a folder per bitrate, report.json / report.md / tau_top1.png); cards and
+the push are hub/'s, composed by toolkit/quantize.py."""
 
 from __future__ import annotations
 
@@ -34,7 +31,7 @@ from . import memory as mem
 from . import offline
 from . import report as rep
 from . import speed as spd
-from .plan import MANIFEST, check_out_dir, format_plan, make_plan, plan_json
+from .plan import MANIFEST, check_out_dir, make_plan, plan_json
 from .recipe import Recipe, merge
 from .run import STEPS, Run, step
 
@@ -94,27 +91,6 @@ def plan_memory(run: Run, max_prompt: int = mem.PROMPT_TOKENS) -> list[mem.Need]
     n = len(r.calibration_prompts) + len(r.check_prompts)
     sizes = mem.Sizes(run.kind, run.config, cfg, run.target_weights, max_prompt, r.max_new_tokens, n)
     return mem.plan_memory(sizes, run.calibrating, bool(run.todo), run.check)
-
-
-def show_plan(run: Run) -> None:
-    """--dry-run: the drafter, the plan as a table, the GPU memory per step and the notes."""
-    s, c = run.s, run.config
-    where = "the recipe's shapes" if "model" in run.offline else run.model_dir
-    print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({where}), target {s.target or 'none'}"
-          + (f" ({'EXL3 on exllamav3' if run.kind == 'exl3' else 'transformers'})" if run.kind != "none" else ""))
-    print(f"drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block {c.block_size}, "
-          f"taps {c.target_layer_ids}, layer types {sorted(set(c.layer_types))}")
-    if not run.checked.has_weights:
-        run.notes.append("no weights in the model folder: tensors not checked")
-    print(format_plan(run.items, s.out))
-    print(mem.format_memory(run.needs, run.kind == "none" or run.target_weights is not None))
-    if not run.split.default and run.kind == "exl3":
-        print(f"EXL3 target placement: {run.split.tag} (each device is checked when the target loads)")
-    elif not run.split.default:
-        run.notes.append(f"{run.split.tag} places an EXL3 target; the target was not checked, so it may not apply")
-    print("\n".join(offline.downloads(run)))
-    for n in run.notes:
-        print(f"note: {n}")
 
 
 def prepare(run: Run) -> None:
@@ -379,7 +355,7 @@ def execute(run: Run) -> Run:
         if run.dry_run:
             if run.kind != "none":       # a BF16 target: the split would be refused by the run, so by its plan too
                 run.check_split(run.calibrate or run.check)
-            show_plan(run)
+            offline.show_plan(run)
             return run
         prepare(run)
         with output(run):
