@@ -379,3 +379,13 @@ def test_malformed_report_is_one_line_naming_the_field(out, edit, msg):
         with pytest.raises(ToolkitError, match=msg) as e:
             call()
         assert "\n" not in str(e.value)
+
+
+def test_non_finite_weights_are_never_published(hub, out):
+    folder = out / json.loads((out / "report.json").read_text())["results"][0]["folder"]
+    weights = np.zeros(64, dtype=np.float16)
+    weights[3] = np.nan
+    save_file({"norm.weight": weights}, str(folder / "model.safetensors"))
+    with pytest.raises(ToolkitError, match=r"tensor 'norm.weight' has non-finite weights \(NaN or inf\)"):
+        do_push(hub, out, dry_run=True)
+    assert hub.log == []

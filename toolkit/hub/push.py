@@ -99,6 +99,17 @@ def branch_for(template: str, row: dict) -> str:
     return name
 
 
+def check_weights(path: Path) -> None:
+    """Refuse to publish a tensor file with NaN or infinite floating-point weights (one line naming the tensor)."""
+    from safetensors import safe_open
+
+    from ..dflash.loading import check_finite
+
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            check_finite({name: f.get_tensor(name)}, str(path))
+
+
 def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: Path) -> list[Upload]:
     """Branch uploads (rows whose folder exists) then main; folders are staged as links + rendered READMEs."""
     branches: dict[str, str] = {}
@@ -120,6 +131,8 @@ def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: P
         dest.mkdir(parents=True)
         for rel in list_files(check_folder_inside(folder, from_dir, "folder")):
             link_inside(from_dir / folder / rel, dest / rel, from_dir)
+            if rel.endswith(".safetensors"):
+                check_weights(from_dir / folder / rel)
         readme = dest / "README.md"
         readme.unlink(missing_ok=True)
         readme.write_text(render_card(report, repo, bits=float(row["bits"]), branches=branches, upstream=upstream))
