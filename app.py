@@ -14,7 +14,6 @@ STARTED = time.perf_counter()                       # the console says how long 
 if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true"):
     import spaces  # noqa: F401  (ZeroGPU wants it imported before torch)
 
-import json
 from pathlib import Path
 
 from toolkit.core.cli import Domain, Parser, check_device, check_number
@@ -53,10 +52,12 @@ def space_defaults(cfg: Path) -> dict | None:
     copied into the Space) is read next to it. A file that is not such a JSON object is one error line."""
     if not cfg.is_file():
         return None
+    from toolkit.core.files import read_json
+
     try:
-        d = json.loads(cfg.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ToolkitError(f"{cfg}: not readable as JSON ({str(e).splitlines()[0]}); export the Space again") from None
+        d = read_json(cfg, "space.json", limit=1 << 20)
+    except ToolkitError as e:
+        raise ToolkitError(f"{e}; export the Space again") from None
     if not isinstance(d, dict) or any(not isinstance(d.get(k), (str, type(None))) for k in ("target", "draft", "backend")):
         raise ToolkitError(f"{cfg}: expected an object whose target, draft and backend are strings or null; "
                            "export the Space again")
