@@ -58,6 +58,7 @@ def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, syste
         "block_size": "auto" if settings.auto else settings.fixed_block(be.block_size),
         "tokens": toks, "text": be.decode(toks), "rounds": [r.to_json() for r in rounds],
         "tau": s.tau, "accept_per_position": s.accept_per_position, "tok_s": s.tok_s, "seconds": secs,
+        "costs": be.cost_source() if settings.auto else None,
     }
     if compare_ar:
         result.update(compare(be, ids, settings, reps, (toks, secs), s.drafted))
@@ -101,6 +102,7 @@ def generate(
     tensor_parallel: bool = False,
     draft_device: int = 0,
     reps: int = 3,
+    retime_costs: bool = False,
 ) -> dict:
     """Run one prompt; returns the JSON-contract dict (and prints it, or a readable summary)."""
     if not prompt.strip():
@@ -113,6 +115,7 @@ def generate(
     if device is not None:
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
+    be.retime_costs = retime_costs
     try:
         result, s = run(be, prompt, settings, compare_ar, system, raw, reps)
     finally:
@@ -122,13 +125,14 @@ def generate(
     else:
         print(result["text"])
         steps = sum(1 for r in result["rounds"] if not r["prefill"])
-        line = (f"\n[{be.name}] {len(result['tokens'])} tokens, {s.rounds} speculative rounds"
+        line = (f"\n[{be.name}] {len(result['tokens'])} tokens, {s.rounds} speculative round{'s' if s.rounds != 1 else ''}"
                 + (f" of {steps} (block auto; the rest plain AR)" if settings.auto else "")
                 + f", tau {s.tau:.2f}, {s.tok_s:.1f} tok/s")
         if compare_ar:
             line += f"; AR {result['ar_tok_s']:.1f} tok/s; speedup {speed_text(result)}; lossless {result['lossless']}"
         verdict = ar_verdict(steps - s.rounds, s.rounds) if settings.auto else ""
-        print(line + (f"\n[{be.name}] {verdict}" if verdict else ""), file=sys.stderr)
+        costs = f"\n[{be.name}] round costs: {result['costs']} (--retime-costs times them again)" if result["costs"] else ""
+        print(line + costs + (f"\n[{be.name}] {verdict}" if verdict else ""), file=sys.stderr)
     return result
 
 
@@ -164,6 +168,8 @@ class GenerateOptions:
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...")
     tensor_parallel: bool = option(False, TP_HELP)
     draft_device: int = option(0, DRAFT_HELP, metavar="N", lo=0, hi=1023)
+    retime_costs: bool = option(False, "with --block-size auto: time the policy's round costs again instead of reading "
+                                "them from the cost cache (a table timed under other load is also corrected as it runs)")
 
 
 def main(argv: list[str] | None = None) -> None:
