@@ -228,3 +228,17 @@ def test_the_app_stat_line_states_the_verdict():
     mixed = render.tau_html(summarize([probe] * 10), 16, ar_rounds=5)
     assert "Drafting does not pay" not in html.unescape(mixed)
     assert "Drafting does not pay" not in render.tau_html(None, 16)
+
+
+def test_flat_verify_costs_make_the_policy_verify_wide():
+    """What a verify path at memory speed gives the policy: rounds that cost about the same at every width, so it
+    verifies as wide as acceptance pays (here the whole block), with no setting to change."""
+    flat = CostTable({1: {0: 6.0, 1: 10.0, 3: 10.2, 5: 10.3, 7: 10.4, 11: 10.6, 15: 10.8}})
+    steep = CostTable({1: {0: 6.0, 1: 9.9, 3: 11.6, 5: 13.5, 7: 15.3, 11: 28.2, 15: 31.2}})   # exllamav3 today
+    widths = {}
+    for name, table in (("flat", flat), ("steep", steep)):
+        p = started(B, table)
+        for _ in range(300):
+            p.acceptance.update(12)                       # 12 of 15 drafts accepted, as a good drafter does
+        widths[name] = p.width()
+    assert widths == {"flat": 15, "steep": 7}
