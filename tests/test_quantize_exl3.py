@@ -121,7 +121,7 @@ def test_exl3_target_without_cuda_is_one_line(tmp_path, pair, exl3, monkeypatch,
                               "--target", str(exl3), "--out", str(tmp_path / "out"), "--bits", "4"]))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]      # after the progress bar's lines
-    assert err == (f"error: --target: {exl3} is an EXL3 model, and running it needs a CUDA GPU (none found here); "
+    assert err == (f"error: --target: {exl3} is an EXL3 model, and running it needs a CUDA GPU (none found on this machine); "
                    "pass a BF16 target, or --no-calibrate --no-check")
     assert not (tmp_path / "out").exists()
 

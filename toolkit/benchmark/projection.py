@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from ..core.errors import ToolkitError
 from ..policy.costs import CostTable
 
-# Qwen3.6-35B-A3B + its DFlash drafters, published tau (issue 16: SGLang, c=1): name -> (tau, block size B)
+# Qwen3.6-35B-A3B + its DFlash drafters, published tau (SGLang, c=1): name -> (tau, block size B)
 PUBLISHED = {"DF-16": (7.63, 16), "DF-8": (5.74, 8)}
 ASSUMPTION = ("per-position acceptance assumed geometric: a_i = alpha^i with alpha solving tau = sum_{i=0}^{B-1} "
               "alpha^i; exllamav3's defaults verify w = B-1 (num_draft_tokens 15 at B=16) every round, the policy "

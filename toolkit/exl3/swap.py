@@ -4,9 +4,9 @@ exllamav3 1.6.5 ties a drafter to the target only through the Generator (which a
 target for the tapped states per forward) and, in the layer-split loader, through the tapped layers' budget
 (`export_state_layers`: the same for every drafter of one target and block size). So the swap retires the
 Generator, unloads the old drafter (its cache's tensors go with it), and loads the new one with a fresh cache of
-the same size on the same device, through `exl3_backend.load_drafter` as the first load; the next generate builds a new Generator.
-The quantize speed step measures every bitrate this way against one load of the target (the synthetic 18.4 GB
-Qwen3.6-35B-A3B target loaded with a drafter in 22.4 s on an H200, experiments/results/perf_2026-12-02_h200/).
+the same size on the same device, through `backend.load_drafter` as the first load; the next generate builds a new
+Generator. The quantize speed step measures every bitrate this way against one load of the target (an 18.4 GB
+Qwen3.6-35B-A3B target loads in about 22 s).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def stateful_scan() -> Iterator[None]:
     """Within it, exllamav3's gated delta rule gets a zero initial state (fp32, as a cache hands its state over)
     where it has none, and its final state is dropped where none was asked for: the same result (the state starts
     at zero either way) through the kernel build a cached prefill uses. Without it the no-cache forward makes Triton
-    autotune and compile a second build of the state kernel, ~23 s on a fresh machine (profile of 2026-12-04)."""
+    autotune and compile a second build of the state kernel, about 23 s on a fresh machine."""
     try:
         fla = importlib.import_module(FLA)
     except ImportError:
@@ -130,7 +130,7 @@ class Exl3Target:
     def head_weight(self) -> torch.Tensor:
         """The LM head [vocab, hidden] as exllamav3 computes with it, fp16 on the CPU: rows of the identity through
         the head's own kernel, HEAD_ROWS at a time. exllamav3's get_weight_tensor would dequantize the whole
-        head at once in float32 (about 6 GiB for Qwen3.6's 248k x 2048 on 2026-12-04, over a 22 GiB budget)."""
+        head at once in float32 (about 6 GiB for Qwen3.6's 248k x 2048)."""
         lm = self.model.modules[self.model.logit_layer_idx]
         n_in = int(lm.inner.in_features)
         dev = lm.device

@@ -4,7 +4,7 @@ The steps are ordered so that the biggest thing on the GPU is the target alone, 
 drafter. With an EXL3 target: the target runs once to make every prompt's continuation and taps and to hand
 over its embedding table (kept on the CPU) and LM head (read through its kernel), then it is unloaded; calibration,
 conversion and the KL check run beside the drafters only; for τ and speed the target is loaded again with one
-drafter at a time; bitrates convert one after another (two at once took as long on the H200, 2026-12-04).
+drafter at a time; bitrates convert one after another (two at once take as long and twice the memory).
 `plan_memory` estimates each step from the configs and the files' sizes (--dry-run prints it; the run refuses a
 GPU whose free memory is below the peak before loading anything); `Meter` measures each step (and `Phases` parts
 of one): torch's peak in this process, and the device's used memory sampled every 50 ms, which also sees the
@@ -84,7 +84,7 @@ def hessian_bytes(config: DFlashConfig) -> int:
 
 def converter(config: DFlashConfig) -> dict[str, int]:
     """GPU bytes of the converter subprocess, by part: 2 GiB + two Hessians of the widest Linear as its working
-    set fits its device peaks of 2026-12-03 (Qwen3.6 drafter 9.46 GiB, SmolLM2 pair 4.24 GiB, with our context)."""
+    set fits the measured device peaks (Qwen3.6 drafter 9.46 GiB, SmolLM2 pair 4.24 GiB, with our context)."""
     shapes = expected_shapes(config)
     widest = max((4 * shapes[k + ".weight"][1] ** 2 for k in linear_keys(config)), default=0)
     return {"converter: drafter (bf16)": 2 * numel(config), "converter: Hessians": hessian_bytes(config),

@@ -1,5 +1,5 @@
 """Where the exllamav3 backend puts its models: the target on one GPU, split across several, or tensor-parallel,
-and the DFlash drafter on one device beside it (issue 21).
+and the DFlash drafter on one device beside it.
 
 `GpuSplit` is the option set every command that loads the exllamav3 backend shares (generate, bench, eval_tau,
 quantize's EXL3 steps, the app):

@@ -3,7 +3,7 @@
 A prompt is held out when the sha256 of its text falls in the first `HELDOUT_PCT` percent: the rule depends on
 the text alone, so no count, seed or file order can move a held-out prompt into training.
 
-At scale (`scale_pool`, issue 19) the pool also holds every later human turn of each ShareGPT conversation and
+At scale (`scale_pool`) the pool also holds every later human turn of each ShareGPT conversation and
 every code task for every small function of the whole standard library. Those extra prompts share a source with
 an original one (the conversation, the function), so a pool item carries a `group`: when an original prompt is
 held out, no prompt of its group is trained on, and extra prompts are never held out themselves. The held-out
