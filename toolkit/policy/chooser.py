@@ -90,7 +90,7 @@ class Policy:
         w, self.probing = self.best(jobs), False
         if w > 0:
             self.gap = self.every = 0
-        elif self.ar_rounds >= max(self.gap, self.floor(jobs)) and self.answer_rounds >= self.floor(jobs):
+        elif min(self.ar_rounds, self.answer_rounds) >= self.floor(jobs) and self.ar_rounds >= self.gap:
             self.probing, w = True, self.block_size - 1
         return w
 
