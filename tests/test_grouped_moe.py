@@ -188,12 +188,12 @@ class FakeMoE:
 def test_lever_runs_verify_rows_grouped_and_the_rest_stock(layer):
     moe = FakeMoE(layer)
     assert gm.set_grouped_moe([moe, object()], FakeMoE, True) == 1
-    x, _, _ = routed(8, seed=17)
-    out = moe.forward(x.view(1, 8, HID), {})
-    sel, w = moe.routing_fn(8, None, x, {})
-    assert out.shape == (1, 8, HID) and out.dtype == torch.float32
-    assert_close(out.view(8, HID), ref_moe(x, sel, w, layer))
-    assert moe.forward(x[:1], {}) == "stock"                           # one row: exllamav3's own
+    x, _, _ = routed(12, seed=17)
+    out = moe.forward(x.view(1, 12, HID), {})
+    sel, w = moe.routing_fn(12, None, x, {})
+    assert out.shape == (1, 12, HID) and out.dtype == torch.float32
+    assert_close(out.view(12, HID), ref_moe(x, sel, w, layer))
+    assert moe.forward(x[:8], {}) == "stock"                           # up to 8 rows: exllamav3's own (faster)
     assert moe.forward(x, {"capture_sens": {}}) == "stock"             # a calibration pass
     assert gm.path_counts([moe], FakeMoE) == {"grouped": 1, "stock": 2}
     assert gm.set_grouped_moe([moe], FakeMoE, False) == 1 and "forward" not in vars(moe)
@@ -202,7 +202,7 @@ def test_lever_runs_verify_rows_grouped_and_the_rest_stock(layer):
 def test_lever_falls_back_on_what_it_does_not_implement(layer):
     moe = FakeMoE(layer)
     gm.set_grouped_moe([moe], FakeMoE, True)
-    x, _, _ = routed(4, seed=19)
+    x, _, _ = routed(10, seed=19)
     moe.activation_fn = "gelu"
     assert moe.forward(x, {}) == "stock"
     moe.activation_fn = "silu"
@@ -218,7 +218,7 @@ def test_lever_turns_itself_off_when_a_kernel_fails(layer, monkeypatch):
         raise RuntimeError("ptxas: no such instruction")
 
     monkeypatch.setattr(gm, "grouped_forward", broken)
-    x, _, _ = routed(4, seed=23)
+    x, _, _ = routed(10, seed=23)
     with pytest.warns(UserWarning, match="grouped MoE path off"):
         assert moe.forward(x, {}) == "stock"
     assert moe.forward(x, {}) == "stock" and "ptxas" in vars(moe)["forward"].unfit

@@ -22,7 +22,7 @@ import torch
 from .draft_levers import set_forward_wrap
 from .grouped_moe_ref import CODEBOOK_IDS, HAD, MoeLayer, codebook_of, split_rate
 
-GROUPED_ROWS = (2, 64)          # rows per call that take the grouped path (inclusive)
+GROUPED_ROWS = (9, 64)          # rows per call that take the grouped path (inclusive): stock wins up to 8
 MAX_SORT = 4096                 # assignments the one-program sort takes
 UNSAFE_PARAMS = ("autosplit_measure", "capture_sens", "capture_qmaps", "activate_all_experts", "tp_warmup",
                  "capture", "quant_preserve", "ovr", "reconstruct")      # calibration, conversion, overrides
@@ -34,9 +34,9 @@ class KernelConfig:
     exllamav3's PTX instructions (None: on NVIDIA GPUs, off on the CPU interpreter and ROCm)."""
 
     bm: int = 16
-    bk: int = 64
+    bk: int = 32
     warps: int = 8
-    stages: int = 2
+    stages: int = 3
     asm: bool | None = None
 
     def use_asm(self, device: torch.device) -> bool:

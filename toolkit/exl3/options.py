@@ -7,9 +7,10 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
 
 One lever is built and on trial (off by default until the benchmark shows it pays):
 
-- `grouped_moe`: the target's EXL3 MoE layers take an expert-grouped Triton forward for 2-64 rows per call
+- `grouped_moe`: the target's EXL3 MoE layers take an expert-grouped Triton forward for 9-64 rows per call
   (grouped_moe.py): each touched expert's weights decoded once per block of its rows; exllamav3's own path
-  elsewhere. The bench JSON says how many MoE calls took which path.
+  elsewhere. The bench JSON says how many MoE calls took which path. Measured 1.2-1.5x faster than stock per MoE
+  call at 16-64 rows on an H100 (docs/results.md); off until its greedy agreement on a trained MoE fixture is shown.
 
 `python -m toolkit.bench --levers graph_draft_swa=off` measures a lever against exllamav3's own behaviour.
 Levers measured and not adopted are listed with their numbers on docs/results.md.
