@@ -35,7 +35,7 @@ from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "moe_exl3", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -193,6 +193,25 @@ def check_moe_exl3(ctx: Ctx) -> dict:
         res = out["B16"] = lossless(be, doc_prompts(be.tokenizer, n=20), 16, "moe_exl3", ctx.max_new)
         del res["_ar"], res["_spec"]
         assert res["ok"], f"moe_exl3: lossless on {res['lossless_1job']} prompts"
+        return out
+    finally:
+        free_cuda(be)
+
+
+def check_moe_grouped(ctx: Ctx) -> dict:
+    """The grouped_moe lever on the trained MoE target as EXL3 4.0 bpw: B=16 off and on, each against the backend's
+    own AR (its 1-row steps take exllamav3's path), and how many MoE calls the grouped path served."""
+    from toolkit.exl3.backend import Exl3Backend
+
+    dst = WORK / "moe_exl3"
+    out = {"convert": convert_exl3(ctx.fix["moe_target"], dst, 4.0) if not (dst / "config.json").is_file() else "kept"}
+    be = Exl3Backend.from_dirs(dst, ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
+    try:
+        prompts = doc_prompts(be.tokenizer, n=20)
+        out["same_spec_output"] = off_and_on(ctx, be, prompts, "grouped_moe", ("off", "on"), "moe_exl3", out,
+                                             "moe_grouped_detail")
+        out["engine"] = be.engine_report()
+        assert out["engine"] and out["engine"]["moe_paths"]["grouped"] > 0, "the grouped path never ran"
         return out
     finally:
         free_cuda(be)
@@ -363,7 +382,7 @@ def check_errors(ctx: Ctx) -> dict:
 
 
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
-         "moe_exl3": ("moe_exl3", check_moe_exl3), "draft_swa": ("graph_draft_swa", check_draft_swa),
+         "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_grouped), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
 
