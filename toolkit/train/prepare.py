@@ -61,7 +61,7 @@ def read_inputs(cfg) -> Inputs:
     if cfg.data is not None:
         for name in ("prompts", "sharegpt"):
             if getattr(cfg, name) is not None:
-                raise OptionError(name, f": not read with --data (its answers are already made); give one or the other")
+                raise OptionError(name, ": not read with --data (its answers are already made); give one or the other")
         if not AnswerStore.exists(cfg.data):
             raise OptionError("data", f": {cfg.data} is not an answer store (no index.json)")
         store = AnswerStore(cfg.data)
