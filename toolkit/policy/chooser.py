@@ -130,7 +130,7 @@ class Policy:
         """Among the timed widths, the one with the most expected tokens per ms (ties: the narrower). While costs
         are learnt, a width not yet seen counts `explore` better than its estimate: a near-best width is tried
         for a few rounds, so the curve is measured where the decision is close."""
-        s, seen = self.scores(jobs), self.costs.settled(jobs)
+        s, seen = self.scores(jobs), self.costs.costs.get(jobs, {})
         bonus = 1 + self.explore if self.costs.learn else 1.0
         menu = [w for w in self.costs.table.widths(jobs) if w < self.block_size]
         return max(menu, key=lambda w: (s[w] * (1.0 if w in seen else bonus), -w))

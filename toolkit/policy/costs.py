@@ -112,16 +112,20 @@ class RoundCosts:
     def __init__(self, table: CostTable, block_size: int, learn: bool = True):
         self.table, self.block_size, self.learn = table, block_size, learn
         self.seen: dict[int, dict[int, deque]] = {}      # jobs -> width -> recent ms
+        self.costs: dict[int, dict[int, float]] = {}     # jobs -> width -> low quartile of its recent ms (settled)
         self.cache: dict[int, tuple] = {}                # jobs -> (key, curve)
 
     def observe(self, jobs: int, width: int, ms: float) -> None:
-        """A round of `jobs` jobs verifying `width` drafts took `ms`."""
+        """A round of `jobs` jobs verifying `width` drafts took `ms`; the width's cost is taken again."""
         if self.learn and math.isfinite(ms) and ms > 0:
-            self.seen.setdefault(jobs, {}).setdefault(width, deque(maxlen=KEEP)).append(ms)
+            d = self.seen.setdefault(jobs, {}).setdefault(width, deque(maxlen=KEEP))
+            d.append(ms)
+            if len(d) >= MIN_SEEN:
+                self.costs.setdefault(jobs, {})[width] = low_quantile(d)
 
     def settled(self, jobs: int) -> dict[int, float]:
         """{w: ms} of the widths seen at least MIN_SEEN times at `jobs` jobs."""
-        return {w: low_quantile(d) for w, d in sorted(self.seen.get(jobs, {}).items()) if len(d) >= MIN_SEEN}
+        return dict(sorted(self.costs.get(jobs, {}).items()))
 
     def curve(self, jobs: int) -> list[float]:
         """ms per round for w = 0..B-1 at `jobs` jobs."""
@@ -144,8 +148,8 @@ class RoundCosts:
         return {"source": self.table.source,
                 "start": {c: as_ms(self.table.curve(self.block_size, c)) for c in cs},
                 "learned": {c: as_ms(self.curve(c)) for c in cs},
-                "observed": {c: {w: {"ms": round(low_quantile(d), 3), "rounds": len(d)} for w, d in sorted(self.seen[c].items())}
-                             for c in sorted(self.seen)}}
+                "observed": {c: {w: {"ms": round(low_quantile(d), 3), "rounds": len(d)}
+                                 for w, d in sorted(self.seen[c].items())} for c in sorted(self.seen)}}
 
 
 def ratio(w: int, got: dict[int, float], prior: list[float]) -> float:
