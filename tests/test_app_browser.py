@@ -112,4 +112,5 @@ def test_browser_narrow_screen_keeps_the_plot_titles(url, browser):
     for plot in ("#dfl-acc", "#dfl-hist"):
         box = page.locator(plot).bounding_box()
         assert box["width"] >= 300, (plot, box)
-    assert page.get_by_text("Acceptance by position").first.is_visible()
+    # the plots draw after the page loads: wait for the title rather than read it at once
+    page.locator("#dfl-acc").get_by_text("Acceptance by position").first.wait_for(state="visible", timeout=30_000)
