@@ -82,6 +82,7 @@ def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path):
     page.get_by_text("Every round: its block").click()
     assert "block per round: 1 (AR)" in page.locator("#dfl-blocks").inner_text()
     assert page.locator("#dfl-spec .dfl-stream").inner_text().strip()
+    page.locator("#dfl-hist").get_by_text("Tokens per target forward").wait_for(state="visible", timeout=30_000)
     assert "0.000000" not in page.locator("#dfl-hist").inner_text()                # an empty histogram keeps its axis
 
     banner = send(page, PROMPT, block="16", max_new=48)                           # every round drafts: a ratio
