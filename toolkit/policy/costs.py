@@ -15,7 +15,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.files import finite_numbers, read_json
+from ..core.folders import atomic_file
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
 KEEP = 16          # recent rounds kept per (jobs, width)
@@ -209,14 +209,7 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
     table = measure()
     table.source = "timed now"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(table.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    except OSError:
+        atomic_file(path, json.dumps(table.to_json(), indent=1))
+    except (OSError, ToolkitError):
         pass                                     # a read-only or full cache only costs a re-timing next time
     return table
