@@ -24,7 +24,7 @@ from pathlib import Path
 from ..core import checks
 from ..core.errors import OptionError, ToolkitError
 from ..core import files
-from ..core.folders import atomic_dir, claim, owner, sha256, temp_prefix
+from ..core.folders import atomic_dir, cache_root, claim, owner, sha256, temp_prefix
 from ..core.tensorfiles import disk_full_as_oserror
 from .pairs import DATA
 
@@ -51,10 +51,6 @@ class Prepared:
     cached: bool
     seconds: float
     fp16_check: list | None = None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-toolkit"
 
 
 

@@ -171,6 +171,11 @@ def claim_file(out: str | Path, field: str = "out", command: str | None = None) 
     return out
 
 
+def cache_root() -> Path:
+    """The toolkit's cache: $XDG_CACHE_HOME (or ~/.cache)/dflash-toolkit (the demo target, its wheel, cost tables)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-toolkit"
+
+
 def temp_prefix(path: Path, kind: str = "tmp") -> str:
     """The prefix of a temp entry beside `path`: hidden, naming it, this host and this process."""
     return f".{path.name}.{kind}-{HOST}-{os.getpid()}-"

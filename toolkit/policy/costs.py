@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.files import finite_numbers, read_json
-from ..core.folders import atomic_file
+from ..core.folders import atomic_file, cache_root
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
 KEEP = 16          # recent rounds kept per (jobs, width)
@@ -192,7 +192,7 @@ def cost_dir() -> Path:
     """Where timed tables live: $DFLASH_COST_CACHE, else $XDG_CACHE_HOME or ~/.cache /dflash-toolkit/costs."""
     if os.environ.get(COST_CACHE_ENV):
         return Path(os.environ[COST_CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-toolkit" / "costs"
+    return cache_root() / "costs"
 
 
 def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path | None = None,
