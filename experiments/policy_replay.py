@@ -5,7 +5,9 @@
   how many of its B-1 proposed tokens equal the target's next ones. Greedy output does not depend on the widths
   verified, so one decode gives every position.
 - `costs`: turns a `speed pair --trace` file and its bench.json into round costs per (jobs, width), the cost per
-  emitted token, the prefill ms and the calibration table the bench's `auto` cells started from.
+  emitted token, the prefill ms, the calibration table the bench's `auto` cells started from, and the device's
+  noise in time: every decoding round's ms over its (jobs, width) median, in the order the bench ran them (a
+  slow stretch of the device slows every width for a while; tests/replay.py can play it back).
 
     python -m experiments.policy_replay lengths --limit 8 --out /tmp/replay/lengths.json
     python -m experiments.policy_replay costs experiments/results/traces/pair_call4_trace.jsonl.gz \
@@ -102,6 +104,7 @@ def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = Fal
     if out.exists() and not force:
         raise ValueError(f"{out} exists (pass --force to replace it)")
     by: dict[tuple[int, int], list[float]] = defaultdict(list)
+    order: list[tuple[int, int, float]] = []
     groups: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     prefill: dict[int, list[float]] = defaultdict(list)
     for r in read_trace(trace):
@@ -109,10 +112,12 @@ def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = Fal
             continue
         if r["jobs"] and r["emitted"] >= r["jobs"]:
             by[(r["jobs"], r["w"])].append(r["ms"])
+            order.append((r["jobs"], r["w"], r["ms"]))
             if not r["cell"].startswith(("auto", "ar")):
                 groups[(r["cell"], r["jobs"])].append((r["emitted"], r["ms"]))
         elif not r["jobs"] and r["cell"].startswith("8/"):
             prefill[int(r["cell"].split("/")[1][1:])].append(r["ms"])
+    med = {k: statistics.median(v) for k, v in by.items()}
     rng = random.Random(0)
     cell = next(c for c in json.loads(bench.read_text())["cells"] if c["block_size"] == "auto" and "costs" in c)
     res = {"trace": trace.name,
@@ -120,7 +125,8 @@ def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = Fal
                       for (j, w), v in sorted(by.items())},
            "per_token_ms": slope(groups.values()),
            "prefill_ms": {c: statistics.median(v) for c, v in sorted(prefill.items())},
-           "start": cell["costs"]["start"]}
+           "start": cell["costs"]["start"],
+           "noise": [round(ms / med[(j, w)], 3) for j, w, ms in order]}
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")
     try:

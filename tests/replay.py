@@ -8,7 +8,10 @@ Inputs, committed under tests/data/replay/ (made by `python -m experiments.polic
 
 A request's jobs decode together with one width per round, as exllamav3 does; a round costs a traced round of its
 shape (an untraced width: its nearest traced width's, moved by the traced w=7 -> 15 slope), plus `switch_ms` when
-its width differs from the last round's, plus host time (`auto` pays its own extra per round).
+its width differs from the last round's, plus host time (`auto` pays its own extra per round). Costs that carry
+the device's noise in time (`noise`: each traced round's ms over its shape's median, in the bench's order) can
+play it back instead: round k costs its shape's median times the k-th traced factor, so a slow stretch of the
+device slows every width for a while, as it did there.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ def load(path: Path) -> dict:
 class Costs:
     """Round ms per (jobs, width) drawn from traced rounds, plus a cost per emitted token beyond one per job."""
 
-    def __init__(self, data: dict, seed: int = 0):
+    def __init__(self, data: dict, seed: int = 0, timed_noise: bool = False):
+        self.noise = data.get("noise") if timed_noise else None
+        if timed_noise and not self.noise:
+            raise ValueError("these costs carry no noise series")
+        self.k = seed * 997                          # each seed starts the series at another round
         self.by = {tuple(map(int, k.split(","))): v for k, v in data["rounds"].items()}
         self.per_token, self.prefill = data["per_token_ms"], {int(c): v for c, v in data["prefill_ms"].items()}
         self.start = data["start"]
@@ -64,7 +71,12 @@ class Costs:
         return self.shapes[(jobs, w)]
 
     def round_ms(self, jobs: int, w: int, extra_tokens: int) -> float:
-        return self.rng.choice(self.shape(jobs, w)) + self.per_token * extra_tokens
+        if self.noise:
+            self.k += 1
+            base = statistics.median(self.shape(jobs, w)) * self.noise[self.k % len(self.noise)]
+        else:
+            base = self.rng.choice(self.shape(jobs, w))
+        return base + self.per_token * extra_tokens
 
     def prefill_ms(self, c: int) -> float:
         return self.prefill[min(self.prefill, key=lambda k: (abs(k - c), k))] if self.prefill else 0.0
@@ -127,12 +139,13 @@ def make_policy(costs: Costs, block_size: int, **kw) -> Policy:
 
 
 def replay(lengths: dict, cost_data: dict, concurrency: list[int], reps: int = 10, seed: int = 0,
-           host_ms: float = 0.05, auto_host_ms: float = 0.05, spec_ar: float = 1.0, **policy_kw) -> dict:
+           host_ms: float = 0.05, auto_host_ms: float = 0.05, spec_ar: float = 1.0, timed_noise: bool = False,
+           **policy_kw) -> dict:
     """tok/ms of AR, auto, B=16 and B=8 at each concurrency, interleaved rep by rep as the bench runs them (one
     policy for every `auto` cell); per concurrency the medians, and auto over the best fixed width and over AR,
     paired per repetition."""
     B, max_new, rows = lengths["block_size"], lengths["max_new_tokens"], lengths["prompts"]
-    costs = Costs(cost_data, seed)
+    costs = Costs(cost_data, seed, timed_noise)
     policy = make_policy(costs, B, **policy_kw)
     modes = ("ar", "auto", 16, 8)
     got: dict[tuple, list[float]] = defaultdict(list)

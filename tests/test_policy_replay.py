@@ -3,6 +3,11 @@
 Targets: `auto` within 3 % of the best fixed width and at least 0.98 of AR at c = 1, 4 and 8 on every trace; with
 a drafter that accepts nothing, within 5 % of AR even when the speculative engine's AR rounds cost 20 % more than
 plain ones (whole requests then decode without the drafter), and each mechanism that pays shows it.
+
+The newest device run (`noisy`: an H100 with slow stretches, 12 % of its rounds >= 1.4x their shape's median, up
+to 118 rounds long) is replayed with its noise in time: there `auto` stays well above AR but reads 0.960 / 0.966 /
+1.03 of the best fixed width at c = 1 / 4 / 8, a known gap (the device itself read 0.89 / 0.89 / 0.93 of B=8,
+paired). Expiring stale width costs and a switch margin were tried against it; neither paid over all traces.
 """
 
 from __future__ import annotations
@@ -33,6 +38,33 @@ def test_auto_holds_the_targets_on_every_trace(name):
     for c, r in mean_ratios(name).items():
         assert r["auto_over_best"] >= 0.97, (name, c, r)
         assert r["auto_over_ar"] >= 0.98, (name, c, r)
+
+
+def noisy_ratios() -> dict[int, dict[str, float]]:
+    costs = R.load(R.DATA / "costs_h100_noisy.json.gz")
+    runs = [R.replay(FIRST4, costs, [1, 4, 8], reps=10, seed=s, timed_noise=True) for s in SEEDS]
+    return {c: {k: statistics.mean(r[c][k] for r in runs) for k in ("auto_over_best", "auto_over_ar")} for c in (1, 4, 8)}
+
+
+def test_auto_beats_ar_on_the_noisy_device_run():
+    for c, r in noisy_ratios().items():
+        assert r["auto_over_ar"] >= 1.2, (c, r)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: costs learnt in a slow stretch keep a width out; see module docstring")
+def test_auto_within_3pct_of_the_best_fixed_width_on_the_noisy_device_run():
+    for c, r in noisy_ratios().items():
+        assert r["auto_over_best"] >= 0.97, (c, r)
+
+
+def test_timed_noise_plays_the_device_series_back():
+    data = R.load(R.DATA / "costs_h100_noisy.json.gz")
+    costs = R.Costs(data, timed_noise=True)
+    got = [costs.round_ms(1, 7, 0) for _ in range(5)]
+    med = statistics.median(costs.shape(1, 7))
+    assert got == pytest.approx([med * data["noise"][k] for k in range(1, 6)])
+    with pytest.raises(ValueError, match="no noise"):
+        R.Costs(R.load(R.DATA / "costs_h100_call4.json.gz"), timed_noise=True)
 
 
 def test_trying_near_best_widths_pays_where_the_table_misleads():
