@@ -169,13 +169,17 @@ class FakeTokenizer:
 
 
 def install_sampler_modules(monkeypatch) -> None:
-    """The two exllamav3 sampler classes the backend imports when it builds jobs."""
+    """The exllamav3 classes the backend imports by name: the two samplers it builds jobs with and the MoE layer
+    class grouped_moe wraps (no stand-in model has one)."""
     sampler = types.ModuleType("exllamav3.generator.sampler")
     sampler.ArgmaxSampler = lambda: "argmax"
     sampler.CategoricalSampler = lambda temperature: f"T={temperature}"
-    for name in ("exllamav3", "exllamav3.generator"):
+    moe = types.ModuleType("exllamav3.modules.block_sparse_mlp")
+    moe.BlockSparseMLP = type("BlockSparseMLP", (), {})
+    for name in ("exllamav3", "exllamav3.generator", "exllamav3.modules"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "exllamav3.generator.sampler", sampler)
+    monkeypatch.setitem(sys.modules, "exllamav3.modules.block_sparse_mlp", moe)
 
 
 def make_backend(monkeypatch, tmp_path, model=None, moe_class=None, cache_tokens=8192, **kw):

@@ -263,9 +263,9 @@ def test_options_rebuild_the_generator_and_levers_parse(fake_backend):
     fake_backend.set_options(Exl3Options())
     assert fake_backend._gen is None and fake_backend.options.tag == "stock"
     fake_backend.set_options(None)                                     # the defaults again
-    assert fake_backend.options == ADOPTED and ADOPTED.tag == "graph_draft_swa"
-    assert parse_lever("graph_draft_swa=off", ADOPTED) == ("graph_draft_swa=off", Exl3Options())
-    assert parse_lever("graph-draft-swa")[1] == ADOPTED
+    assert fake_backend.options == ADOPTED and ADOPTED.tag == "graph_draft_swa,grouped_moe"
+    assert parse_lever("graph_draft_swa=off+grouped_moe=off", ADOPTED)[1] == Exl3Options()
+    assert parse_lever("graph-draft-swa+grouped-moe")[1] == ADOPTED
     with pytest.raises(ToolkitError, match="unknown lever 'chunked_verify'"):
         parse_lever("chunked_verify")
     with pytest.raises(ToolkitError, match="lever graph_draft_swa: bad value 'x'"):
@@ -318,9 +318,21 @@ def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkey
 
     moe = FakeMoE()
     be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
-    assert be.engine_report() is None                              # off by default
-    be.set_options(Exl3Options(graph_draft_swa=True, grouped_moe=True))
     assert isinstance(vars(moe)["forward"], GroupedForward) and be.options.tag == "graph_draft_swa,grouped_moe"
-    assert be.engine_report() == {"moe_paths": {"grouped": 0, "stock": 0}}
-    be.set_options(None)
+    assert be.engine_report() == {"moe_paths": {"grouped": 0, "stock": 0}}     # on by default
+    be.set_options(Exl3Options(graph_draft_swa=True))
     assert "forward" not in vars(moe) and be.engine_report() is None
+
+
+def test_without_triton_the_grouped_moe_lever_stays_off_with_one_warning(monkeypatch, tmp_path):
+    import toolkit.exl3.grouped_moe as gm
+
+    class FakeMoE:
+        def forward(self, x, params, out_dtype=None):
+            return x
+
+    moe = FakeMoE()
+    monkeypatch.setattr(gm, "missing", lambda: "Triton is not installed")
+    with pytest.warns(UserWarning, match="grouped_moe stays off: Triton is not installed"):
+        be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
+    assert be.options == Exl3Options(graph_draft_swa=True) and "forward" not in vars(moe)

@@ -214,9 +214,9 @@ class Exl3Backend(Backend):
         drafter's wraps follow."""
         options = options or ADOPTED
         if options.grouped_moe or self.options.grouped_moe:
-            from .grouped_moe import set_grouped_moe
+            from .grouped_moe import install
 
-            set_grouped_moe(self.model, self.moe_class(), options.grouped_moe)
+            options = install(self.model, self.moe_class(), options)
         if self.draft is not None:
             set_draft_levers(self.draft, options, self.options, self.draft_classes)
         if options != self.options and self._gen is not None:

@@ -15,7 +15,7 @@ path does not implement (see `applies`); `path_counts` says how many calls took 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -298,6 +298,25 @@ class GroupedForward:
             add_shared_stock(m, x, params, out)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if out_dtype is None else out.to(out_dtype)
+
+
+def missing() -> str | None:
+    """Why this path cannot run here (None when it can): Triton is not installed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+def install(model, moe_class: type, options):
+    """Put the grouped forward on (or take it off) every `moe_class` module as `options.grouped_moe` says; the
+    options in force come back, with grouped_moe off where this path cannot run (one warning says why)."""
+    if options.grouped_moe and (why := missing()):
+        warnings.warn(f"grouped_moe stays off: {why}")
+        options = replace(options, grouped_moe=False)
+    set_grouped_moe(model, moe_class, options.grouped_moe)
+    return options
 
 
 def set_grouped_moe(model, moe_class: type, on: bool) -> int:
