@@ -10,7 +10,7 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 2. t_AR (the Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR round of
    the speculative Generator, drafter K/V kept: what the policy's AR rounds cost, reported against t_AR as
    `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever of `--levers` (default the adopted
-   graph_draft_swa; NAME[=VALUE], "A+B" joins levers), after `--warmup` untimed passes (default 1: a process's
+   levers together, graph_draft_swa+grouped_moe; NAME[=VALUE], "A+B" joins levers), after `--warmup` untimed passes (default 1: a process's
    first pass meets every shape cold), >= 10 repetitions interleaved: every repetition times every (c, setting),
    each on c steady-state dummy jobs with 1k-token prompts, one untimed round per width then one timed pass over
    the widths (toolkit.exl3.calibrate.time_rounds, the same timer as the backend's calibration); medians and
@@ -51,7 +51,8 @@ SHAPES = ROOT / "quantize" / "shapes"
 WORK = Path("/tmp/speed")
 SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 1, 3, 5, 7, 11, 15)
-SHAPE_LEVERS = ("graph_draft_swa",)                # the adopted lever; `--levers` times others against stock
+ADOPTED_LEVERS = "graph_draft_swa+grouped_moe"     # the toolkit's defaults (ADOPTED) as one `--levers` setting
+SHAPE_LEVERS = (ADOPTED_LEVERS,)                    # `--levers` times others against stock
 
 
 # -- pure helpers (tested on the CPU) --------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def shape_targets(rows: list[dict]) -> dict:
     stock = pick.get("stock")
     if stock is None:
         return {}
-    setting = ADOPTED.tag if ADOPTED.tag in pick else "stock"
+    setting = next((k for k in (ADOPTED.tag, ADOPTED_LEVERS) if k in pick), "stock")
     r = pick[setting]
     over = r["policy_speedup"] / stock["default_speedup"]
     return {"setting": setting, "policy_over_defaults": over, "needed_over_defaults": 1.3,
