@@ -10,8 +10,8 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 2. t_AR (the Generator without drafter) and t_round(w) for w in {0, 1, 3, 5, 7, 11, 15} (w = 0: an AR round of
    the speculative Generator, drafter K/V kept: what the policy's AR rounds cost, reported against t_AR as
    `ar_in_spec_over_ar`) at c in {1, 4, 8, 16}, stock and with each lever of `--levers` (default the adopted
-   levers together, graph_draft_swa+grouped_moe; NAME[=VALUE], "A+B" joins levers), after `--warmup` untimed passes (default 1: a process's
-   first pass meets every shape cold), >= 10 repetitions interleaved: every repetition times every (c, setting),
+   levers together, graph_draft_swa+grouped_moe; NAME[=VALUE], "A+B" joins levers), after `--warmup` untimed
+   passes (default 1: a process's first pass meets every shape cold), >= 10 repetitions interleaved: every repetition times every (c, setting),
    each on c steady-state dummy jobs with 1k-token prompts, one untimed round per width then one timed pass over
    the widths (toolkit.exl3.calibrate.time_rounds, the same timer as the backend's calibration); medians and
    spread per cell;
@@ -45,13 +45,14 @@ import time
 from pathlib import Path
 
 from experiments.harness import Repetitions, Run, device_name, env_float, warm_up
+from toolkit.exl3.options import ADOPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
 WORK = Path("/tmp/speed")
 SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 1, 3, 5, 7, 11, 15)
-ADOPTED_LEVERS = "graph_draft_swa+grouped_moe"     # the toolkit's defaults (ADOPTED) as one `--levers` setting
+ADOPTED_LEVERS = ADOPTED.tag.replace(",", "+")      # the toolkit's defaults as one `--levers` setting
 SHAPE_LEVERS = (ADOPTED_LEVERS,)                    # `--levers` times others against stock
 
 
@@ -105,13 +106,11 @@ def ar_overhead(ar: dict[int, list[float]], stock: dict[int, dict[int, list[floa
 def shape_targets(rows: list[dict]) -> dict:
     """The real-shape targets at c=1, DF-16: the policy with the toolkit's defaults (ADOPTED, when timed as a
     lever; else stock) >= 1.3x exllamav3's stock defaults and >= 2.2x AR."""
-    from toolkit.exl3.options import ADOPTED
-
     pick = {x["setting"]: x for x in rows if x["concurrency"] == 1 and x["name"] == "DF-16"}
     stock = pick.get("stock")
     if stock is None:
         return {}
-    setting = next((k for k in (ADOPTED.tag, ADOPTED_LEVERS) if k in pick), "stock")
+    setting = ADOPTED_LEVERS if ADOPTED_LEVERS in pick else "stock"
     r = pick[setting]
     over = r["policy_speedup"] / stock["default_speedup"]
     return {"setting": setting, "policy_over_defaults": over, "needed_over_defaults": 1.3,

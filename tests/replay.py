@@ -51,6 +51,7 @@ class Costs:
         self.start = data["start"]
         self.rng = random.Random(seed)
         self.shapes: dict[tuple[int, int], list[float]] = {}
+        self.medians: dict[tuple[int, int], float] = {}
 
     def traced(self, jobs: int, w: int) -> bool:
         return len(self.by.get((jobs, w), ())) >= MIN_ROUNDS
@@ -70,10 +71,15 @@ class Costs:
                 self.shapes[(jobs, w)] = [x + slope * (w - near[1]) + shift for x in self.by[near]]
         return self.shapes[(jobs, w)]
 
+    def shape_median(self, jobs: int, w: int) -> float:
+        if (jobs, w) not in self.medians:
+            self.medians[(jobs, w)] = statistics.median(self.shape(jobs, w))
+        return self.medians[(jobs, w)]
+
     def round_ms(self, jobs: int, w: int, extra_tokens: int) -> float:
         if self.noise:
             self.k += 1
-            base = statistics.median(self.shape(jobs, w)) * self.noise[self.k % len(self.noise)]
+            base = self.shape_median(jobs, w) * self.noise[self.k % len(self.noise)]
         else:
             base = self.rng.choice(self.shape(jobs, w))
         return base + self.per_token * extra_tokens

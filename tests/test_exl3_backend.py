@@ -309,12 +309,15 @@ def test_hook_takes_the_whole_block_and_verifies_the_first_w():
     assert (r.drafted, r.accepted, r.bonus, r.proposed) == ((0, 1, 2, 3), 3, 9, 7)
 
 
+class FakeMoE:
+    """An MoE layer class for the grouped_moe wrap to find."""
+
+    def forward(self, x, params, out_dtype=None):
+        return x
+
+
 def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkeypatch, tmp_path):
     from toolkit.exl3.grouped_moe import GroupedForward
-
-    class FakeMoE:
-        def forward(self, x, params, out_dtype=None):
-            return x
 
     moe = FakeMoE()
     be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
@@ -326,10 +329,6 @@ def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkey
 
 def test_without_triton_the_grouped_moe_lever_stays_off_with_one_warning(monkeypatch, tmp_path):
     import toolkit.exl3.grouped_moe as gm
-
-    class FakeMoE:
-        def forward(self, x, params, out_dtype=None):
-            return x
 
     moe = FakeMoE()
     monkeypatch.setattr(gm, "missing", lambda: "Triton is not installed")

@@ -12,6 +12,7 @@ paired). Expiring stale width costs and a switch margin were tried against it; n
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import pytest
@@ -40,6 +41,7 @@ def test_auto_holds_the_targets_on_every_trace(name):
         assert r["auto_over_ar"] >= 0.98, (name, c, r)
 
 
+@functools.cache
 def noisy_ratios() -> dict[int, dict[str, float]]:
     costs = R.load(R.DATA / "costs_h100_noisy.json.gz")
     runs = [R.replay(FIRST4, costs, [1, 4, 8], reps=10, seed=s, timed_noise=True) for s in SEEDS]
@@ -61,7 +63,7 @@ def test_timed_noise_plays_the_device_series_back():
     data = R.load(R.DATA / "costs_h100_noisy.json.gz")
     costs = R.Costs(data, timed_noise=True)
     got = [costs.round_ms(1, 7, 0) for _ in range(5)]
-    med = statistics.median(costs.shape(1, 7))
+    med = costs.shape_median(1, 7)
     assert got == pytest.approx([med * data["noise"][k] for k in range(1, 6)])
     with pytest.raises(ValueError, match="no noise"):
         R.Costs(R.load(R.DATA / "costs_h100_call4.json.gz"), timed_noise=True)
