@@ -35,7 +35,7 @@ from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "moe_union", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -168,16 +168,17 @@ def check_moe(ctx: Ctx) -> dict:
 
 def off_and_on(ctx: Ctx, be, prompts, lever: str, names: tuple[str, str], label: str, out: dict, detail: str) -> int:
     """lossless() at B=16 with the switch `lever` off, then on, into out[names[0]] and out[names[1]] (saved as
-    `detail` after each); returns how many speculative outputs the two runs share."""
+    `detail` after each); returns how many speculative outputs the two runs share (out["same_ar_output"]: how
+    many AR outputs)."""
     from toolkit.exl3.options import Exl3Options
 
-    spec = {}
+    spec, ar = {}, {}
     for on in (False, True):
         be.set_options(Exl3Options(**{lever: on}))
         res = out[names[on]] = lossless(be, prompts, 16, f"{label} {lever}={on}", ctx.max_new)
-        res.pop("_ar")
-        spec[on] = res.pop("_spec")
+        ar[on], spec[on] = res.pop("_ar"), res.pop("_spec")
         ctx.run.steps[detail] = out
+    out["same_ar_output"] = f"{sum(a == b for a, b in zip(ar[True], ar[False]))}/{len(prompts)}"
     return sum(a == b for a, b in zip(spec[True], spec[False]))
 
 
@@ -198,9 +199,10 @@ def check_moe_exl3(ctx: Ctx) -> dict:
         free_cuda(be)
 
 
-def check_moe_grouped(ctx: Ctx) -> dict:
-    """The grouped_moe lever on the trained MoE target as EXL3 4.0 bpw: B=16 off and on, each against the backend's
-    own AR (its 1-row steps take exllamav3's path), and how many MoE calls the grouped path served."""
+def check_moe_grouped(ctx: Ctx, path: str = "grouped") -> dict:
+    """An MoE lever (grouped_moe, union_moe) alone on the trained MoE target as EXL3 4.0 bpw: B=16 off and on, each
+    against the backend's own AR under the same options, both runs' outputs compared, and how many MoE calls the
+    path served."""
     from toolkit.exl3.backend import Exl3Backend
 
     dst = WORK / "moe_exl3"
@@ -208,10 +210,10 @@ def check_moe_grouped(ctx: Ctx) -> dict:
     be = Exl3Backend.from_dirs(dst, ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
     try:
         prompts = doc_prompts(be.tokenizer, n=20)
-        out["same_spec_output"] = off_and_on(ctx, be, prompts, "grouped_moe", ("off", "on"), "moe_exl3", out,
-                                             "moe_grouped_detail")
+        out["same_spec_output"] = off_and_on(ctx, be, prompts, f"{path}_moe", ("off", "on"), "moe_exl3", out,
+                                             f"moe_{path}_detail")
         out["engine"] = be.engine_report()
-        assert out["engine"] and out["engine"]["moe_paths"]["grouped"] > 0, "the grouped path never ran"
+        assert out["engine"] and out["engine"]["moe_paths"][path] > 0, f"the {path} path never ran"
         return out
     finally:
         free_cuda(be)
@@ -382,7 +384,8 @@ def check_errors(ctx: Ctx) -> dict:
 
 
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
-         "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_grouped), "draft_swa": ("graph_draft_swa", check_draft_swa),
+         "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_grouped),
+         "moe_union": ("moe_union", lambda ctx: check_moe_grouped(ctx, "union")), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
 

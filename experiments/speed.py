@@ -43,6 +43,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 from experiments.harness import Repetitions, Run, device_name, env_float, warm_up
 from toolkit.exl3.options import ADOPTED
@@ -121,27 +122,32 @@ def shape_targets(rows: list[dict]) -> dict:
 # -- shape mode ------------------------------------------------------------------------------------------------
 
 
-def synth_pair(work: Path, resynth: bool) -> dict:
+def target_dir(work: Path, routing: str) -> Path:
+    return work / ("target-4.0" if routing == "random" else f"target-4.0-{routing}")
+
+
+def synth_pair(work: Path, resynth: bool, routing: str = "random") -> dict:
     import torch
 
     from toolkit.synthetic import synth
 
     out = {}
-    for key, cfg, bits in (("target", "qwen3.6-35b-a3b.json", 4), ("draft", "qwen3.6-35b-a3b-dflash.json", 6)):
-        folder = work / f"{key}-{bits}.0"
+    for key, cfg, bits, folder in (("target", "qwen3.6-35b-a3b.json", 4, target_dir(work, routing)),
+                                   ("draft", "qwen3.6-35b-a3b-dflash.json", 6, work / "draft-6.0")):
         if (folder / "config.json").is_file() and not resynth:          # complete: synth renames it in at the end
             out[key] = {"reused": str(folder)}
             continue
-        out[key] = synth(str(SHAPES / cfg), bits, str(folder), device="cuda", overwrite=True, quiet=True)
+        extra = {"routing": routing} if key == "target" else {}
+        out[key] = synth(str(SHAPES / cfg), bits, str(folder), device="cuda", overwrite=True, quiet=True, **extra)
     torch.cuda.empty_cache()
     return out
 
 
-def load_shape(a):
+def load_shape(a, routing: str = "random"):
     from toolkit.exl3.backend import Exl3Backend
 
     per_job = math.ceil((a.context + 2 * sum(w + 1 for w in a.widths) + 64) / 256) * 256
-    return Exl3Backend.from_dirs(a.work / "target-4.0", a.work / "draft-6.0", cache_tokens=max(a.concurrency) * per_job,
+    return Exl3Backend.from_dirs(target_dir(a.work, routing), a.work / "draft-6.0", cache_tokens=max(a.concurrency) * per_job,
                                  max_concurrency=max(a.concurrency))
 
 
@@ -152,17 +158,24 @@ def time_shape(run: Run, be, a) -> dict:
 
     sets = [("stock", Exl3Options())] + [parse_lever(x) for x in a.levers]
     ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
+    own_ar: dict[str, dict[int, list[float]]] = {t: {c: [] for c in a.concurrency} for t, _ in sets[1:]}
     per: dict[str, dict[int, dict[int, list[float]]]] = {t: {c: {w: [] for w in a.widths} for c in a.concurrency} for t, _ in sets}
     out = run.results.setdefault("timing", {})
 
+    def plain_ar(c: int) -> float:
+        return medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0]
+
     def one_pass() -> tuple[dict[int, float], dict[tuple[str, int, int], float]]:
-        """t_AR per c, and t_round per (setting, c, w): one timed pass over every cell."""
+        """t_AR per c (stock, and each setting's own under ("ar", tag)), and t_round per (setting, c, w): one timed
+        pass over every cell."""
         t_ar, t_round = {}, {}
         for c in a.concurrency:
             be.set_options(Exl3Options())
-            t_ar[c] = medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0]
+            t_ar[c] = plain_ar(c)
             for tag, opts in sets:
                 be.set_options(opts)
+                if tag != "stock":
+                    t_round["ar", tag, c] = plain_ar(c)
                 for w, ms in medians(time_rounds(be, c, a.widths, reps=a.passes, context=a.context)).items():
                     t_round[tag, c, w] = ms
         be.set_options(Exl3Options())
@@ -174,17 +187,21 @@ def time_shape(run: Run, be, a) -> dict:
         t_ar, t_round = one_pass()
         for c, ms in t_ar.items():
             ar[c].append(ms)
-        for (tag, c, w), ms in t_round.items():
-            per[tag][c][w].append(ms)
+        for key, ms in t_round.items():
+            if key[0] == "ar":
+                own_ar[key[1]][key[2]].append(ms)
+            else:
+                per[key[0]][key[1]][key[2]].append(ms)
         rep_s = reps.lap()
         out.update(reps_done=rep + 1, rep_seconds=round(rep_s, 1), context=a.context, widths=list(a.widths),
                    concurrency=list(a.concurrency), settings=[t for t, _ in sets],
                    ar_ms={str(c): cell_summary({"ms": v})["ms"] for c, v in ar.items()},
+                   own_ar_ms={t: {str(c): cell_summary({"ms": v})["ms"] for c, v in pc.items()} for t, pc in own_ar.items()},
                    round_ms={t: {str(c): cell_summary(pw) for c, pw in pc.items()} for t, pc in per.items()})
         run.log(f"repetition {rep + 1}: {rep_s:.0f} s; c=1 stock: AR {ar[min(a.concurrency)][-1]:.2f} ms, "
                 + ", ".join(f"w={w} {per['stock'][min(a.concurrency)][w][-1]:.2f}" for w in a.widths))
         run.save()
-    return {"ar": ar, "sets": per}
+    return {"ar": ar, "sets": per, "own_ar": own_ar}
 
 
 def sync() -> None:
@@ -276,24 +293,36 @@ def profile_host(be, a) -> dict:
 
 
 def run_shape(run: Run, a) -> None:
+    from experiments.budget import budgets, distinct_experts
     from experiments.harness import free_cuda
     from toolkit.benchmark.projection import ASSUMPTION, PUBLISHED
 
-    run.step("synth", synth_pair, a.work, a.resynth, need_s=60)
-    be = run.step("load", load_shape, a, keep=False, need_s=30)
-    if be is None:
-        return
-    try:
-        data = run.step("timing", time_shape, run, be, a, keep=False)
-        run.step("profile", profile_host, be, a, need_s=20)
-        if data:
-            taus = [(k, t, B) for k, (t, B) in PUBLISHED.items()]
-            rows = projection_rows(data["ar"], data["sets"], taus)
-            run.results["projection"] = {"assumption": ASSUMPTION, "rows": rows, "targets": shape_targets(rows)}
-            run.results["ar_in_spec_over_ar"] = ar_overhead(data["ar"], data["sets"]["stock"])
-            run.save()
-    finally:
-        free_cuda(be)
+    for i, routing in enumerate(a.routing):
+        key = "" if routing == "random" else f"_{routing}"
+        run.step(f"synth{key}", synth_pair, a.work, a.resynth, routing, need_s=60)
+        be = run.step(f"load{key}", load_shape, a, routing, keep=False, need_s=30)
+        if be is None:
+            return
+        try:
+            run.results[f"distinct_experts{key}"] = distinct_experts(be)
+            data = run.step(f"timing{key}", time_shape, run, be, a, keep=False)
+            if i == 0:
+                run.step("profile", profile_host, be, a, need_s=20)
+                if a.budget:
+                    run.step("budget", budgets, be, a, need_s=30)
+            if data:
+                taus = [(k, t, B) for k, (t, B) in PUBLISHED.items()]
+                rows = projection_rows(data["ar"], data["sets"], taus)
+                for r in rows:
+                    r["routing"] = routing
+                    own = data["own_ar"].get(r["setting"], {}).get(r["concurrency"])
+                    if own:
+                        r["own_ar_speedup"] = round(median(data["ar"][r["concurrency"]]) / median(own), 3)
+                run.results[f"projection{key}"] = {"assumption": ASSUMPTION, "rows": rows, "targets": shape_targets(rows)}
+                run.results[f"ar_in_spec_over_ar{key}"] = ar_overhead(data["ar"], data["sets"]["stock"])
+                run.save()
+        finally:
+            free_cuda(be)
 
 
 # -- entry -----------------------------------------------------------------------------------------------------
@@ -320,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
                    "profile; the last one under torch.profiler (default 5)")
     s.add_argument("--reserve-s", type=float, default=60.0, help="budget kept for the profile and projection (default 60)")
     s.add_argument("--warmup", type=int, default=1, help="untimed passes over every cell before the repetitions (default 1)")
+    s.add_argument("--routing", nargs="+", choices=["random", "skewed"], default=["random"],
+                   help="synthetic target routing, each timed in turn: random (the default and upper bound) and/or "
+                        "skewed (toolkit.synth --routing skewed: about the published distinct-expert counts)")
+    s.add_argument("--budget", nargs="*", default=["1:AR", "1:7", "1:15", "4:AR", "4:7"],
+                   help="round budgets C:W to profile (W a width or AR), stock and the last --levers setting")
     p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")
     p.add_argument("--work", type=Path, default=SMOL / "speed", help="padded copies go here (default /tmp/smol-run/speed)")
     p.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")))

@@ -310,28 +310,28 @@ def test_hook_takes_the_whole_block_and_verifies_the_first_w():
 
 
 class FakeMoE:
-    """An MoE layer class for the grouped_moe wrap to find."""
+    """An MoE layer class for the MoE wrap to find."""
 
     def forward(self, x, params, out_dtype=None):
         return x
 
 
 def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkeypatch, tmp_path):
-    from toolkit.exl3.grouped_moe import GroupedForward
+    from toolkit.exl3.moe import MoeForward
 
     moe = FakeMoE()
     be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
-    assert isinstance(vars(moe)["forward"], GroupedForward) and be.options.tag == "graph_draft_swa,grouped_moe"
-    assert be.engine_report() == {"moe_paths": {"grouped": 0, "stock": 0}}     # on by default
+    assert isinstance(vars(moe)["forward"], MoeForward) and be.options.tag == "graph_draft_swa,grouped_moe"
+    assert be.engine_report() == {"moe_paths": {"union": 0, "grouped": 0, "stock": 0}}     # on by default
     be.set_options(Exl3Options(graph_draft_swa=True))
     assert "forward" not in vars(moe) and be.engine_report() is None
 
 
 def test_without_triton_the_grouped_moe_lever_stays_off_with_one_warning(monkeypatch, tmp_path):
-    import toolkit.exl3.grouped_moe as gm
+    import toolkit.exl3.moe as gm
 
     moe = FakeMoE()
     monkeypatch.setattr(gm, "missing", lambda: "Triton is not installed")
-    with pytest.warns(UserWarning, match="grouped_moe stays off: Triton is not installed"):
+    with pytest.warns(UserWarning, match="grouped_moe off: Triton is not installed"):
         be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
     assert be.options == Exl3Options(graph_draft_swa=True) and "forward" not in vars(moe)

@@ -33,7 +33,7 @@ from toolkit.runtime.events import tokens_of
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "experiments"
 MODULES = sorted(m.name for m in pkgutil.iter_modules([str(HERE)]))
-LIBRARIES = {"harness", "exl3_timing", "lossless", "draft_exl3", "pair_mode"}      # imported by the scripts, not run
+LIBRARIES = {"harness", "exl3_timing", "lossless", "draft_exl3", "pair_mode", "budget"}      # imported by the scripts, not run
 SCRIPTS = [m for m in MODULES if m not in LIBRARIES]
 
 
@@ -460,3 +460,29 @@ def test_smol_scale_runs_its_device_calls_tiny(tmp_path, monkeypatch):
     assert res3["stages"]["unpack_store"]["result"] == {"parts": 1, "index": True}
     first = lambda r: r["stages"]["train"]["result"]["losses"][0][1]
     assert first(res3) < first(res)                  # it starts where the first run ended
+
+
+def test_round_budget_charges_each_kernel_to_one_part():
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from experiments import budget
+
+    assert budget.charge(["linears", "moe"]) == "moe" and budget.charge(["linears", "attention"]) == "linears"
+    assert budget.charge([]) == "other" and budget.charge(["attention", "drafter"]) == "drafter"
+    assert budget.busy_us([(0, 10), (5, 12), (20, 25)]) == 17
+
+    def cpu(name, parent=None, kernels=()):
+        return NS(name=name, cpu_parent=parent, kernels=[NS(duration=d) for d in kernels], device_type=DeviceType.CPU)
+
+    moe = cpu("budget:moe")
+    attn = cpu("budget:attention")
+    lin = cpu("budget:linears", attn)
+    events = [moe, cpu("launch", moe, [2000]), cpu("launch", cpu("budget:linears", moe), [1000]), attn,
+              cpu("launch", lin, [500]), cpu("launch", attn, [300]), cpu("launch", None, [200])]
+    events += [NS(device_type=DeviceType.CUDA, time_range=NS(start=s, end=e), kernels=[]) for s, e in
+               ((0, 3000), (3000, 3800), (3800, 4000))]
+    out = budget.split(NS(events=lambda: events), rounds=2, wall_ms=2.5)
+    assert (out["moe"], out["linears"], out["attention"], out["other"]) == (1.5, 0.25, 0.15, 0.1)
+    assert out["gpu_busy"] == 2.0 and out["host_gaps"] == 0.5 and out["charged_share"] == 1.0

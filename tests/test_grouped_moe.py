@@ -1,60 +1,35 @@
-"""The expert-grouped EXL3 MoE path (toolkit/exl3/grouped_moe*.py) on the CPU: its Triton kernels run under
+"""The expert-grouped EXL3 MoE path (toolkit/moe/grouped*.py) on the CPU: its Triton kernels run under
 TRITON_INTERPRET=1 against the torch reference. The decode must be bit-exact on every codebook and bitrate the
-converter writes; the MoE forward must match the reference to fp16 rounding; the lever must fall back cleanly."""
+converter writes; the MoE forward must match the reference to fp16 rounding (the lever: test_moe_lever.py)."""
 
 from __future__ import annotations
-
-import importlib
-import os
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from toolkit.exl3 import grouped_moe as gm  # noqa: E402
-from toolkit.exl3.grouped_moe_ref import (RATES, random_layer, random_linear, ref_moe, split_rate,  # noqa: E402
+from toolkit.moe import grouped as gm  # noqa: E402
+from toolkit.moe.ref import (RATES, random_layer, random_linear, ref_moe, split_rate,  # noqa: E402
                                           tile_states, window_ends, inner_weight)
 from toolkit.synthetic import codebook as synth_cb  # noqa: E402
 
-KERNELS = "toolkit.exl3.grouped_moe_kernels"
+import moe_fakes as fakes  # noqa: E402
+from moe_fakes import HID, INT, EXPERTS, TOPK, assert_close, routed  # noqa: E402,F401
+
+KERNELS = "toolkit.moe.grouped_kernels"
 FORMATS = [(cb, K) for cb in ("mul1", "mcg", "3inst") for K in RATES if cb == "mul1" or K == int(K)]
-HID, INT, EXPERTS, TOPK = 256, 128, 8, 2
 
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreted():
-    """Import the kernels under TRITON_INTERPRET=1 (read when a kernel is defined) without leaving it set."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules.pop(KERNELS, None)
-    try:
-        yield importlib.import_module(KERNELS)
-    finally:
-        sys.modules.pop(KERNELS, None)
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    with fakes.interpreted(KERNELS) as mod:
+        yield mod
 
 
 @pytest.fixture(scope="module")
 def layer():
     return random_layer(HID, INT, EXPERTS, 4, "mul1", seed=1)
-
-
-def routed(rows: int, seed: int, experts: int = EXPERTS, topk: int = TOPK):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, HID, generator=g).half()
-    sel = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(rows)])
-    return x, sel, torch.rand(rows, topk, generator=g).half()
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    diff = (out.double() - ref).abs().max().item()
-    assert diff <= 3e-3 * ref.abs().max().item(), f"max abs difference {diff:.3g}, output scale {ref.abs().max():.3g}"
 
 
 # -- the reference's reading of the format --------------------------------------------------------------------
@@ -150,76 +125,3 @@ def test_mixed_formats_are_refused(layer):
     mixed = gm.MoeLayer(layer.gates[:-1] + odd.gates, layer.ups, layer.downs)
     with pytest.raises(ValueError, match="mix EXL3 formats"):
         gm.build_tables(mixed, torch.device("cpu"))
-
-
-# -- the lever ------------------------------------------------------------------------------------------------
-
-
-class FakeMoE:
-    """The BlockSparseMLP attributes the lever reads, over a MoeLayer; its own forward returns a marker."""
-
-    def __init__(self, lay, topk: int = TOPK):
-        q = lambda lins: [SimpleNamespace(inner=m, quant_type="exl3") for m in lins]
-        self.gates, self.ups, self.downs = q(lay.gates), q(lay.ups), q(lay.downs)
-        sh = lay.shared
-        self.shared_experts = None if sh is None else SimpleNamespace(
-            gates=q(sh[:1]), ups=q(sh[1:2]), downs=q(sh[2:]), activation_fn="silu")
-        self.shared_gate = None if lay.shared_gate is None else SimpleNamespace(
-            quant_type="fp16", inner=SimpleNamespace(weight=lay.shared_gate.view(-1, 1)))
-        self.hidden_size, self.num_experts, self.num_local_experts = lay.hidden, len(lay.gates), len(lay.gates)
-        self.intermediate_size = self.intermediate_size_padded = lay.inter
-        self.num_experts_per_tok = topk
-        self.bc, self.routing_gate, self.routing_cfg = object(), object(), None
-        self.is_quantized = self.support_quant_paths = self.gated = True
-        self.activation_fn, self.act_limit, self.interm_div = "silu", 0.0, 1.0
-        self.latent_in = self.routed_pre_norm = self.routed_post_norm = self.router_pre_norm = None
-        self.routing_device = self.cpu_split_first = self.shared_experts_post_norm = None
-        self.alt_residual_channel = self.tp_reduce = self.cpu_offload = False
-        self.router = torch.randn(lay.hidden, len(lay.gates), generator=torch.Generator().manual_seed(4))
-
-    def routing_fn(self, bsz, cfg, z, params):
-        w, sel = torch.softmax(z.float() @ self.router, -1).topk(self.num_experts_per_tok, -1)
-        return sel, w.half()
-
-    def forward(self, x, params, out_dtype=None):
-        return "stock"
-
-
-def test_lever_runs_verify_rows_grouped_and_the_rest_stock(layer):
-    moe = FakeMoE(layer)
-    assert gm.set_grouped_moe([moe, object()], FakeMoE, True) == 1
-    x, _, _ = routed(12, seed=17)
-    out = moe.forward(x.view(1, 12, HID), {})
-    sel, w = moe.routing_fn(12, None, x, {})
-    assert out.shape == (1, 12, HID) and out.dtype == torch.float32
-    assert_close(out.view(12, HID), ref_moe(x, sel, w, layer))
-    assert moe.forward(x[:8], {}) == "stock"                           # up to 8 rows: exllamav3's own (faster)
-    assert moe.forward(x, {"capture_sens": {}}) == "stock"             # a calibration pass
-    assert gm.path_counts([moe], FakeMoE) == {"grouped": 1, "stock": 2}
-    assert gm.set_grouped_moe([moe], FakeMoE, False) == 1 and "forward" not in vars(moe)
-
-
-def test_lever_falls_back_on_what_it_does_not_implement(layer):
-    moe = FakeMoE(layer)
-    gm.set_grouped_moe([moe], FakeMoE, True)
-    x, _, _ = routed(10, seed=19)
-    moe.activation_fn = "gelu"
-    assert moe.forward(x, {}) == "stock"
-    moe.activation_fn = "silu"
-    moe.gates[0] = SimpleNamespace(inner=random_linear(HID, INT, 3, "mcg", torch.Generator()), quant_type="exl3")
-    assert moe.forward(x, {}) == "stock" and "mix EXL3 formats" in vars(moe)["forward"].unfit
-
-
-def test_lever_turns_itself_off_when_a_kernel_fails(layer, monkeypatch):
-    moe = FakeMoE(layer)
-    gm.set_grouped_moe([moe], FakeMoE, True)
-
-    def broken(*a, **k):
-        raise RuntimeError("ptxas: no such instruction")
-
-    monkeypatch.setattr(gm, "grouped_forward", broken)
-    x, _, _ = routed(10, seed=23)
-    with pytest.warns(UserWarning, match="grouped MoE path off"):
-        assert moe.forward(x, {}) == "stock"
-    assert moe.forward(x, {}) == "stock" and "ptxas" in vars(moe)["forward"].unfit
-    assert gm.path_counts([moe], FakeMoE) == {"grouped": 0, "stock": 2}

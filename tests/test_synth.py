@@ -266,3 +266,22 @@ def test_cli_exit_code_and_summary(tmp_path):
     assert ok.returncode == 0, ok.stderr
     summary = json.loads(ok.stdout.strip().splitlines()[-1])
     assert summary["kind"] == "dflash" and summary["shards"] == 1 and summary["device"] in ("cpu", "cuda")
+
+
+def test_skewed_routing_scales_router_rows_and_narrows_the_experts_a_window_touches(tmp_path):
+    from toolkit.synthetic.build import ROUTER_SKEW
+
+    cfg = tiny_target()
+    cfg["text_config"].update(num_experts=256, num_experts_per_tok=8, num_hidden_layers=1, layer_types=["linear_attention"])
+    res = synth(str(write(tmp_path, "t", cfg)), 2, str(tmp_path / "s"), quiet=True, routing="skewed", shard_gb=0.5)
+    assert res["routing"] == "skewed"
+    cfg_out = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg_out["quantization_config"]["synthetic"]["routing"] == "skewed"
+    gate = next(v for k, v in tensors(tmp_path / "s").items() if k.endswith(".mlp.gate.weight")).float()
+    spread = gate.norm(dim=1).log().std().item()
+    assert abs(spread - ROUTER_SKEW) < 0.15, spread          # per-expert scales of log-std ROUTER_SKEW
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 15, gate.shape[1], generator=g)     # isotropic router inputs, windows of 15 tokens
+    top = (x @ gate.T).topk(8, -1).indices
+    skewed = sum(t.unique().numel() for t in top.view(400, -1)) / 400
+    assert 45 < skewed < 70                                  # random routing touches 97 of 256 in 15 tokens

@@ -42,6 +42,10 @@ class SynthOptions:
                                above=0, hi=100)
     shard_gb: float = option(4.0, "approximate shard size in GiB", above=0, hi=1024)
     device: str = option("auto", "where to generate: auto (cuda if available), cpu or cuda[:N]", kind="device_auto")
+    routing: str = option("random", "MoE router rows: random (every expert equally likely: the upper bound of a "
+                          "verify round's cost) or skewed (some experts win more often, so windows of 8 and 15 "
+                          "tokens touch about as many distinct experts as published for real routing)",
+                          choices=["random", "skewed"])
     overwrite: bool = option(False, "replace a non-empty --out (only once the new one is complete)")
     quiet: bool = option(False, "no progress bar")
 

@@ -213,8 +213,8 @@ class Exl3Backend(Backend):
         """Use these options from the next generate on (None: ADOPTED); the Generator is rebuilt and the
         drafter's wraps follow."""
         options = options or ADOPTED
-        if options.grouped_moe or self.options.grouped_moe:
-            from .grouped_moe import install
+        if options.moe_levers or self.options.moe_levers:
+            from .moe import install
 
             options = install(self.model, self.moe_class(), options)
         if self.draft is not None:
@@ -310,10 +310,11 @@ class Exl3Backend(Backend):
         return self.calibration_tokens.get(self.options.tag)
 
     def engine_report(self) -> dict | None:
-        """Which MoE path the target's layers took so far ({"grouped": calls, "stock": calls}), with grouped_moe on."""
-        if not self.options.grouped_moe:
+        """Which MoE path the target's layers took so far ({"union": calls, "grouped": calls, "stock": calls}), with
+        an MoE lever on."""
+        if not self.options.moe_levers:
             return None
-        from .grouped_moe import path_counts
+        from .moe import path_counts
 
         return {"moe_paths": path_counts(self.model, self.moe_class())}
 

@@ -71,6 +71,8 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
         else:
             raise ToolkitError(f"timing {concurrency} jobs: the timing prompts did not finish prefilling")
         for p in range(warm + reps):
+            if p == warm:
+                trace.emit("timed", on=True)             # measurement scripts may profile the timed passes
             for w in widths:
                 if speculative:
                     gen.set_width(w, B - 1 if full else None)
@@ -87,6 +89,7 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
                         after = [len(j.sequences[0].sequence_ids) for j in jobs]
                         emitted.setdefault(w, []).append(statistics.mean(a - b for a, b in zip(after, before)))
     finally:
+        trace.emit("timed", on=False)
         if gen.num_remaining_jobs():
             gen.clear_queue()
     missing = [w for w, ts in times.items() if not ts]

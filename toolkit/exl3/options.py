@@ -28,6 +28,11 @@ class Exl3Options:
 
     graph_draft_swa: bool = False
     grouped_moe: bool = False
+    union_moe: bool = False
+
+    @property
+    def moe_levers(self) -> bool:
+        return self.grouped_moe or self.union_moe
 
     @property
     def tag(self) -> str:
@@ -39,7 +44,7 @@ class Exl3Options:
 # The toolkit's defaults on exllamav3 (generate, bench, eval_tau and the app use them unless told otherwise).
 ADOPTED = Exl3Options(graph_draft_swa=True, grouped_moe=True)
 
-LEVERS = {"graph_draft_swa": True, "grouped_moe": True}   # lever -> the value `--levers NAME` uses when none is given
+LEVERS = {"graph_draft_swa": True, "grouped_moe": True, "union_moe": True}   # lever -> the value `--levers NAME` uses when none is given
 
 
 def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Options]:

@@ -36,7 +36,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    fill: str            # trellis | suh | svh | marker | normal | const | a_log
+    fill: str            # trellis | suh | svh | marker | normal | router | const | a_log
     value: float = 0.0   # std (normal, suh), constant (const, marker), real width (svh: columns past it are 0)
 
     @property

@@ -1,31 +1,19 @@
-"""`grouped_moe`: an expert-grouped forward of exllamav3's EXL3 MoE layers (BlockSparseMLP) for verify rounds.
-
-exllamav3 1.6.5 runs up to 8 rows through its fused decode kernels and more through its generic MoE kernel; at
-8..64 rows both run several times slower than the bytes of the distinct experts take to read. This path sorts
-a round's (row, expert) picks by expert and runs five Triton launches per layer: the sort, the input rotation,
-gate+up (each touched expert's weights decoded once per block of up to `bm` rows, shared by all its rows),
-down, and a fixed-order sum per token. The shared expert rides along as one more expert when its format
-matches the routed ones. The decode is exllamav3's own arithmetic (grouped_moe_ref.py states the format), so the
-weights multiplied are bit-identical to exllamav3's dequantisation; the rest agrees to fp16 rounding.
-
-The wrap falls back to exllamav3's own forward outside `GROUPED_ROWS` and wherever the layer has something this
-path does not implement (see `applies`); `path_counts` says how many calls took which path.
+"""The expert-grouped EXL3 MoE forward: a call's (row, expert) picks sorted by expert and run in five Triton launches
+per layer: the sort, the input rotation, gate+up (each touched expert's weights decoded once per block of up to
+`bm` of its rows), down, and a fixed-order sum per token. The shared expert rides along as one more expert when its
+format matches the routed ones. The decode is exllamav3's own arithmetic (ref.py states the format), so the weights
+multiplied are bit-identical to exllamav3's dequantisation; the rest agrees to fp16 rounding.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from .draft_levers import set_forward_wrap
-from .grouped_moe_ref import CODEBOOK_IDS, HAD, MoeLayer, codebook_of, split_rate
+from .ref import CODEBOOK_IDS, HAD, MoeLayer, codebook_of, split_rate
 
-GROUPED_ROWS = (9, 64)          # rows per call that take the grouped path (inclusive): stock wins up to 8
 MAX_SORT = 4096                 # assignments the one-program sort takes
-UNSAFE_PARAMS = ("autosplit_measure", "capture_sens", "capture_qmaps", "activate_all_experts", "tp_warmup",
-                 "capture", "quant_preserve", "ovr", "reconstruct")      # calibration, conversion, overrides
 
 
 @dataclass(frozen=True)
@@ -47,9 +35,9 @@ class KernelConfig:
 
 def kernels():
     """The Triton kernels (imported on first use: importing this module needs no Triton)."""
-    from . import grouped_moe_kernels
+    from . import grouped_kernels
 
-    return grouped_moe_kernels
+    return grouped_kernels
 
 
 def group_shape(K: float) -> tuple[int, int]:
@@ -85,7 +73,7 @@ _HAD: dict = {}
 
 def hadamards(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(had_in, had_out) [128, 128] fp16, unnormalised Sylvester H with its columns (in) / rows (out) permuted
-    within every 16 to the decode's row / column order (grouped_moe_kernels' docstring)."""
+    within every 16 to the decode's row / column order (grouped_kernels' docstring)."""
     key = str(device)
     if key not in _HAD:
         from ..synthetic.codebook import hadamard
@@ -199,137 +187,3 @@ def grouped_forward(x: torch.Tensor, sel: torch.Tensor, weights: torch.Tensor, t
     k.combine_kernel[(rows,)](ws["slots"], ws["slot_of"], x, t.shared_gate if gated else x, out, a, HID=t.hidden,
                               TOPK=topk, SHARED=t.shared, GATED=gated, BH=next_pow2(t.hidden))
     return out
-
-
-# -- the lever on exllamav3's BlockSparseMLP --------------------------------------------------------------------
-
-
-def applies(module, params: dict) -> bool:
-    """Whether a BlockSparseMLP call is one this path computes as exllamav3 would: EXL3 experts with a silu gate
-    and no biases, the layer whole on one device (no tensor-parallel, CPU or routing-device split), routing that
-    reads only the rows, no latent projection, no extra norms around the experts, no calibration pass."""
-    g = lambda name, default=None: getattr(module, name, default)
-    return (g("bc") is not None and bool(g("is_quantized")) and bool(g("support_quant_paths"))
-            and bool(g("gated")) and g("activation_fn") == "silu" and not g("act_limit", 0.0)
-            and g("interm_div", 1.0) == 1.0 and g("latent_in") is None and g("routed_pre_norm") is None
-            and g("routed_post_norm") is None and g("routing_gate") is not None and not g("alt_residual_channel")
-            and not g("tp_reduce") and g("routing_device") is None and g("cpu_split_first") is None
-            and not g("cpu_offload") and "hash" not in getattr(g("routing_fn"), "__name__", "")
-            and g("num_local_experts") == g("num_experts")
-            and g("intermediate_size") == g("intermediate_size_padded")
-            and (g("shared_experts") is None or g("shared_experts_post_norm") is None)
-            and not any(k in params for k in UNSAFE_PARAMS))
-
-
-def module_layer(module) -> MoeLayer:
-    """A BlockSparseMLP's EXL3 weights as a MoeLayer (the shared expert only when it is one EXL3 GatedMLP slice
-    with a silu gate and an fp16 sigmoid gate or none)."""
-    inner = lambda ls: [m.inner for m in ls]
-    shared = sgate = None
-    se = getattr(module, "shared_experts", None)
-    if se is not None and len(getattr(se, "gates", [])) == 1 and getattr(se, "activation_fn", None) == "silu" \
-            and all(getattr(m[0], "quant_type", None) == "exl3" for m in (se.gates, se.ups, se.downs)):
-        sg = getattr(module, "shared_gate", None)
-        if sg is None or (getattr(sg, "quant_type", None) == "fp16" and sg.inner.weight.numel() == module.hidden_size):
-            shared = (se.gates[0].inner, se.ups[0].inner, se.downs[0].inner)
-            sgate = None if sg is None else sg.inner.weight
-    return MoeLayer(inner(module.gates), inner(module.ups), inner(module.downs), shared, sgate)
-
-
-def add_shared_stock(module, x: torch.Tensor, params: dict, out: torch.Tensor) -> None:
-    """The shared expert the tables could not take, as exllamav3's forward adds it (into `out`, fp32)."""
-    from exllamav3.ext import exllamav3_ext as ext
-
-    y = module.shared_experts.forward(x, params)
-    if module.shared_gate is None:
-        out += y.view(out.shape)
-    elif out.shape[0] > 32:
-        ext.add_sigmoid_gate(y, module.shared_gate.forward(x, params), out)
-    else:
-        ext.add_sigmoid_gate_proj(y, x, out, module.shared_gate.inner.weight)
-
-
-class GroupedForward:
-    """A BlockSparseMLP's forward that runs GROUPED_ROWS rows through grouped_forward and everything else through
-    exllamav3's own; `calls` counts the paths taken."""
-
-    def __init__(self, module):
-        self.module = module
-        self.inner = type(module).forward.__get__(module)      # the class's own forward, bound
-        self.rows = GROUPED_ROWS
-        self.config = KernelConfig()
-        self.calls = {"grouped": 0, "stock": 0}
-        self.tables: Tables | None = None
-        self.key = None
-        self.unfit: str | None = None
-
-    def current_tables(self) -> Tables | None:
-        """The layer's tables, rebuilt when its tensors moved; None when its formats do not fit."""
-        lin = self.module.gates[0].inner
-        key = (lin.trellis.data_ptr(), str(lin.trellis.device))
-        if key != self.key:
-            self.key, self.tables, self.unfit = key, None, None
-            try:
-                self.tables = build_tables(module_layer(self.module), lin.trellis.device)
-            except ValueError as e:
-                self.unfit = str(e)
-        return self.tables
-
-    def __call__(self, x, params: dict, out_dtype=None):
-        m = self.module
-        rows = x.numel() // x.shape[-1]
-        if not (self.rows[0] <= rows <= self.rows[1] and applies(m, params)) or self.current_tables() is None \
-                or rows * m.num_experts_per_tok + rows > MAX_SORT:
-            self.calls["stock"] += 1
-            return self.inner(x, params, out_dtype)
-        y = x.view(rows, x.shape[-1])
-        z = m.router_pre_norm.forward(y, params, out_dtype=torch.half) if getattr(m, "router_pre_norm", None) else y
-        sel, w = m.routing_fn(rows, m.routing_cfg, z, params)
-        try:
-            out = grouped_forward(y.contiguous(), sel, w, self.tables, self.config)
-        except Exception as e:              # a kernel that does not build here: exllamav3's path from now on
-            self.unfit = f"{type(e).__name__}: {e}"[:500]
-            self.tables = None
-            warnings.warn(f"grouped MoE path off for {getattr(m, 'key', 'a layer')}: {self.unfit}")
-            self.calls["stock"] += 1
-            return self.inner(x, params, out_dtype)
-        self.calls["grouped"] += 1
-        if m.shared_experts is not None and not self.tables.shared:
-            add_shared_stock(m, x, params, out)
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        return out if out_dtype is None else out.to(out_dtype)
-
-
-def missing() -> str | None:
-    """Why this path cannot run here (None when it can): Triton is not installed."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    return None
-
-
-def install(model, moe_class: type, options):
-    """Put the grouped forward on (or take it off) every `moe_class` module as `options.grouped_moe` says; the
-    options in force come back, with grouped_moe off where this path cannot run (one warning says why)."""
-    if options.grouped_moe and (why := missing()):
-        warnings.warn(f"grouped_moe stays off: {why}")
-        options = replace(options, grouped_moe=False)
-    set_grouped_moe(model, moe_class, options.grouped_moe)
-    return options
-
-
-def set_grouped_moe(model, moe_class: type, on: bool) -> int:
-    """Install (on) or remove the grouped forward on every `moe_class` module of `model`; returns how many."""
-    return set_forward_wrap(model, moe_class, GroupedForward, on)
-
-
-def path_counts(model, moe_class: type) -> dict[str, int]:
-    """Calls per path summed over the model's wrapped MoE layers: {"grouped": n, "stock": m}."""
-    total = {"grouped": 0, "stock": 0}
-    for m in model:
-        wrap = vars(m).get("forward") if isinstance(m, moe_class) else None
-        if isinstance(wrap, GroupedForward):
-            for k, v in wrap.calls.items():
-                total[k] += v
-    return total

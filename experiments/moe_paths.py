@@ -1,25 +1,25 @@
-"""The expert-grouped EXL3 MoE path (toolkit/exl3/grouped_moe.py) against exllamav3's own on the real MoE shape.
+"""The MoE paths (toolkit/exl3/moe.py: union, grouped, exllamav3's stock) on the real MoE shape, beside exllamav3's
+dense EXL3 kernel.
 
-One call (about 4-6 minutes; results to $OUT/moe_grouped.json after every step):
+One call (about 4-6 minutes; results to $OUT/moe_paths.json after every step):
 
-    source .device/on-device.sh && timeout 480 python -m experiments.moe_grouped          (carry [".device"])
+    source .device/on-device.sh && timeout 480 python -m experiments.moe_paths            (carry [".device"])
 
 1. synthesise (toolkit.synthetic, on the GPU) a one-layer cut of the Qwen3.6-35B-A3B target at 4.0 bpw (256
-   experts, hidden 2048, expert width 512, 8 routed and a gated shared expert) into /tmp/moe_grouped (kept on a
+   experts, hidden 2048, expert width 512, 8 routed and a gated shared expert) into /tmp/moe_paths (kept on a
    warm machine) and load it with exllamav3; its BlockSparseMLP is the layer under test;
-2. decode: the grouped path's Triton decode (PTX and portable variants) against exllamav3's reconstruct kernel
-   (LinearEXL3.get_inner_weight_tensor) bit for bit, on a random 256x256 tensor of every codebook and bitrate the
-   converter writes and on the layer's own experts; the reference's dense weight against get_weight_tensor;
-3. agreement: the grouped forward against exllamav3's BlockSparseMLP.forward on the same rows (random hidden
-   states, routed by the layer's router) at R = 1, 2, 8, 16, 32, 64, and both against a dense fp32 reference
-   built from get_weight_tensor: max abs differences and the output's scale; then the lever installed on the
-   loaded model (set_grouped_moe): which path 16 rows and 1 row take;
-4. speed: per layer call, stock vs grouped (PTX decode) vs grouped (portable decode), plus the grouped kernels
-   alone and the router alone, at R = 8, 16, 32, 64; >= 10 interleaved repetitions of `--calls` calls each
-   between CUDA events (medians), the host time per call, and the memory-bound time of the distinct experts'
-   bytes at 3.35 TB/s (H100) or 4.8 TB/s (H200);
-5. the grouped kernels at R = 16 under each launch shape of `--sweep` (rows, k step, warps, stages);
-6. torch.profiler over a few grouped and stock calls at R = 16: GPU time per kernel.
+2. decode: the grouped path's Triton decode against exllamav3's reconstruct kernel bit for bit on every codebook
+   and bitrate the converter writes and on the layer's own experts (the union path decodes with exllamav3's own
+   GEMM kernel);
+3. agreement: each path against exllamav3's BlockSparseMLP.forward on the same rows (random hidden states, routed
+   by the layer's router) at `--check-rows`, and against a dense fp32 reference from get_weight_tensor;
+4. the dense kernel: LinearEXL3.forward on a 2048 x 30720 random EXL3 matrix in the layer's format (60 experts'
+   gate+up side by side) at every `--rows`: GB/s of coded bytes, the rate the MoE paths are held to;
+5. speed: per layer call, stock vs grouped vs union (the lever's forward, routing included), the union's own
+   kernels alone and the router alone, at `--rows`; >= 10 interleaved repetitions of `--calls` calls each
+   between CUDA events (medians), host ms per call, and each path's decode rate: the distinct experts' coded
+   bytes (routed and shared) over its GPU ms less the router's; x 40 layers gives the MoE ms of a round;
+6. torch.profiler over a few calls of each path at `--profile-rows`: GPU time per kernel.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from experiments.harness import Run, device_name, env_float
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ROOT / "quantize" / "shapes" / "qwen3.6-35b-a3b.json"
-WORK = Path("/tmp/moe_grouped")
+WORK = Path("/tmp/moe_paths")
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}     # bytes/s, from the device name
-SWEEP = ["16,64,8,2", "16,32,4,2", "16,64,4,2", "16,32,8,2", "16,128,8,2", "16,64,8,3", "32,64,8,2"]
+LAYERS = 40                       # MoE layers of the target: a round is 40 calls
 
 
 def bandwidth(name: str) -> float | None:
@@ -91,13 +91,13 @@ def load_layer(work: Path):
 
 def why_not(moe) -> list[str]:
     """The layer's eligibility attributes when the grouped path does not apply to it (empty when it does)."""
-    from toolkit.exl3 import grouped_moe as gm
+    from toolkit.exl3 import moe as lever
 
     names = ("bc", "is_quantized", "support_quant_paths", "gated", "activation_fn", "act_limit", "interm_div",
              "latent_in", "routed_pre_norm", "routed_post_norm", "routing_gate", "alt_residual_channel", "tp_reduce",
              "routing_device", "cpu_split_first", "cpu_offload", "num_local_experts", "num_experts",
              "intermediate_size", "intermediate_size_padded", "shared_experts_post_norm")
-    return [] if gm.applies(moe, {}) else [f"{n}={getattr(moe, n, None)!r}"[:80] for n in names]
+    return [] if lever.applies(moe, {}) else [f"{n}={getattr(moe, n, None)!r}"[:80] for n in names]
 
 
 # -- 2. decode ------------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def random_exl3(codebook: str, K: float, gen):
     import torch
     from exllamav3.modules.quant.exl3 import LinearEXL3
 
-    from toolkit.exl3.grouped_moe_ref import tile_words
+    from toolkit.moe.ref import tile_words
 
     trellis = torch.randint(-32768, 32768, (16, 16, tile_words(K)), dtype=torch.int16, generator=gen).cuda()
     sign = lambda n: ((torch.randint(0, 2, (n,), generator=gen) * 2 - 1).half()).cuda()
@@ -119,8 +119,8 @@ def random_exl3(codebook: str, K: float, gen):
 def check_decode(moe) -> dict:
     import torch
 
-    from toolkit.exl3 import grouped_moe as gm
-    from toolkit.exl3.grouped_moe_ref import RATES, dense_weight
+    from toolkit.moe import grouped as gm
+    from toolkit.moe.ref import RATES, dense_weight
 
     gen = torch.Generator().manual_seed(0)
     out, bad = {}, 0
@@ -188,48 +188,41 @@ def dense_reference(moe, x, sel, w):
     return out
 
 
-def grouped_wrap(moe, asm: bool | None = None, rows=(1, 64)):
-    from toolkit.exl3 import grouped_moe as gm
+def wrap(moe, *paths: str):
+    """The lever's forward on `moe` with these paths on (none: exllamav3's own through the wrap)."""
+    from toolkit.exl3 import moe as lever
 
-    wrap = gm.GroupedForward(moe)
-    wrap.rows, wrap.config = rows, gm.KernelConfig(asm=asm)
-    return wrap
+    w = lever.MoeForward(moe)
+    w.on.update({p: True for p in paths})
+    return w
+
+
+PATHS = {"stock": (), "grouped": ("grouped",), "union": ("union",)}
 
 
 def check_agreement(moe, rows_list) -> dict:
     from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
 
-    wrap = grouped_wrap(moe)
+    wraps = {name: wrap(moe, *on) for name, on in PATHS.items() if on}
     out = {}
     for rows in rows_list:
         x = hidden_rows(moe, rows, seed=rows)
         sel, w = route(moe, x)
         stock = BlockSparseMLP.forward(moe, x, {}).clone().float().view(rows, -1)
-        grouped = wrap(x, {}).float().view(rows, -1)
         ref = dense_reference(moe, x, sel, w)
         diff = lambda a, b: float((a - b).abs().max())
-        out[rows] = {"grouped_vs_stock": diff(grouped, stock), "stock_vs_dense": diff(stock, ref),
-                     "grouped_vs_dense": diff(grouped, ref), "scale": float(ref.abs().max()),
-                     "distinct_experts": int(sel.unique().numel())}
-    out["paths"] = dict(wrap.calls)
-    out["unfit"] = wrap.unfit
+        row = {"stock_vs_dense": diff(stock, ref), "scale": float(ref.abs().max()),
+               "distinct_experts": int(sel.unique().numel())}
+        for name, f in wraps.items():
+            y = f(x, {}).float().view(rows, -1)
+            row[f"{name}_vs_stock"], row[f"{name}_vs_dense"] = diff(y, stock), diff(y, ref)
+            if name == "union":                    # the second call captures a graph, the third replays it
+                again = [f(x, {}).float().view(rows, -1) for _ in range(2)]
+                row["union_graphs_vs_eager"] = max(diff(z, y) for z in again)
+        out[rows] = row
+    out["paths"] = {name: dict(f.calls) for name, f in wraps.items()}
+    out["unfit"] = {name: f.unfit for name, f in wraps.items()}
     return out
-
-
-def check_lever(model, moe) -> dict:
-    """The lever installed on the loaded model: rows 16 grouped, 1 stock, the same output as the direct wrap."""
-    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
-
-    from toolkit.exl3 import grouped_moe as gm
-
-    wrapped = gm.set_grouped_moe(model, BlockSparseMLP, True)
-    try:
-        x16, x1 = hidden_rows(moe, 16, seed=3), hidden_rows(moe, 1, seed=4)
-        same = bool((moe.forward(x16, {}) == grouped_wrap(moe)(x16, {})).all())
-        moe.forward(x1, {})
-        return {"wrapped": wrapped, "paths": gm.path_counts(model, BlockSparseMLP), "same_as_direct": same}
-    finally:
-        gm.set_grouped_moe(model, BlockSparseMLP, False)
 
 
 # -- 4-6. speed -----------------------------------------------------------------------------------------------
@@ -261,37 +254,63 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return start.elapsed_time(end) / calls, host
 
 
+def dense_rate(moe, rows_list, calls: int) -> dict:
+    """exllamav3's dense EXL3 kernel on 2048 x 30720 in the layer's format: GB/s of coded bytes per row count."""
+    import torch
+    from exllamav3.modules.quant.exl3 import LinearEXL3
+
+    from toolkit.moe.ref import tile_words
+
+    src = moe.gates[0].inner
+    k, n = moe.hidden_size, 30720
+    g = torch.Generator().manual_seed(1)
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, tile_words(src.K)), dtype=torch.int16, generator=g).cuda()
+    sign = lambda m: ((torch.randint(0, 2, (m,), generator=g) * 2 - 1).half()).cuda()
+    marker = torch.tensor(1, dtype=torch.int32).cuda()
+    lin = LinearEXL3(None, k, n, suh=sign(k), svh=sign(n), trellis=trellis, mcg=marker if src.mcg else None,
+                     mul1=marker if src.mul1 else None)
+    coded = trellis.numel() * 2
+    out = {"shape": [k, n], "K": src.K, "coded_bytes": coded}
+    for rows in rows_list:
+        x = torch.randn((rows, k), device="cuda").half()
+        lin.forward(x, {})
+        ms = statistics.median(timed(lambda: lin.forward(x, {}), calls)[0] for _ in range(5))
+        out[rows] = {"ms": round(ms, 4), "gb_s": round(coded / ms / 1e6, 1)}
+    return out
+
+
 def variants(moe, rows: int) -> tuple[dict, int]:
     """The timed callables at `rows` rows, and how many distinct experts their routing touches."""
-    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
-
-    from toolkit.exl3 import grouped_moe as gm
+    from toolkit.moe.union import union_forward
 
     x = hidden_rows(moe, rows, seed=100 + rows)
     sel, w = route(moe, x)
-    ptx, portable = grouped_wrap(moe, asm=True), grouped_wrap(moe, asm=False)
-    tables = ptx.current_tables()
+    fns = {name: (lambda f: lambda: f(x, {}))(wrap(moe, *on)) for name, on in PATHS.items()}
+    eager = wrap(moe, "union")
+    eager.graph_union = False
+    fns["union_eager"] = lambda: eager(x, {})
+    u = wrap(moe, "union")
+    u(x, {})
     y = x.view(rows, -1)
-    return {"stock": lambda: BlockSparseMLP.forward(moe, x, {}), "grouped": lambda: ptx(x, {}),
-            "grouped_portable": lambda: portable(x, {}),
-            "kernels": lambda: gm.grouped_forward(y, sel, w, tables, ptx.config),
-            "router": lambda: moe.routing_fn(rows, moe.routing_cfg, y, {})}, int(sel.unique().numel())
+    fns["union_kernels"] = lambda: union_forward(y, sel, w, u.tables["union"], u.mgemm)
+    fns["router"] = lambda: moe.routing_fn(rows, moe.routing_cfg, y, {})
+    return fns, int(sel.unique().numel())
 
 
-def time_layer(run: Run, moe, rows_list, reps: int, calls: int) -> dict:
+def time_layer(run: Run, moe, rows_list, reps: int, calls: int, dense: dict | None) -> dict:
     (routed, shared, router), bw = expert_bytes(moe), bandwidth(device_name())
     fns, out = {}, {"bytes_per_expert": routed, "bytes_shared": shared, "bytes_router": router, "bandwidth": bw}
     for rows in rows_list:
         fns[rows], distinct = variants(moe, rows)
-        for fn in fns[rows].values():                      # compile and warm every shape
+        for fn in fns[rows].values():                      # compile, tune and warm every shape
             fn()
-        experts_only = distinct * routed
-        out[rows] = {"distinct_experts": distinct, "bytes_experts": experts_only,
-                     "bound_ms_experts": round(experts_only / bw * 1e3, 4) if bw else None,
-                     "bound_ms_all": round((experts_only + shared + router) / bw * 1e3, 4) if bw else None}
+            fn()
+        coded = distinct * routed + shared
+        out[rows] = {"distinct_experts": distinct, "bytes_experts": coded,
+                     "bound_ms_experts": round(coded / bw * 1e3, 4) if bw else None}
     samples, host = ({(r, n): [] for r in rows_list for n in fns[r]} for _ in range(2))
     for rep in range(reps):
-        if rep >= 3 and run.left() < 60:
+        if rep >= 3 and run.left() < 45:
             run.log(f"timing: stopping after {rep} repetitions, {run.left():.0f} s left")
             break
         for rows in rows_list:
@@ -304,51 +323,38 @@ def time_layer(run: Run, moe, rows_list, reps: int, calls: int) -> dict:
     for rows in rows_list:
         cell = out[rows]
         med = lambda n: cell[n]["gpu_ms"]["median"]
-        cell["stock_over_grouped"] = round(med("stock") / med("grouped"), 3)
-        if cell["bound_ms_experts"]:
-            cell["kernels_over_bound"] = round(med("kernels") / cell["bound_ms_experts"], 2)
-            cell["stock_over_bound"] = round((med("stock") - med("router")) / cell["bound_ms_experts"], 2)
+        for name in ("stock", "grouped", "union", "union_eager"):
+            experts_ms = med(name) - med("router")
+            cell[f"{name}_round_ms"] = round(med(name) * LAYERS, 3)
+            cell[f"{name}_gb_s"] = round(cell["bytes_experts"] / experts_ms / 1e6, 1) if experts_ms > 0 else None
+            if dense and rows in dense:
+                cell[f"{name}_over_dense_rate"] = round((cell[f"{name}_gb_s"] or 0) / dense[rows]["gb_s"], 3)
+        cell["stock_over_union"] = round(med("stock") / med("union"), 3)
     return out
 
 
-def sweep(moe, rows: int, shapes: list[str], calls: int) -> dict:
-    from toolkit.exl3 import grouped_moe as gm
-
-    x = hidden_rows(moe, rows, seed=7)
-    sel, w = route(moe, x)
-    tables = grouped_wrap(moe).current_tables()
-    y, out = x.view(rows, -1), {}
-    for shape in shapes:
-        bm, bk, warps, stages = (int(v) for v in shape.split(","))
-        cfg = gm.KernelConfig(bm=bm, bk=bk, warps=warps, stages=stages)
-        try:
-            gm.grouped_forward(y, sel, w, tables, cfg)
-            out[shape] = summary([timed(lambda: gm.grouped_forward(y, sel, w, tables, cfg), calls)[0] for _ in range(5)])
-        except Exception as e:
-            out[shape] = f"{type(e).__name__}: {e}"[:300]
-    return out
-
-
-def profile(moe, rows: int, calls: int = 5) -> dict:
+def profile(moe, rows_list, calls: int = 5) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    fns, _ = variants(moe, rows)
     out = {}
-    for name in ("grouped", "stock"):
-        fns[name]()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fns[name]()
+    for rows in rows_list:
+        fns, _ = variants(moe, rows)
+        for name in ("union", "union_eager", "stock"):
+            fns[name]()
             torch.cuda.synchronize()
-        rows_ = []
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t:
-                rows_.append({"kernel": ev.key[:90], "us_per_call": round(t / calls, 1), "launches_per_call": ev.count / calls})
-        rows_.sort(key=lambda r: -r["us_per_call"])
-        out[name] = {"kernels": rows_[:12], "total_us_per_call": round(sum(r["us_per_call"] for r in rows_), 1)}
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fns[name]()
+                torch.cuda.synchronize()
+            rows_ = []
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if t:
+                    rows_.append({"kernel": ev.key[:90], "us_per_call": round(t / calls, 1),
+                                  "launches_per_call": ev.count / calls})
+            rows_.sort(key=lambda r: -r["us_per_call"])
+            out[f"{name}@{rows}"] = {"kernels": rows_[:10], "total_us_per_call": round(sum(r["us_per_call"] for r in rows_), 1)}
     return out
 
 
@@ -362,18 +368,19 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.moe_grouped", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=WORK, help="where the one-layer checkpoint lives (default /tmp/moe_grouped)")
+    ap = argparse.ArgumentParser(prog="python -m experiments.moe_paths", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=WORK, help="where the one-layer checkpoint lives (default /tmp/moe_paths)")
     ap.add_argument("--resynth", action="store_true", help="synthesise again even when present")
     ap.add_argument("--check-rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64])
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64], help="rows per call timed")
-    ap.add_argument("--reps", type=int, default=12, help="interleaved repetitions (default 12)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="rows per call timed")
+    ap.add_argument("--profile-rows", type=int, nargs="*", default=[1, 8, 16], help="rows per call profiled")
+    ap.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10)")
     ap.add_argument("--calls", type=int, default=20, help="calls per timed window (default 20)")
-    ap.add_argument("--sweep", nargs="*", default=SWEEP, help="launch shapes bm,bk,warps,stages timed at 16 rows")
-    ap.add_argument("--budget-s", type=float, default=env_float("MOE_GROUPED_BUDGET_S", 450),
+    ap.add_argument("--skip-decode", action="store_true", help="skip the grouped decode's bit-exactness check")
+    ap.add_argument("--budget-s", type=float, default=env_float("MOE_PATHS_BUDGET_S", 450),
                     help="start no step that does not fit in what is left of it (default 450)")
     a = ap.parse_args(argv)
-    run = Run("moe_grouped.json", budget_s=a.budget_s)
+    run = Run("moe_paths.json", budget_s=a.budget_s)
     run.results.update(args={k: str(v) for k, v in vars(a).items()})
     import torch
 
@@ -387,12 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         model, moe, info = loaded
         run.results["layer"] = info
         run.results["why_not"] = why_not(moe)
-        run.step("decode", check_decode, moe, need_s=90)
+        if not a.skip_decode:
+            run.step("decode", check_decode, moe, need_s=90)
         run.step("agreement", check_agreement, moe, a.check_rows, need_s=40)
-        run.step("lever", check_lever, model, moe, need_s=10)
-        run.step("timing", time_layer, run, moe, a.rows, a.reps, a.calls, need_s=90)
-        run.step("sweep", sweep, moe, 16, a.sweep, a.calls, need_s=60)
-        run.step("profile", profile, moe, 16, need_s=20)
+        dense = run.step("dense", dense_rate, moe, a.rows, a.calls, need_s=20)
+        run.step("timing", time_layer, run, moe, a.rows, a.reps, a.calls, dense, need_s=90)
+        run.step("profile", profile, moe, a.profile_rows, need_s=20)
     return run.finish()
 
 

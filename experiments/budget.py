@@ -1,0 +1,170 @@
+"""Where a round's time goes on exllamav3: torch.profiler over timed rounds of one (concurrency, width) shape, the
+target's modules and the drafter's step inside labelled ranges, every GPU kernel charged to one part.
+
+Parts: `moe` (a BlockSparseMLP call, everything it launches), `attention` (Attention, SlidingAttention and
+GatedDeltaNet calls less the linears inside them), `linears` (the other EXL3 linears: projections and the dense
+MLPs), `lm_head`, `drafter` (the DFlash drafter's forward and sampling), `other` (norms, embeddings, sampling,
+cache and bookkeeping kernels), and `host_gaps` (wall less GPU busy: the GPU waiting on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+PARTS = ("moe", "attention", "linears", "lm_head", "drafter", "other")
+PREFIX = "budget:"
+
+
+def label_modules(target, draft) -> list:
+    """Wrap the target's modules and the drafter's step in record_function ranges; returns the undo list."""
+    import torch
+    from exllamav3.modules.attn import Attention
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+    from exllamav3.modules.gated_delta_net import GatedDeltaNet
+    from exllamav3.modules.linear import Linear
+    from exllamav3.modules.sliding_attn import SlidingAttention
+
+    def labelled(fn, part):
+        def call(*a, **k):
+            with torch.profiler.record_function(PREFIX + part):
+                return fn(*a, **k)
+        return call
+
+    undo = []
+    for m in target:
+        part = "moe" if isinstance(m, BlockSparseMLP) else "attention" if isinstance(
+            m, (Attention, SlidingAttention, GatedDeltaNet)) else "lm_head" if getattr(m, "key", "") == "lm_head" \
+            else "linears" if isinstance(m, Linear) else None
+        if part:
+            undo.append((m, "forward", vars(m).get("forward")))
+            m.forward = labelled(m.forward, part)
+    if draft is not None:
+        for name in ("forward", "sample_from_state"):
+            if hasattr(draft, name):
+                undo.append((draft, name, vars(draft).get(name)))
+                setattr(draft, name, labelled(getattr(draft, name), "drafter"))
+    return undo
+
+
+def unlabel(undo: list) -> None:
+    for obj, name, old in reversed(undo):
+        if old is None:
+            vars(obj).pop(name, None)
+        else:
+            setattr(obj, name, old)
+
+
+def charge(chain: list[str]) -> str:
+    """The part a kernel belongs to from the labels around its launch, innermost first: anything inside an MoE call
+    or the drafter is theirs, else the innermost label."""
+    for part in ("moe", "drafter"):
+        if part in chain:
+            return part
+    return chain[0] if chain else "other"
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
+def split(prof, rounds: int, wall_ms: float) -> dict:
+    """ms per round of each part, GPU busy and host gaps, from a finished profiler."""
+    from torch.autograd import DeviceType
+
+    parts = {p: 0.0 for p in PARTS}
+    spans, charged = [], 0.0
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            spans.append((ev.time_range.start, ev.time_range.end))
+        kernels = getattr(ev, "kernels", None) or []
+        if not kernels:
+            continue
+        chain, p = [], ev
+        while p is not None:
+            if p.name.startswith(PREFIX):
+                chain.append(p.name[len(PREFIX):])
+            p = p.cpu_parent
+        us = sum(k.duration for k in kernels)
+        parts[charge(chain)] += us
+        charged += us
+    busy = busy_us(spans) / 1e3 / rounds
+    out = {p: round(v / 1e3 / rounds, 3) for p, v in parts.items()}
+    out.update(gpu_busy=round(busy, 3), wall=round(wall_ms, 3), host_gaps=round(max(0.0, wall_ms - busy), 3),
+               kernels_per_round=round(len(spans) / rounds, 1), charged_share=round(charged / 1e3 / rounds / busy, 3) if busy else None)
+    return out
+
+
+def round_budget(be, concurrency: int, width: int | None, rounds: int = 16, context: int = 1024) -> dict:
+    """The budget of `rounds` timed rounds of `concurrency` jobs at verify width `width` (None: the plain AR
+    generator, no drafter): wall from the same rounds unprofiled first, then the profiled split."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from toolkit.exl3.calibrate import time_rounds
+    from toolkit.runtime import trace
+
+    spec = width is not None
+    plain = time_rounds(be, concurrency, [width or 0], reps=rounds, warm=2, context=context, speculative=spec)
+    wall = statistics.median(plain[width or 0])
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    stack = contextlib.ExitStack()
+
+    def listen(kind: str, fields: dict) -> None:
+        if kind == "timed" and fields.get("on"):
+            stack.enter_context(prof)
+        elif kind == "timed":
+            stack.close()
+
+    undo = label_modules(be.model, be.draft if spec else None)
+    stop = trace.subscribe(listen)
+    t0 = time.perf_counter()
+    try:
+        time_rounds(be, concurrency, [width or 0], reps=rounds, warm=1, context=context, speculative=spec)
+    finally:
+        stop()
+        stack.close()
+        unlabel(undo)
+    out = split(prof, rounds, wall)
+    out.update(concurrency=concurrency, width="AR" if not spec else width, rounds=rounds,
+               profiled_s=round(time.perf_counter() - t0, 1))
+    return out
+
+
+def budgets(be, a) -> dict:
+    """The round budget (experiments/budget.py) of every `--budget` shape C:W (W a width or AR), stock and with
+    the last `--levers` setting."""
+    from toolkit.exl3.options import Exl3Options, parse_lever
+
+    out = {}
+    for tag, opts in [("stock", Exl3Options())] + [parse_lever(x) for x in a.levers[-1:]]:
+        be.set_options(opts)
+        for shape in a.budget:
+            c, _, w = shape.partition(":")
+            out[f"{tag}|{shape}"] = round_budget(be, int(c), None if w.upper() == "AR" else int(w), context=a.context)
+    be.set_options(Exl3Options())
+    return out
+
+
+def distinct_experts(be, rows: tuple[int, ...] = (8, 16), calls: int = 8) -> dict:
+    """Mean distinct experts one MoE layer's router picks for `rows` random hidden rows (the routing's locality as
+    the synthetic weights give it)."""
+    import torch
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    moe = next(m for m in be.model if isinstance(m, BlockSparseMLP))
+    out = {}
+    for r in rows:
+        counts = []
+        for i in range(calls):
+            x = torch.randn((r, moe.hidden_size), device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)).half()
+            sel, _ = moe.routing_fn(r, moe.routing_cfg, x, {})
+            counts.append(int(sel.unique().numel()))
+        out[str(r)] = sum(counts) / len(counts)
+    return out

@@ -1,0 +1,97 @@
+"""The MoE lever on exllamav3's BlockSparseMLP (toolkit/exl3/moe.py) on a stand-in layer: each call takes the union
+path, the grouped path or exllamav3's own by its rows and the levers on; what it does not implement, or a kernel
+that fails, falls back to exllamav3's forward."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moe_fakes as fakes  # noqa: E402
+from moe_fakes import HID, INT, EXPERTS, FakeMoE, RefMgemm, assert_close, routed  # noqa: E402
+from toolkit.exl3 import moe as lever  # noqa: E402
+from toolkit.moe.ref import random_layer, random_linear, ref_moe  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted():
+    with fakes.interpreted("toolkit.moe.grouped_kernels"), fakes.interpreted("toolkit.moe.union_kernels"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return random_layer(HID, INT, EXPERTS, 4, "mul1", seed=1)
+
+
+def wrapped(layer, **on):
+    moe = FakeMoE(layer)
+    assert lever.set_paths([moe, object()], FakeMoE, on) == 1
+    wrap = vars(moe)["forward"]
+    wrap.mgemm = RefMgemm(lever.build("union", lever.module_layer(moe), torch.device("cpu")).keep)
+    return moe, wrap
+
+
+def check(moe, layer, rows: int, seed: int):
+    x, _, _ = routed(rows, seed=seed)
+    out = moe.forward(x.view(1, rows, HID), {})
+    sel, w = moe.routing_fn(rows, None, x, {})
+    assert out.shape == (1, rows, HID) and out.dtype == torch.float32
+    assert_close(out.view(rows, HID), ref_moe(x, sel, w, layer))
+
+
+def test_union_takes_every_row_count_it_is_built_for(layer):
+    moe, wrap = wrapped(layer, union=True)
+    for rows, seed in ((1, 3), (12, 17)):
+        check(moe, layer, rows, seed)
+    x, _, _ = routed(1, seed=2)
+    assert moe.forward(x.repeat(65, 1), {}) == "stock"                # past the workspace's rows
+    assert moe.forward(x, {"capture_sens": {}}) == "stock"             # a calibration pass
+    assert lever.path_counts([moe], FakeMoE) == {"union": 2, "grouped": 0, "stock": 2}
+
+
+def test_grouped_takes_verify_rows_and_leaves_the_rest_stock(layer):
+    moe, _ = wrapped(layer, grouped=True)
+    check(moe, layer, 12, 17)
+    x, _, _ = routed(8, seed=2)
+    assert moe.forward(x, {}) == "stock"                               # up to 8 rows: exllamav3's own
+    assert lever.path_counts([moe], FakeMoE) == {"union": 0, "grouped": 1, "stock": 1}
+    assert lever.set_paths([moe], FakeMoE, {"grouped": False, "union": False}) == 1 and "forward" not in vars(moe)
+
+
+def test_both_on_union_first(layer):
+    moe, wrap = wrapped(layer, union=True, grouped=True)
+    check(moe, layer, 10, 5)
+    assert wrap.calls == {"union": 1, "grouped": 0, "stock": 0}
+
+
+def test_falls_back_on_what_it_does_not_implement(layer):
+    moe, wrap = wrapped(layer, union=True, grouped=True)
+    x, _, _ = routed(10, seed=19)
+    moe.activation_fn = "gelu"
+    assert moe.forward(x, {}) == "stock"
+    moe.activation_fn = "silu"
+    moe.gates[0] = SimpleNamespace(inner=random_linear(HID, INT, 3, "mcg", torch.Generator()), quant_type="exl3")
+    assert moe.forward(x, {}) == "stock"
+    assert "gate and up differ" in wrap.unfit["union"] and "mix EXL3 formats" in wrap.unfit["grouped"]
+
+
+def test_a_failing_kernel_turns_its_path_off(layer, monkeypatch):
+    import toolkit.moe.union as un
+
+    moe, wrap = wrapped(layer, union=True, grouped=True)
+
+    def broken(*a, **k):
+        raise RuntimeError("ptxas: no such instruction")
+
+    monkeypatch.setattr(un, "union_forward", broken)
+    x, _, _ = routed(10, seed=23)
+    with pytest.warns(UserWarning, match="union MoE path off"):
+        assert moe.forward(x, {}) == "stock"                               # the failing call: exllamav3's own
+    assert "ptxas" in wrap.unfit["union"] and torch.is_tensor(moe.forward(x, {}))     # then grouped takes it
+    assert moe.forward(x[:4], {}) == "stock"
+    assert lever.path_counts([moe], FakeMoE) == {"union": 0, "grouped": 1, "stock": 2}
