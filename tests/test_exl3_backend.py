@@ -18,12 +18,7 @@ from stream_shape import assert_stream_shape
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
-from toolkit.exl3.hook import (
-    JobTrack,
-    build_round,
-    check_version,
-    recording_generator_class,
-)
+from toolkit.exl3.hook import JobTrack, build_round, recording_generator_class
 from toolkit.exl3.options import ADOPTED, Exl3Options, parse_lever
 
 
@@ -33,14 +28,6 @@ def test_module_imports_without_exllamav3_or_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1], env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
     assert out.stdout.strip() == "False"
-
-
-def test_version_pin_messages():
-    with pytest.raises(ToolkitError, match=r"not installed.*\[gpu\].*exllamav3==1\.6\.5"):
-        check_version(None)
-    with pytest.raises(ToolkitError, match=r"exllamav3 1\.7\.0 is installed.*pinned to 1\.6\.5"):
-        check_version("1.7.0")
-    check_version("1.6.5")
 
 
 def test_no_cuda_names_the_gpu_needed(monkeypatch):

@@ -140,12 +140,11 @@ def test_close_unloads():
     assert be.closed
 
 
-def test_pinned_to_1_6_5(monkeypatch):
-    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.7.0")
-    with pytest.raises(ToolkitError, match=r"exllamav3 1\.7\.0 is installed.*pinned to 1\.6\.5"):
-        exl3_taps.open_target("/nowhere", 1024, 1)
-    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: None)
-    with pytest.raises(ToolkitError, match=r"exllamav3 is not installed"):
+def test_needs_exllamav3_installed(monkeypatch):
+    from toolkit.exl3 import seams
+
+    monkeypatch.setattr(seams, "version", lambda: None)
+    with pytest.raises(ToolkitError, match=r"exllamav3 is not installed.*\[gpu\]"):
         exl3_taps.check_pinned()
 
 
@@ -187,11 +186,14 @@ def fake_fla(monkeypatch) -> tuple[types.ModuleType, list]:
         calls.append((None if initial_state is None else initial_state.clone(), output_final_state, kw))
         return q * 2, (initial_state + 1 if output_final_state and initial_state is not None else None)
 
-    fla = types.ModuleType(exl3_taps.FLA)
+    from toolkit.exl3.seams import SEAMS
+
+    where = SEAMS["chunk_gated_delta_rule"].path.partition(":")[0]
+    fla = types.ModuleType(where)
     fla.chunk_gated_delta_rule = scan
     for name in ("exllamav3", "exllamav3.vendor"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, exl3_taps.FLA, fla)
+    monkeypatch.setitem(sys.modules, where, fla)
     return fla, calls
 
 

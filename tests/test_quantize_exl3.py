@@ -126,16 +126,16 @@ def test_exl3_target_without_cuda_is_one_line(tmp_path, pair, exl3, monkeypatch,
     assert not (tmp_path / "out").exists()
 
 
-def test_exl3_engine_refuses_another_exllamav3(monkeypatch):
+def test_exl3_engine_needs_exllamav3_and_a_recent_gpu(monkeypatch):
     from toolkit.quant.engine import Exl3Engine
-    from toolkit.exl3 import taps as exl3_taps
+    from toolkit.exl3 import seams
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.7.0")
+    monkeypatch.setattr(seams, "version", lambda: None)
     why = Exl3Engine().unavailable("t")
-    assert why.startswith("--target: t is an EXL3 model: exllamav3 1.7.0 is installed") and "1.6.5" in why
-    monkeypatch.setattr(exl3_taps, "exllamav3_version", lambda: "1.6.5")
+    assert why.startswith("--target: t is an EXL3 model: exllamav3 is not installed")
+    monkeypatch.setattr(seams, "version", lambda: "1.6.5")
     assert Exl3Engine().unavailable("t") is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")

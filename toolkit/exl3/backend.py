@@ -28,13 +28,8 @@ from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from ..runtime.backend import Backend, GenSettings
 from ..runtime.events import Round
-from .hook import (
-    JobTrack,
-    build_round,
-    check_version,
-    exllamav3_version,
-    recording_generator_class,
-)
+from . import seams
+from .hook import JobTrack, build_round, recording_generator_class
 from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
@@ -61,13 +56,12 @@ def check_cuda() -> str:
 
 
 def import_exllamav3():
-    """exllamav3, after checking it is installed at the pinned version (its import builds or loads the CUDA extension)."""
-    check_version(exllamav3_version())
-    try:
-        import exllamav3
-    except ImportError as e:
-        raise ToolkitError(f"exllamav3 is installed but does not import ({str(e).splitlines()[0]})") from None
-    return exllamav3
+    """exllamav3's public classes, after checking that every seam the toolkit touches is there (its import builds
+    or loads the CUDA extension)."""
+    from types import SimpleNamespace
+
+    seams.require()
+    return SimpleNamespace(**{n: seams.get(n) for n in ("Config", "Model", "Cache", "Tokenizer", "Generator", "Job")})
 
 
 def load_chunk(cache_tokens: int, max_chunk: int | None = None) -> dict:
@@ -226,9 +220,7 @@ class Exl3Backend(Backend):
 
     def moe_class(self) -> type:
         if self._moe_class is None:
-            from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
-
-            self._moe_class = BlockSparseMLP
+            self._moe_class = seams.get("BlockSparseMLP")
         return self._moe_class
 
     def sync(self) -> None:
@@ -333,9 +325,8 @@ class Exl3Backend(Backend):
         need = sum(-(-(len(p) + settings.max_new_tokens + self.block_size + 1) // PAGE) * PAGE for p in prompts)
         if need > self.cache_tokens:
             raise ToolkitError(f"{len(prompts)} jobs need about {need} cache tokens, the cache holds {self.cache_tokens} (raise cache_tokens)")
-        from exllamav3.generator.sampler import ArgmaxSampler, CategoricalSampler
-
-        sampler = ArgmaxSampler() if settings.temperature <= 0 else CategoricalSampler(temperature=settings.temperature)
+        sampler = seams.get("ArgmaxSampler")() if settings.temperature <= 0 else \
+            seams.get("CategoricalSampler")(temperature=settings.temperature)
         stop = list(self.stop_ids(settings))
         return [
             self.exl.Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=settings.max_new_tokens,

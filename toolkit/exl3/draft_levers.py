@@ -1,4 +1,4 @@
-"""The adopted lever on the DFlash drafter's step on exllamav3 1.6.5 (at c=1 the step is host-bound).
+"""The adopted lever on the DFlash drafter's step on exllamav3 (at c=1 the step is host-bound).
 
 `graph_draft_swa`: exllamav3 sends a sliding-window layer through its graph-captured decode attention (BC:
 projections through o_proj replayed as one CUDA graph) only when params["causal"] is True or the layer's right
@@ -70,6 +70,6 @@ def set_forward_wrap(model, module_class: type, wrap: type, on: bool) -> int:
 
 
 def exllamav3_classes() -> tuple[type, ...]:
-    from exllamav3.modules.sliding_attn import SlidingAttention
+    from . import seams
 
-    return (SlidingAttention,)
+    return (seams.get("SlidingAttention"),)

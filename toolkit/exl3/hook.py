@@ -24,39 +24,14 @@ from ..core.errors import ToolkitError
 from ..runtime import trace
 from ..runtime.events import Round
 
-PINNED_VERSION = "1.6.5"
 HOOKED = "iterate_draftmodel_dflash_gen"
-
-
-def exllamav3_version() -> str | None:
-    """The installed exllamav3 version, or None when it is not installed (does not import it)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("exllamav3")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def check_version(version: str | None) -> None:
-    """Raise a one-line ToolkitError unless `version` is the one the capture is written against."""
-    if version is None:
-        raise ToolkitError(
-            "exllamav3 is not installed: install the gpu extra, pip install 'dflash-exl3-toolkit[gpu]' "
-            f"(exllamav3=={PINNED_VERSION}, needs a CUDA build of torch)"
-        )
-    if version != PINNED_VERSION:
-        raise ToolkitError(
-            f"exllamav3 {version} is installed, the exllamav3 backend's round capture is pinned to "
-            f"{PINNED_VERSION}: pip install exllamav3=={PINNED_VERSION}"
-        )
 
 
 def recording_generator_class(generator_cls: type) -> type:
     """A Generator subclass with a per-round verify width (`set_width`) that keeps each round's verified ids and
     full proposal per job (keyed by id(job)) and the drafting time."""
     if not callable(getattr(generator_cls, HOOKED, None)):
-        raise ToolkitError(f"exllamav3 Generator has no {HOOKED}(): this exllamav3 is not {PINNED_VERSION}")
+        raise ToolkitError(f"exllamav3's Generator has no {HOOKED}(): this exllamav3 does not fit the toolkit")
 
     class RecordingGenerator(generator_cls):
         drafted: dict = {}                # id(job) -> the ids verified this round

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..moe.ref import MoeLayer
+from . import seams
 from .draft_levers import set_forward_wrap
 
 ROWS = {"union": (1, 64), "grouped": (9, 64)}     # rows per call each path takes (inclusive), union first
@@ -65,15 +66,13 @@ def module_layer(module) -> MoeLayer:
 
 def add_shared_stock(module, x: torch.Tensor, params: dict, out: torch.Tensor) -> None:
     """The shared expert the tables could not take, as exllamav3's forward adds it (into `out`, fp32)."""
-    from exllamav3.ext import exllamav3_ext as ext
-
     y = module.shared_experts.forward(x, params)
     if module.shared_gate is None:
         out += y.view(out.shape)
     elif out.shape[0] > 32:
-        ext.add_sigmoid_gate(y, module.shared_gate.forward(x, params), out)
+        seams.get("add_sigmoid_gate")(y, module.shared_gate.forward(x, params), out)
     else:
-        ext.add_sigmoid_gate_proj(y, x, out, module.shared_gate.inner.weight)
+        seams.get("add_sigmoid_gate_proj")(y, x, out, module.shared_gate.inner.weight)
 
 
 class MoeForward:
@@ -143,9 +142,7 @@ class MoeForward:
             from ..moe.union import union_forward
 
             if self.mgemm is None:
-                from exllamav3.ext import exllamav3_ext as ext
-
-                self.mgemm = ext.exl3_mgemm
+                self.mgemm = seams.get("exl3_mgemm")
             if not (self.graph_union and y.is_cuda):
                 return union_forward(y, sel, w, tables, self.mgemm)
             if self.graphed is None:

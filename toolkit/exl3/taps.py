@@ -25,7 +25,7 @@ import torch
 
 from ..core.errors import ToolkitError
 from ..runtime.backend import GenSettings
-from .hook import PINNED_VERSION, check_version, exllamav3_version
+from . import seams
 
 EXPORT_LAYERS = "export_state_layers"    # params key: the layer indices whose outputs a forward exports
 EXPORTED = "export_states"               # params key: the exported outputs, in layer order
@@ -33,7 +33,6 @@ EMBED_CHUNK = 16384                      # vocabulary rows per embedding lookup 
 HEAD_ROWS = 128                          # identity rows per pass through the LM head (exllamav3 reconstructs above 144)
 
 
-FLA = "exllamav3.vendor.fla"             # exllamav3's vendored chunked gated delta rule (Qwen3.6's linear attention)
 STATEFUL_SCAN = os.environ.get("DFLASH_STATELESS_SCAN", "") != "1"   # "1": the no-cache forward as exllamav3 runs it
 
 
@@ -43,11 +42,9 @@ def stateful_scan() -> Iterator[None]:
     where it has none, and its final state is dropped where none was asked for: the same result (the state starts
     at zero either way) through the kernel build a cached prefill uses. Without it the no-cache forward makes Triton
     autotune and compile a second build of the state kernel, about 23 s on a fresh machine."""
-    try:
-        fla = importlib.import_module(FLA)
-    except ImportError:
-        fla = None
-    inner = getattr(fla, "chunk_gated_delta_rule", None)
+    seam = seams.SEAMS["chunk_gated_delta_rule"]             # exllamav3's vendored gated delta rule (Qwen3.6)
+    inner = seams.get("chunk_gated_delta_rule")
+    fla = importlib.import_module(seam.path.partition(":")[0]) if inner is not None else None
     if inner is None or not STATEFUL_SCAN:
         yield
         return
@@ -67,8 +64,8 @@ def stateful_scan() -> Iterator[None]:
 
 
 def check_pinned() -> None:
-    """exllamav3 installed at the version the tap capture is written against (one line otherwise)."""
-    check_version(exllamav3_version())
+    """exllamav3 installed (one line otherwise); its seams are checked when it loads."""
+    seams.installed()
 
 
 def free_gpu() -> None:
@@ -108,15 +105,14 @@ class Exl3Target:
         states = params.get(EXPORTED) or []
         if len(states) != len(want):
             raise ToolkitError(f"exllamav3 exported {len(states)} hidden states for the {len(want)} tap layers {want}; "
-                               f"the tap capture is written for exllamav3 {PINNED_VERSION}")
+                               f"the tap capture is tested with exllamav3 {seams.TESTED}")
         greedy = logits[0, :, : self.vocab_size].argmax(-1).cpu()
         return greedy, {L: s.cpu() for L, s in zip(want, states)}
 
     def embedding_table(self) -> torch.Tensor:
         """The token embedding table [vocab, hidden] (float32, CPU), read through exllamav3's own lookup, so a
         streamed or quantized table reads the same as a resident one."""
-        from exllamav3.modules import Embedding
-
+        Embedding = seams.get("Embedding")
         emb = next((m for m in self.model.modules if isinstance(m, Embedding)), None)
         if emb is None:
             raise ToolkitError("exllamav3 model has no Embedding module: not a text target")

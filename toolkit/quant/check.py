@@ -106,11 +106,12 @@ def _dense_from_exllamav3(folder: Path, device: str) -> dict[str, torch.Tensor]:
     """Dequantized [out, in] weights of every EXL3 Linear, through exllamav3's own loader (needs CUDA)."""
     if not torch.cuda.is_available():
         raise ToolkitError(f"check: {folder} holds EXL3 tensors; loading them needs a CUDA GPU (or pass --no-check)")
-    from exllamav3 import Config, Model
-    from exllamav3.modules import Linear
+    from ..exl3 import seams
 
-    config = Config.from_directory(str(folder))
-    model = Model.from_config(config)
+    seams.require()
+    Linear = seams.get("Linear")
+    config = seams.get("Config").from_directory(str(folder))
+    model = seams.get("Model").from_config(config)
     model.load(device if device.startswith("cuda") else "cuda:0")
     try:
         return {m.key: m.inner.get_weight_tensor().T.float().contiguous()

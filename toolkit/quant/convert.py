@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import shutil
@@ -17,11 +16,12 @@ from pathlib import Path
 from ..core import files
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_file
+from ..exl3 import seams
 from .plan import STAMP, PlanItem, partial_dir
 from .recipe import HALF_RATES, format_bits
 from .validate import read_headers
 
-CONVERTER = "exllamav3.conversion.convert_model"
+CONVERTER = seams.CONVERTER
 # The toolkit's tap_shift has exllamav3's meaning (tap L reads the output of block L + s, HF hidden_states[L + s + 1]),
 # so the pinned value is written unchanged; the offset stays as a named constant for drafters of other conventions.
 EXL3_TAP_SHIFT_OFFSET = 0
@@ -42,7 +42,7 @@ def converter_unavailable() -> str | None:
 
     if not torch.cuda.is_available():
         return "no CUDA GPU here: EXL3 conversion needs one (use --dry-run to see the plan without a GPU)"
-    if importlib.util.find_spec("exllamav3") is None:
+    if seams.version() is None:
         return "exllamav3 is not installed (pip install 'dflash-exl3-toolkit[gpu]'); use --dry-run to see the plan"
     return None
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..exl3 import seams
+
 import datetime as dt
-import importlib.metadata
 import io
 import json
 from pathlib import Path
@@ -14,14 +15,9 @@ from .convert import write_text
 from .recipe import format_bits
 
 SCHEMA = 1
-EXLLAMAV3_PIN = "1.6.5"
-
-
 def exllamav3_version() -> str:
-    try:
-        return importlib.metadata.version("exllamav3")
-    except importlib.metadata.PackageNotFoundError:
-        return EXLLAMAV3_PIN
+    """The installed exllamav3's version (the tested one where none is installed: a dry run's plan)."""
+    return seams.version() or seams.TESTED
 
 
 def result_row(item, size_bytes: int, metrics=None, passed: bool | None = None, exl3: dict | None = None) -> dict:

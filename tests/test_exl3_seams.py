@@ -1,0 +1,116 @@
+"""The one seam to exllamav3 (toolkit/exl3/seams.py): a stand-in exllamav3 package written from the seam table
+passes the check; a missing name or a changed signature is one error line naming the seam; optional seams may be
+absent; live objects are checked for the attributes the toolkit reads."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+
+from toolkit.core.errors import ToolkitError
+from toolkit.exl3 import seams
+
+
+def write_package(root, drop: str = "", rename: tuple[str, str] | None = None):
+    """exllamav3 as a package of stub modules holding every seam (but `drop`; `rename`: (seam, parameter) renamed)."""
+    mods: dict[str, dict[str, dict]] = defaultdict(lambda: defaultdict(dict))
+    for name, seam in seams.SEAMS.items():
+        if name == drop:
+            continue
+        module, _, attrs = seam.path.partition(":")
+        params = [("changed" if rename and rename == (name, p) else p) for p in seam.params]
+        parts = attrs.split(".")
+        mods[module][parts[0]][parts[1] if len(parts) > 1 else ""] = params
+    for module in list(mods):                                # every parent package exists
+        for i in range(1, module.count(".") + 1):
+            mods[".".join(module.split(".")[:i])]
+    for module, names in mods.items():
+        lines = ["from types import SimpleNamespace"]
+        for top, members in names.items():
+            if module == "exllamav3.ext":
+                fns = ", ".join(f"{m}=lambda *a, **k: None" for m in members)
+                lines.append(f"{top} = SimpleNamespace({fns})")
+                continue
+            own = members.pop("", None)
+            if own is not None and not members and top[0].islower():
+                lines.append(f"def {top}({', '.join(own)}): pass")
+                continue
+            body = [f"    def __init__(self, {', '.join(own)}): pass"] if own else []
+            body += [f"    def {m}(self, {', '.join(p)}): pass" for m, p in members.items()]
+            lines += [f"class {top}:"] + (body or ["    pass"])
+        path = root.joinpath(*module.split(".")) / "__init__.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    def make(**kw):
+        for m in [m for m in sys.modules if m == "exllamav3" or m.startswith("exllamav3.")]:
+            monkeypatch.delitem(sys.modules, m)
+        root = tmp_path / f"pkg{len(list(tmp_path.iterdir()))}"
+        write_package(root, **kw)
+        monkeypatch.syspath_prepend(str(root))
+        monkeypatch.setattr(seams, "version", lambda: "1.6.9")
+        seams.require.cache_clear()
+        return root
+
+    yield make
+    seams.require.cache_clear()
+
+
+def test_every_seam_checks_out_and_resolves(stand_in):
+    stand_in()
+    seams.require()
+    assert seams.get("Generator").__name__ == "Generator" and callable(seams.get("exl3_mgemm"))
+    assert seams.get("BlockSparseMLP.forward").__name__ == "forward"
+
+
+@pytest.mark.parametrize("drop", ["iterate_draftmodel_dflash_gen", "exl3_mgemm", "BlockSparseMLP.forward", "ArgmaxSampler"])
+def test_a_missing_seam_is_one_line_naming_it(stand_in, drop):
+    stand_in(drop=drop)
+    with pytest.raises(ToolkitError) as e:
+        seams.require()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("exllamav3 1.6.9 does not fit this toolkit:") and drop in msg
+    assert seams.SEAMS[drop].purpose in msg
+
+
+def test_a_changed_signature_names_the_parameter(stand_in):
+    stand_in(rename=("iterate_draftmodel_dflash_gen", "window"))
+    with pytest.raises(ToolkitError, match=r"iterate_draftmodel_dflash_gen has changed: it takes no 'window'"):
+        seams.require()
+
+
+def test_optional_seams_may_be_missing(stand_in):
+    stand_in(drop="chunk_gated_delta_rule")
+    seams.require()
+    assert seams.get("chunk_gated_delta_rule") is None
+
+
+def test_not_installed_says_how(monkeypatch):
+    monkeypatch.setattr(seams, "version", lambda: None)
+    seams.require.cache_clear()
+    with pytest.raises(ToolkitError, match=r"exllamav3 is not installed.*\[gpu\].*exllamav3>=1\.6\.5,<1\.7"):
+        seams.require()
+    seams.require.cache_clear()
+
+
+def test_live_objects_are_checked_for_what_the_toolkit_reads():
+    gen = SimpleNamespace(active_jobs=[], draft_model=None, num_draft_tokens=0)
+    seams.check_instance("Generator", gen)
+    del gen.num_draft_tokens
+    with pytest.raises(ToolkitError, match=r"a Generator has no 'num_draft_tokens'"):
+        seams.check_instance("Generator", gen)
+
+
+def test_the_toolkit_reaches_exllamav3_only_through_the_seams():
+    from pathlib import Path
+
+    root = Path(__file__).parents[1] / "toolkit"
+    direct = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "seams.py"
+              and any(line.lstrip().startswith(("import exllamav3", "from exllamav3")) for line in p.read_text().splitlines())]
+    assert direct == []
