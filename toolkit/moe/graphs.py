@@ -19,7 +19,7 @@ def shared_pool_capture(graph):
     keeps, so the graphs never share memory and need no replay order."""
     if not POOL:
         POOL.append(torch.cuda.graph_pool_handle())
-    return torch.cuda.graph(graph, pool=POOL[0])
+    return torch.cuda.graph(graph, pool=POOL[0], capture_error_mode="thread_local")
 
 
 class Graphed:
