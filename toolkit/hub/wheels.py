@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import ToolkitError
+from ..exl3.seams import TESTED
 
-EXLLAMAV3_VERSION = "1.6.5"     # the pin of pyproject's gpu extra
+EXLLAMAV3_VERSION = TESTED     # a Space installs the exllamav3 the toolkit is tested with (inside the gpu extra's range)
 RELEASES = "https://github.com/turboderp-org/exllamav3/releases/download"
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
 PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
