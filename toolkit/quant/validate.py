@@ -96,6 +96,15 @@ def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool
     return Checked(config, headers, size)
 
 
+def check_shift_candidates(candidates: list[int], config: DFlashConfig, target_cfg: dict | None) -> None:
+    """Before any work: the recipe's tap_shift candidates must hold one that puts every tap on a target layer
+    (tap L + shift within the target's layers), or the check step would have none to try."""
+    layers = TargetInfo(target_cfg or {}).num_layers or 1 << 30
+    if not any(all(0 <= t + x < layers for t in config.target_layer_ids) for x in candidates):
+        raise ToolkitError(f"recipe: each of check.tap_shift_candidates {candidates} puts a tap outside the target's "
+                           f"{layers} layers (the drafter taps layers {list(config.target_layer_ids)})")
+
+
 def check_finite_weights(folder: Path) -> None:
     """Refuse a drafter with a NaN or infinite weight before anything is converted or published (read tensor by
     tensor: the whole drafter is never in memory at once)."""
