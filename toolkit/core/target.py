@@ -89,6 +89,10 @@ class TargetInfo:
         return self.number(self.text, "num_hidden_layers", Num(0, 65536, "layers", whole=True), 0)
 
     @property
+    def hidden_size(self) -> int:
+        return self.number(self.text, "hidden_size", Num(0, 1 << 20, whole=True), 0)
+
+    @property
     def vocab_size(self) -> int:
         d = self.text if self.text.get("vocab_size") else self.config
         return self.number(d, "vocab_size", Num(0, 2**31 - 1, "tokens", whole=True), 0)

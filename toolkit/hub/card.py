@@ -65,6 +65,8 @@ NUMBERS = {"bits": Num(1, 8, "bits per weight"), "size_bytes": Num(0, 2**53, "by
            "kl": Num(0, 1e6, "nats", null=True), "top1": Num(0, 1, "(a share of positions)", null=True), "tau": TAU}
 EXL3_NUMBERS = {"tau": TAU, "speedup": Num(0, 1e4, "times", null=True),
                 "target_bits": Num(1, 16, "bits per weight", null=True)}
+TEXT_FIELDS = ("revision", "target", "target_kind", "target_model", "target_sha", "device", "created",
+               "toolkit_version", "exllamav3_version")
 REPORT_NUMBERS = {"block_size": Num(1, 1024, "tokens", whole=True, null=True),
                   "tap_shift": Num(-1024, 1024, "layers", whole=True, null=True)}
 
@@ -109,6 +111,14 @@ def check_report(report, out_dir: str | Path | None = None) -> None:
         if isinstance(report.get(key), str) and not report[key].isprintable():
             raise ToolkitError(f"report.json: field {key!r} must be one line of printable text, got {report[key]!r}")
     numbers(report, REPORT_NUMBERS, "report.json")
+    for key in TEXT_FIELDS:                             # names and versions the card prints: text or null
+        if report.get(key) is not None and not isinstance(report[key], str):
+            raise ToolkitError(f"report.json: field {key!r} must be text or null, got {shown(report[key])}")
+    widths = report.get("exl3_widths")
+    if widths is not None and not (isinstance(widths, list) and all(isinstance(w, dict) for w in widths)):
+        raise ToolkitError(f"report.json: field 'exl3_widths' must be a list of objects, got {shown(widths)}")
+    for i, w in enumerate(widths or []):
+        check_fields(w, f"exl3_widths[{i}]", EXL3_TYPES, {**EXL3_NUMBERS, "draft_tokens": Num(1, 1024, whole=True)})
     if not isinstance(report["results"], list):
         raise ToolkitError(f"report.json: field 'results' must be a list, got a JSON {type(report['results']).__name__}")
     if report.get("bf16") is not None:

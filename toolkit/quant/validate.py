@@ -42,7 +42,7 @@ def expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_architecture(cfg: dict, folder: Path) -> None:
-    archs = cfg.get("architectures") or []
+    archs = TargetInfo(cfg, folder=Path(folder)).architectures      # a list of names, else one line
     if ARCHITECTURE in archs:
         return
     if cfg.get("auto_map"):
