@@ -4,6 +4,10 @@ Every command reads its input files (prompts, held-out sets, configs, reports, r
 a missing file, a folder, a binary or non-UTF-8 file, one far larger than such a file can be, JSON nested deeper
 than any real one, a number JSON cannot hold, or a corrupt `.gz` is one ToolkitError line naming the file (and
 the byte where decoding failed), never a traceback. A name ending in `.gz` is decompressed first.
+
+Every number read from such a file passes one validator, `Num` (`number`, `numbers`, `number_table`): a type, a
+finite range and a unit; a value outside is one line naming the file, the key and the range. Integers are
+compared as integers, so one of 401 digits is refused, never overflowed.
 """
 
 from __future__ import annotations
