@@ -84,8 +84,8 @@ def mutate(obj, edits):
 
 
 def edits(sample):
-    return st.lists(st.tuples(st.sampled_from(paths(sample)), st.sampled_from(["set", "set", "drop", "rename"]), VALUE),
-                    min_size=1, max_size=3)
+    ops = st.sampled_from(["set", "set", "drop", "rename"])
+    return st.lists(st.tuples(st.sampled_from(paths(sample)), ops, VALUE), min_size=1, max_size=3)
 
 
 def ends_cleanly(fn) -> str:
@@ -101,8 +101,7 @@ def ends_cleanly(fn) -> str:
     return "ok" if e.value.code == 0 else "error"
 
 
-def dump(obj) -> str:
-    return json.dumps(obj)
+dump = json.dumps
 
 
 @contextlib.contextmanager
@@ -114,19 +113,15 @@ def scratch():
 # --- TOML ----------------------------------------------------------------------------------------------------------
 
 def toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
+    if isinstance(v, (bool, int)):
+        return str(v).lower()
     if isinstance(v, float):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)                       # a TOML basic string
+    if isinstance(v, str) or v is None:
+        return json.dumps(v or "")                 # a TOML basic string
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v if x is not None) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
-    return '""'
+    return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
 
 
 def toml(obj) -> str:
@@ -254,19 +249,13 @@ def use_prompts(folder: Path, obj) -> None:
         ends_cleanly(call)
 
 
-def store_files(folder: Path) -> dict:
-    from test_fuzz import build_store
-
-    (folder / "store").mkdir()
-    build_store(folder / "store", PAIR / "target")
-    return {n: json.loads((folder / "store" / n).read_text()) for n in ("index.json", "00000.json")}
-
-
 def use_store(name: str):
     def use(folder: Path, obj) -> None:
+        from test_fuzz import build_store
         from toolkit.train.store import AnswerStore
 
-        store_files(folder)
+        (folder / "store").mkdir()
+        build_store(folder / "store", PAIR / "target")
         (folder / "store" / name).write_text(dump(obj))
         ends_cleanly(lambda: AnswerStore(folder / "store").load())
     return use

@@ -1,13 +1,11 @@
-"""Bad input, round three: the cases a hostile user found, each as a test, and the mechanisms behind them:
-numbers in range (core.files.Num), writes that never follow a link, every precondition before the work, tree
-copies that cannot loop, caches that prove themselves, and models with non-finite weights refused.
-
+"""Bad input, round three: the cases a hostile user found, each as a test, and the mechanisms behind them.
 Commands run in-process under core.errors.run_cli with their heavy work stubbed (test_fuzz's STUBS): "reached"
 means the checks passed and the work began, so a refusal that comes before it came before any model was loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -226,10 +224,8 @@ def test_no_writer_follows_a_link(tmp_path):
             pass
 
     def fig_writer(path):
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        write_curve(plt.figure(), path)
+        from matplotlib.figure import Figure
+        write_curve(Figure(), path)
 
     writers = {"atomic_file": lambda p: atomic_file(p, "x"), "atomic_write": lambda p: atomic_write(p, lambda f: f.write(b"x")),
                "atomic_dir": dir_writer, "claim": lambda p: claim(p, "pad", True), "claim_file": lambda p: claim_file(p),
@@ -266,8 +262,6 @@ def test_no_writer_follows_a_link(tmp_path):
 
 
 def sha(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()
 
 
