@@ -143,7 +143,7 @@ def push_cases() -> list[Case]:
          Case("report-step-interrupted", "push", ["--repo", "alice/x", "--from", "{run_incomplete}"], "incomplete quantize run"),
          Case("no-report", "push", ["--repo", "alice/x", "--from", "{case}"], "has no report.json"),
          Case("report-is-a-list", "push", ["--repo", "alice/x", "--from", "{run_list}"], "expected a JSON object, got a JSON list"),
-         Case("report-bits-text", "push", ["--repo", "alice/x", "--from", "{run_badbits}"], "results[0].bits must be a positive number"),
+         Case("report-bits-text", "push", ["--repo", "alice/x", "--from", "{run_badbits}"], "results[0].bits must be a number from 1 to 8 bits per weight"),
          Case("connection-refused", "push", [*base, "--endpoint", "{refused}", "--retries", "0"], "no connection to", env=tok),
          Case("http-500", "push", [*base, "--endpoint", "{url500}", "--retries", "0"], "a server error at", env=tok),
          Case("offline-mode", "push", [*base, "--endpoint", "{refused}"], "offline mode",

@@ -323,23 +323,23 @@ def test_demo_never_takes_a_forged_record_for_a_conversion(tmp_path, monkeypatch
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_write_card_never_writes_through_a_link_out_of_the_drafter(tmp_path):
+def test_write_card_never_writes_through_a_link(tmp_path):
+    """A README.md that is a link is refused wherever it points: out of the drafter, or to its own config.json."""
     from toolkit.eval_tau import put_card
 
     draft = tmp_path / "draft"
     draft.mkdir()
     (tmp_path / "other.md").write_text("someone else's file\n")
-    (draft / "README.md").symlink_to(tmp_path / "other.md")
+    (draft / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}\n')
     result = {"device": "cpu", "dtype": "float32", "max_new_tokens": 4, "block_sizes": [8], "tau": {"chat": {"8": 2.0}},
               "prompts": {"chat": 1}}
-    with pytest.raises(ToolkitError, match="links to .*other.md, outside"):
-        put_card(draft, result)
-    assert (tmp_path / "other.md").read_text() == "someone else's file\n" and (draft / "README.md").is_symlink()
-    (draft / "README.md").unlink()
-    (draft / "card.md").write_text("# card\n")
-    (draft / "README.md").symlink_to(draft / "card.md")          # a link inside the drafter: written through
-    put_card(draft, result)
-    assert (draft / "README.md").is_symlink() and "<!-- tau -->" in (draft / "card.md").read_text()
+    for target in (tmp_path / "other.md", draft / "config.json", Path("config.json")):
+        (draft / "README.md").unlink(missing_ok=True)
+        (draft / "README.md").symlink_to(target)
+        before = tree(tmp_path)
+        with pytest.raises(ToolkitError, match="README.md is a symbolic link .*never written through a link"):
+            put_card(draft, result)
+        assert tree(tmp_path) == before and (draft / "README.md").is_symlink()
 
 
 def test_quantize_dry_run_refuses_a_split_its_bf16_target_ignores(tmp_path):

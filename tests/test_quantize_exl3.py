@@ -295,7 +295,7 @@ def test_recipe_draft_tokens(tmp_path):
     assert load_recipe(ROOT / "quantize" / "qwen3.6-35b-a3b-dflash.toml").draft_tokens == [3, 7, 15]
     bad = tmp_path / "r.toml"
     bad.write_text('[model]\nid = "a/b"\n[check]\ndraft_tokens = [0, 3]\n')
-    with pytest.raises(ToolkitError, match=r"check.draft_tokens must be a list of integers >= 1, got \[0, 3\]"):
+    with pytest.raises(ToolkitError, match=r"check.draft_tokens\[0\] must be a whole number from 1 to 1024 drafts per round, got 0"):
         load_recipe(bad)
 
 

@@ -213,9 +213,9 @@ def test_demo_runs_on_exllamav3_where_the_space_has_a_gpu(monkeypatch):
 
 
 def test_local_model_folders_are_copied_and_named_inside_the_space(tmp_path):
-    for role in ("t", "d"):
+    for role, arch in (("t", "LlamaForCausalLM"), ("d", "DFlashDraftModel")):
         (tmp_path / role).mkdir()
-        (tmp_path / role / "config.json").write_text("{}")
+        (tmp_path / role / "config.json").write_text(json.dumps({"architectures": [arch]}))
         (tmp_path / role / "model.safetensors").write_bytes(b"x" * 8)
     out = space.export(str(tmp_path / "sp"), target=str(tmp_path / "t"), draft=str(tmp_path / "d"), hardware="cpu-basic")
     text = "".join((out / n).read_text() for n in ("space.json", "README.md"))

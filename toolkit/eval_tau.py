@@ -13,6 +13,7 @@ one table per prompt set.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from .core.cli import check_values, entry, option, run
 from .core.errors import OptionError, ToolkitError
 from .core import files
-from .core.folders import atomic_file, claim_file, marker
+from .core.folders import atomic_file, check_writable, claim_file, marker
 from .assets import unseen
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
@@ -50,14 +51,18 @@ def read_heldout(path: Path) -> dict[str, list[str]]:
 
 
 def card_path(draft: Path) -> Path:
-    """DRAFT/README.md as --write-card writes it: through a link only when the link stays inside DRAFT."""
+    """DRAFT/README.md as --write-card writes it, checked before any work: not a link (a card is never written
+    through one, wherever it points), a file if it exists, UTF-8, and replaceable (the folder and the file writable)."""
     readme = Path(draft) / "README.md"
-    real = readme.resolve()
-    if readme.is_symlink() and Path(draft).resolve() not in real.parents:
-        raise ToolkitError(f"--write-card: {readme} links to {real}, outside {draft}; refusing to write there")
-    if real.exists() and not real.is_file():
+    if readme.is_symlink():
+        raise ToolkitError(f"--write-card: {readme} is a symbolic link (to {os.readlink(readme)}); the card is never "
+                           "written through a link: replace it with the file itself")
+    if readme.exists() and not readme.is_file():
         raise ToolkitError(f"--write-card: {readme} is not a file")
-    return real
+    if readme.exists():
+        files.read_text(readme, "--write-card")
+    check_writable(readme, "write_card")
+    return readme
 
 
 def put_card(draft: Path, result: dict) -> Path:
@@ -108,7 +113,13 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     if out is not None:
         claim_file(out, command="eval_tau")
     if write_card:
-        card_path(Path(draft))
+        try:
+            card_path(Path(draft))
+        except OptionError as e:
+            raise ToolkitError(f"--write-card: {e.rest.lstrip(': ')}") from None
+    if heldout == unseen.NAME and Path(heldout).exists():
+        raise ToolkitError(f"--heldout: {unseen.NAME!r} names the built-in unseen prompts, and a file {unseen.NAME!r} "
+                           f"is here too; pass ./{unseen.NAME} for the file")
     held_set = "unseen" if heldout == unseen.NAME else "own"
     held = unseen.unseen_heldout() if held_set == "unseen" else read_heldout(
         Path(heldout) if heldout is not None else Path(draft) / "heldout.json")

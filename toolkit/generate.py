@@ -112,6 +112,9 @@ def generate(
     except ValueError as e:
         raise ToolkitError(str(e)) from None
     checks.whole("reps", reps, 1, 10**6)
+    if retime_costs and not settings.auto:
+        raise ToolkitError(f"--retime-costs applies only with --block-size auto: block size {block_size} times no "
+                           "round costs")
     if device is not None:
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))

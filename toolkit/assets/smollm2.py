@@ -24,6 +24,7 @@ from pathlib import Path
 from ..core import checks
 from ..core.errors import OptionError, ToolkitError
 from ..core import files
+from ..core.checksums import proven
 from ..core.folders import atomic_dir, cache_root, claim, owner, sha256, temp_prefix
 from ..core.tensorfiles import disk_full_as_oserror
 from .pairs import DATA
@@ -115,16 +116,18 @@ def read_license(path: Path) -> str:
 
 
 def complete(folder: Path) -> dict | None:
-    """The record of a finished conversion in `folder`: the folder carries demo's own-output marker and its
-    .complete.json lists every file at its size (a forged or stray .complete.json alone is not enough)."""
+    """The record of a finished conversion in `folder`: the folder carries demo's own-output marker, and every file
+    its .complete.json lists (the weights and the config among them) has the recorded size and sha256
+    (core.checksums: hashed once, then again whenever its size or mtime changes). A forged or stray
+    .complete.json, or weights overwritten in place, is no finished conversion."""
     if owner(folder) != "demo" or (folder / MARKER).is_symlink():
         return None
     try:
         marker = files.read_object(folder / MARKER, limit=2**20)
-        ok = isinstance(marker.get("source"), str) and isinstance(marker.get("source_sha256"), str) and all(
-            (folder / n).is_file() and not (folder / n).is_symlink() and (folder / n).stat().st_size == f["size"]
-            for n, f in marker["files"].items())
-    except (ToolkitError, OSError, KeyError, TypeError, AttributeError):
+        ok = isinstance(marker.get("source"), str) and isinstance(marker.get("source_sha256"), str) and \
+            isinstance(marker.get("files"), dict) and {"config.json", "model.safetensors"} <= set(marker["files"]) and \
+            proven(folder, marker["files"], str(folder / MARKER))
+    except (ToolkitError, OSError):
         return None
     return marker if ok else None
 

@@ -74,6 +74,12 @@ def run_cli(main: Callable[[], object]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
+        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:    # a path option or a path read from a file
+            close_bars()
+            name = str(e.filename or "")
+            print(f"error: a file name is too long for this system: {name[:60]}{'...' if len(name) > 60 else ''}",
+                  file=sys.stderr)
+            sys.exit(2)
         if not disk_full(e):             # a full disk that no writer turned into its own line yet
             raise
         close_bars()

@@ -4,6 +4,10 @@ Every command reads its input files (prompts, held-out sets, configs, reports, r
 a missing file, a folder, a binary or non-UTF-8 file, one far larger than such a file can be, JSON nested deeper
 than any real one, a number JSON cannot hold, or a corrupt `.gz` is one ToolkitError line naming the file (and
 the byte where decoding failed), never a traceback. A name ending in `.gz` is decompressed first.
+
+Every number read from such a file passes one validator, `Num` (`number`, `numbers`, `number_table`): a type, a
+finite range and a unit; a value outside is one line naming the file, the key and the range. Integers are
+compared as integers, so one of 401 digits is refused, never overflowed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import gzip
 import importlib.util
 import json
 import math
+import re
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ToolkitError
@@ -150,17 +156,90 @@ def package_file(module: str, rel: str, package: str, hint: str = "") -> Path:
     return path
 
 
+def shown(value, width: int = 40) -> str:
+    """A value as an error line quotes it: its repr, or for a long one what it is (a 401-digit integer)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**width:
+        return f"a {len(str(abs(value)))}-digit integer"
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 3]}..."
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def finite_numbers(obj, where: str, lo: float = -1e15, hi: float = 1e15) -> None:
-    """Every number in a parsed JSON value lies in [lo, hi] (a cache entry of 1e300 is refused, not overflowed)."""
+    """Every number in a parsed JSON value lies in [lo, hi] (a cache entry of 1e300 or a 401-digit integer is
+    refused, never overflowed: ints are compared as ints)."""
     stack = [obj]
     while stack:
         o = stack.pop()
-        if isinstance(o, bool) or o is None or isinstance(o, str):
-            continue
-        if isinstance(o, (int, float)):
-            if not (math.isfinite(o) and lo <= o <= hi):
-                raise ToolkitError(f"{where} holds the number {o!r}, outside [{lo:g}, {hi:g}]")
+        if _is_number(o):
+            if not (isinstance(o, int) or math.isfinite(o)) or not lo <= o <= hi:
+                raise ToolkitError(f"{where} holds the number {shown(o)}, outside [{lo:g}, {hi:g}]")
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, list):
             stack.extend(o)
+
+
+@dataclass(frozen=True)
+class Num:
+    """What a number read from a file may be: a whole number or any number, in a finite range (`lo` excluded
+    when `above`), in a unit; `null` allows JSON null (a value that was not measured)."""
+
+    lo: float
+    hi: float
+    unit: str = ""
+    whole: bool = False
+    null: bool = False
+    above: bool = False
+
+    def words(self) -> str:
+        kind = "a whole number" if self.whole else "a number"
+        lo, hi = (f"{x:g}" if isinstance(x, float) else str(x) for x in (self.lo, self.hi))
+        span = f"> {lo} and at most {hi}" if self.above else f"from {lo} to {hi}"
+        return f"{kind} {span}{' ' + self.unit if self.unit else ''}{' (or null)' if self.null else ''}"
+
+    def ok(self, value) -> bool:
+        if value is None:
+            return self.null
+        if not _is_number(value) or (self.whole and not isinstance(value, int)):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return (self.lo < value if self.above else self.lo <= value) and value <= self.hi   # int vs float: exact
+
+
+def number(value, num: Num, where: str, key: str):
+    """`value` when it is what `num` allows; else one line naming the file (`where`), the key and the range."""
+    if not num.ok(value):
+        raise ToolkitError(f"{where}: {key} must be {num.words()}, got {shown(value)}")
+    return value
+
+
+def numbers(d: dict, spec: dict[str, Num], where: str, prefix: str = "") -> dict:
+    """Each key of `spec` present in the mapping `d` checked by `number` (`prefix` leads the key's name)."""
+    for key, num in spec.items():
+        if key in d:
+            number(d[key], num, where, f"{prefix}{key}")
+    return d
+
+
+def number_key(text, num: Num, where: str, key: str) -> int:
+    """A whole number written as a JSON object key ("16"), in `num`'s range; else one line."""
+    ok = isinstance(text, str) and len(text) <= 20 and re.fullmatch(r"-?\d+", text)
+    return number(int(text) if ok else text, num, where, key)
+
+
+def number_table(obj, keys: tuple[Num, ...], value: Num, where: str, name: str = "") -> dict:
+    """A table of numbers keyed by whole numbers, as JSON writes it ({"1": {"0": 1.5}} for two keys): every key
+    and value checked, returned with int keys. Anything else is one line naming the entry."""
+    if not isinstance(obj, dict) or not obj:
+        raise ToolkitError(f"{where}: {name or 'the table'} must be a non-empty JSON object, got {shown(obj)}")
+    out = {}
+    for k, v in obj.items():
+        at = f"{name}[{shown(k)}]" if name else f"[{shown(k)}]"
+        k = number_key(k, keys[0], where, f"the key of {at}")
+        out[k] = number_table(v, keys[1:], value, where, at) if len(keys) > 1 else number(v, value, where, at)
+    return out

@@ -88,7 +88,7 @@ def owner(folder: str | Path) -> str | None:
 
 def mark(folder: str | Path, command: str) -> None:
     """Record in `folder` that `command` wrote it, so a rerun may replace it without --force."""
-    (Path(folder) / MARKER).write_text(json.dumps(marker(command)) + "\n")
+    atomic_file(Path(folder) / MARKER, json.dumps(marker(command)) + "\n")
 
 
 def file_owner(path: str | Path) -> str | None:
@@ -155,14 +155,33 @@ def check_place(out: Path, field: str = "out") -> None:
         raise OptionError(field, f"cannot write in {place} (permission denied)")
 
 
-def claim_file(out: str | Path, field: str = "out", command: str | None = None) -> Path:
-    """Check an output *file* before any work: refuse a folder, a symlink, a path under a file, an unwritable place;
-    with `command`, also an existing file that is not its earlier output (`file_owner`)."""
+def check_writable(path: str | Path, field: str) -> None:
+    """Refuse, before any work, to replace the file `path` (or create it) when its folder or the file itself cannot be
+    written (permissions, a read-only file system): one OptionError naming `field`."""
+    path = Path(path).expanduser()
+    for p in (path.parent, path) if path.exists() else (path.parent,):
+        if not os.access(p, os.W_OK):
+            raise OptionError(field, f"cannot write {p} (permission denied or a read-only file system)")
+
+
+def not_a_link(path: str | Path, what: str = "") -> Path:
+    """`path` when it is not a symbolic link; a writer never writes through a link nor replaces one (one line)."""
+    path = Path(path)
+    if path.is_symlink():
+        pre = f"{what}: " if what else ""
+        raise ToolkitError(f"{pre}{path} is a symbolic link (to {os.readlink(path)}); refusing to write through it "
+                           "or replace it: name the file or folder itself")
+    return path
+
+
+def claim_file(out: str | Path, field: str = "out", command: str | None = None, kind: str = "JSON") -> Path:
+    """Check an output *file* (a `kind` file: JSON, PNG) before any work: refuse a folder, a symlink, a path under a
+    file, an unwritable place; with `command`, also an existing file that is not its earlier output (`file_owner`)."""
     out = Path(out).expanduser()
     if out.is_symlink():
         raise OptionError(field, f"{out} is a symbolic link: name the file itself (the link is never replaced)")
     if out.is_dir():
-        raise OptionError(field, f"{out} is a folder: name a {out.suffix.lstrip('.').upper() or 'JSON'} file")
+        raise OptionError(field, f"{out} is a folder: name a {kind} file")
     check_place(out, field)
     if command and out.exists() and file_owner(out) != command:
         raise OptionError(field, f"{out} exists and is not an earlier output of {command}: name a new file "
@@ -172,8 +191,10 @@ def claim_file(out: str | Path, field: str = "out", command: str | None = None) 
 
 
 def cache_root() -> Path:
-    """The toolkit's cache: $XDG_CACHE_HOME (or ~/.cache)/dflash-toolkit (the demo target, its wheel, cost tables)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-toolkit"
+    """The toolkit's cache: $XDG_CACHE_HOME (or ~/.cache)/dflash-toolkit (the demo target, its wheel, cost tables).
+    A relative $XDG_CACHE_HOME is ignored, as the XDG specification says (it would put a cache in every folder)."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or ""
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "dflash-toolkit"
 
 
 def temp_prefix(path: Path, kind: str = "tmp") -> str:
@@ -229,7 +250,7 @@ def check_space(path: str | Path, need: int) -> None:
 def atomic_write(path: str | Path, write: Callable[[object], None], need: int | None = None) -> Path:
     """`write(f)` into a temp file beside `path` opened for binary writing, renamed into place once it returns:
     readers never see half a file; a failure, an interrupt or a full disk (one line) leaves nothing behind."""
-    path = Path(path)
+    path = not_a_link(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
@@ -261,7 +282,7 @@ def atomic_dir(out: str | Path, command: str | None = None, need: int | None = N
     folder; the result is 0755 (mkdtemp's 0700 would hide a shared cache from other users). With `command` the
     result is marked as that command's output; a full disk is one ToolkitError naming `out` (and `need` bytes).
     What an interrupted run left beside `out` is removed first (`sweep`)."""
-    out = Path(out)
+    out = not_a_link(out)
     if need:
         check_space(out.parent if out.parent.exists() else Path.cwd(), need)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +293,8 @@ def atomic_dir(out: str | Path, command: str | None = None, need: int | None = N
         if command:
             mark(tmp, command)
         os.chmod(tmp, 0o755)
-        if out.is_dir() and not out.is_symlink():
+        not_a_link(out)                                   # made a link while the block ran: still never replaced
+        if out.is_dir():
             old = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "old"), dir=out.parent))
             os.replace(out, old / "x")
             os.replace(tmp, out)
@@ -284,6 +306,44 @@ def atomic_dir(out: str | Path, command: str | None = None, need: int | None = N
         if isinstance(e, Exception) and not isinstance(e, ToolkitError) and disk_full(e):
             raise no_space(out, need) from None
         raise
+
+
+def tree_files(src: str | Path, ignore: Callable | None = None, what: str = "") -> list[tuple[Path, Path]]:
+    """(path inside `src`, file to copy) of every file of the folder `src`, found without ever following a link to a
+    folder, so no link can make a copy loop or reach outside `src`: a link to a file inside `src` stands for that
+    file; any other link (to a folder, out of `src`, broken) and anything that is neither a file nor a folder is
+    refused with one line naming it. `ignore` is shutil.ignore_patterns' kind of callable."""
+    src, pre, out = Path(src), f"{what}: " if what else "", []
+    root = src.resolve()
+
+    def refuse(e: OSError):
+        raise ToolkitError(f"{pre}cannot read {e.filename} ({e.strerror or e})")
+
+    for dirpath, dirnames, filenames in os.walk(src, onerror=refuse):
+        here = Path(dirpath)
+        skip = set(ignore(dirpath, dirnames + filenames)) if ignore else set()
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        for name in dirnames + [f for f in filenames if f not in skip]:
+            p = here / name
+            real = p.resolve()
+            if p.is_symlink() and not (real.is_file() and root in real.parents):
+                raise ToolkitError(f"{pre}{p} is a link to {os.readlink(p)}; a copied folder may link only to files "
+                                   "inside it (no link to a folder, none out of it): copy the files themselves")
+            if name in dirnames and not p.is_symlink():
+                continue                                   # os.walk enters it next
+            if not real.is_file():
+                raise ToolkitError(f"{pre}{p} is neither a file nor a folder; refusing to copy it")
+            out.append((p.relative_to(src), real))
+    return out
+
+
+def copy_tree(src: str | Path, dst: str | Path, ignore: Callable | None = None, what: str = "") -> None:
+    """Copy the folder `src` to `dst` as `tree_files` finds it (checked whole before the first file is copied)."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for rel, real in tree_files(src, ignore, what):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(real, dst / rel)
 
 
 @contextmanager

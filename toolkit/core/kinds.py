@@ -20,7 +20,7 @@ EXL3_SUFFIXES = (".trellis", ".suh", ".svh", ".mcg", ".mul1")   # tensor names o
 
 def kind_of(info: TargetInfo) -> str:
     """The folder's kind in words: "an EXL3 checkpoint", "a DFlash drafter", "an HF model (LlamaForCausalLM)"..."""
-    drafter = DRAFTER in (info.config.get("architectures") or [])
+    drafter = DRAFTER in info.architectures
     if info.exl3:
         return "an EXL3 checkpoint of a DFlash drafter" if drafter else "an EXL3 checkpoint"
     if drafter:
@@ -33,16 +33,24 @@ def require(folder: str | Path, want: str, what: str) -> TargetInfo:
 
     `what` starts the error line (e.g. "--target"); the line names the kind found and what the flag needs."""
     info = TargetInfo.read(folder, what.lstrip("-") or None)
-    is_drafter = DRAFTER in (info.config.get("architectures") or [])
     if info.exl3:
         need = "the unquantized drafter" if want == DFLASH else "an unquantized HF model (EXL3 runs on --backend exllamav3)"
         raise ToolkitError(f"{what}: {folder} is {kind_of(info)}; the torch backend needs {need}")
+    return check_role(folder, want, what, info)
+
+
+def check_role(folder: str | Path, want: str, what: str, info: TargetInfo | None = None) -> TargetInfo:
+    """Refuse a folder that is not a model of kind `want`, unquantized or EXL3: a target (HF) is a model and not a
+    drafter, a drafter (DFLASH) is one. No config.json, or one naming no architecture, is not a model folder."""
+    info = info or TargetInfo.read(folder, what.lstrip("-") or None)
+    is_drafter = DRAFTER in info.architectures
     if want == HF and is_drafter:
         raise ToolkitError(f"{what}: {folder} is {kind_of(info)}, not a target model (a drafter goes to --draft)")
     if want == DFLASH and not is_drafter:
-        archs = info.config.get("architectures")
         raise ToolkitError(f"{what}: {folder} is {kind_of(info)}, not a DFlash drafter "
-                           f"(architectures {archs!r}, expected [{DRAFTER!r}]; a target goes to --target)")
+                           f"(architectures {info.architectures!r}, expected [{DRAFTER!r}]; a target goes to --target)")
+    if not (info.architecture or info.model_type):
+        raise ToolkitError(f"{what}: {folder}/config.json names no architectures or model_type: not a model folder")
     return info
 
 

@@ -8,10 +8,12 @@ parts (quantize planning, the Hub card, the exllamav3 backend before loading) re
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import files
+from .errors import ToolkitError
+from .files import Num, number, shown
 from .folders import read_config
 
 DEFAULT_CONTEXT = 1 << 20       # a config with no max_position_embeddings: no limit worth checking
@@ -19,14 +21,19 @@ DEFAULT_CONTEXT = 1 << 20       # a config with no max_position_embeddings: no l
 
 def text_config(cfg: dict) -> dict:
     """The language model's config: `text_config` of a multimodal layout (Qwen3.5/3.6), else the config itself."""
-    return cfg.get("text_config") or cfg
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) and text else cfg
 
 
-def as_ids(eos) -> tuple[int, ...]:
-    """An eos_token_id value (an int, a list of ints or None) as a tuple of ids."""
+TOKEN_ID = Num(0, 2**31 - 1, "(a token id)", whole=True)
+
+
+def as_ids(eos, where: str = "config.json", key: str = "eos_token_id") -> tuple[int, ...]:
+    """An eos_token_id value (an int, a list of ints or None) as a tuple of ids; anything else is one line."""
     if eos is None:
         return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
+    items = eos if isinstance(eos, list) else [eos]
+    return tuple(number(e, TOKEN_ID, where, key) for e in items if e is not None)
 
 
 @dataclass(frozen=True)
@@ -55,64 +62,92 @@ class TargetInfo:
     def text(self) -> dict:
         return text_config(self.config)
 
+    def where(self, name: str = "config.json") -> str:
+        return str(self.folder / name) if self.folder is not None else name
+
+    def number(self, d: dict, key: str, num: Num, default: int) -> int:
+        """d[key] in num's range (a missing or null value: `default`); else one line naming config.json and the key."""
+        return default if d.get(key) is None else number(d[key], num, self.where(), key)
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """generation_config's eos_token_id, else config's (top level, then the text config), else the tokenizer's."""
-        for eos in (self.generation.get("eos_token_id"), self.config.get("eos_token_id"), self.text.get("eos_token_id"),
-                    self.tokenizer_eos):
-            if eos is not None and as_ids(eos):
-                return as_ids(eos)
+        for eos, name in ((self.generation.get("eos_token_id"), "generation_config.json"),
+                          (self.config.get("eos_token_id"), "config.json"), (self.text.get("eos_token_id"), "config.json"),
+                          (self.tokenizer_eos, "tokenizer_config.json")):
+            if eos is not None and as_ids(eos, self.where(name)):
+                return as_ids(eos, self.where(name))
         return ()
 
     @property
     def max_context(self) -> int:
-        return int(self.text.get("max_position_embeddings") or DEFAULT_CONTEXT)
+        return self.number(self.text, "max_position_embeddings", Num(0, 2**40, "tokens", whole=True), DEFAULT_CONTEXT) \
+            or DEFAULT_CONTEXT
 
     @property
     def num_layers(self) -> int:
-        return int(self.text.get("num_hidden_layers") or 0)
+        return self.number(self.text, "num_hidden_layers", Num(0, 65536, "layers", whole=True), 0)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.number(self.text, "hidden_size", Num(0, 1 << 20, whole=True), 0)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.text.get("vocab_size") or self.config.get("vocab_size") or 0)
+        d = self.text if self.text.get("vocab_size") else self.config
+        return self.number(d, "vocab_size", Num(0, 2**31 - 1, "tokens", whole=True), 0)
+
+    @property
+    def architectures(self) -> list[str]:
+        """config.json's architectures: a list of names ([] when absent); anything else is one line."""
+        archs = self.config.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ToolkitError(f"{self.where()}: architectures must be a list of names, got {shown(archs)}")
+        return archs
 
     @property
     def architecture(self) -> str | None:
-        archs = self.config.get("architectures") or []
-        return archs[0] if archs else None
+        return self.architectures[0] if self.architectures else None
 
     @property
     def model_type(self) -> str | None:
-        return self.config.get("model_type")
+        t = self.config.get("model_type")
+        return t if isinstance(t, str) else None
 
     @property
     def exl3(self) -> bool:
         """An exllamav3 checkpoint: its quantization_config names the exl3 method."""
-        return (self.config.get("quantization_config") or {}).get("quant_method") == "exl3"
+        q = self.config.get("quantization_config")
+        return isinstance(q, dict) and q.get("quant_method") == "exl3"
 
 
 def read_optional(path: Path) -> dict:
-    """A JSON object file, or {} when it is missing or not valid JSON (optional files never stop a load)."""
+    """A JSON object file, or {} when it is missing or not a valid JSON object (optional files never stop a load)."""
     try:
-        d = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
+        d = files.read_json(path) if path.is_file() else {}
+    except (ToolkitError, OSError):
         return {}
     return d if isinstance(d, dict) else {}
 
 
 def tokenizer_eos(folder: Path) -> int | None:
-    """The id of tokenizer_config.json's eos_token, found in its added tokens or tokenizer.json's; None if absent."""
+    """The id of tokenizer_config.json's eos_token, found in its added tokens or tokenizer.json's; None if absent
+    (or when what these optional files say is not a token id)."""
     tc = read_optional(folder / "tokenizer_config.json")
     eos = tc.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if not isinstance(eos, str):
         return None
-    for i, t in (tc.get("added_tokens_decoder") or {}).items():
+    added = tc.get("added_tokens_decoder")
+    for i, t in (added.items() if isinstance(added, dict) else ()):
         if isinstance(t, dict) and t.get("content") == eos:
-            return int(i)
+            return int(i) if i.isdigit() and len(i) <= 10 and TOKEN_ID.ok(int(i)) else None
     tj = read_optional(folder / "tokenizer.json")
-    for t in tj.get("added_tokens") or []:
-        if t.get("content") == eos:
-            return int(t["id"])
-    vocab = (tj.get("model") or {}).get("vocab")
-    return vocab.get(eos) if isinstance(vocab, dict) else None
+    tokens = tj.get("added_tokens")
+    for t in tokens if isinstance(tokens, list) else ():
+        if isinstance(t, dict) and t.get("content") == eos:
+            return t.get("id") if TOKEN_ID.ok(t.get("id")) else None
+    model = tj.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    found = vocab.get(eos) if isinstance(vocab, dict) else None
+    return found if TOKEN_ID.ok(found) else None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import ToolkitError
+from .files import Num, read_json
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -96,8 +97,8 @@ def check_folder(folder: str | Path, what: str = "") -> list[Path]:
         raise ToolkitError(f"{pre}{e}") from None
     for index in sorted(folder.glob("*.safetensors.index.json")):
         try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (OSError, ValueError, AttributeError):
+            weight_map = read_json(index).get("weight_map")
+        except (ToolkitError, AttributeError):
             raise ToolkitError(f"{pre}{index}: not a readable index (expected a JSON object with a weight_map)") from None
         if not isinstance(weight_map, dict):
             raise ToolkitError(f"{pre}{index}: weight_map is missing or not an object")
@@ -105,6 +106,20 @@ def check_folder(folder: str | Path, what: str = "") -> list[Path]:
             if not isinstance(shard, str) or not (folder / shard).is_file():
                 raise ToolkitError(f"{pre}{index}: tensor {name!r} is in shard {shard!r}, which is not in {folder} (truncated download?)")
     return files
+
+
+def index_size(folder: str | Path | None) -> int | None:
+    """total_size of a folder's safetensors index (a config-only fetch has no weights to measure): a whole number of
+    bytes below 2^50 read through core.files; None when there is no index or it holds no such number."""
+    for f in sorted(Path(folder).glob("*.safetensors.index.json")) if folder else []:
+        try:
+            d = read_json(f)
+            size = d["metadata"]["total_size"]
+        except (ToolkitError, KeyError, TypeError):
+            continue
+        if Num(0, 2**50, whole=True).ok(size):
+            return size
+    return None
 
 
 @contextmanager

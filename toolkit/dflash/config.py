@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import ToolkitError
+from ..core.files import Num, number, shown
 from ..core.folders import read_config
-from ..core.target import text_config
+from ..core.target import TargetInfo
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -26,8 +27,30 @@ def _rope_theta(cfg: dict) -> float:
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ("default", None):
-        raise ToolkitError(f"config.json: rope_type {kind!r} is not supported by the reference drafter (only 'default')")
-    return float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0)))
+        raise ToolkitError(f"config.json: rope_type {shown(kind)} is not supported by the reference drafter (only 'default')")
+    return float(number(cfg.get("rope_theta", rp.get("rope_theta", 10000.0)), Num(0, 1e12, above=True), "config.json",
+                        "rope_theta"))
+
+
+DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "tap_shift", "is_causal", "input_embedding_scale")
+# The numbers of a drafter's config.json: key -> (type and range, default); None with no null: a required key.
+WIDTH = Num(1, 1 << 20, whole=True)
+LAYER = Num(0, 65535, "(a target layer)", whole=True)
+NUMBERS = {
+    "hidden_size": (WIDTH, None), "intermediate_size": (WIDTH, None),
+    "num_hidden_layers": (Num(1, 4096, "layers", whole=True), None),
+    "num_attention_heads": (Num(1, 4096, "heads", whole=True), None),
+    "num_key_value_heads": (Num(1, 4096, "heads", whole=True, null=True), None),
+    "head_dim": (Num(1, 65536, whole=True, null=True), None),
+    "block_size": (Num(0, 4096, "tokens", whole=True), None),      # below 2: check() says why
+    "mask_token_id": (Num(0, 2**31 - 1, "(a token id)", whole=True), None),
+    "sliding_window": (Num(1, 2**31, "tokens", whole=True, null=True), None),
+    "rms_norm_eps": (Num(0, 1, above=True), 1e-6),
+    "tap_shift": (Num(-64, 64, "layers", whole=True), 1),
+    "vocab_size": (Num(1, 2**31 - 1, "tokens", whole=True, null=True), None),
+    "num_target_layers": (Num(1, 65536, "layers", whole=True, null=True), None),
+    "input_embedding_scale": (Num(-1e6, 1e6), 1.0),
+}
 
 
 @dataclass
@@ -65,54 +88,64 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, cfg: dict) -> "DFlashConfig":
         archs = cfg.get("architectures") or []
-        if ARCHITECTURE not in archs:
-            raise ToolkitError(f"config.json: architectures is {archs!r}, expected [{ARCHITECTURE!r}]")
+        if not isinstance(archs, list) or ARCHITECTURE not in archs:
+            raise ToolkitError(f"config.json: architectures is {shown(archs)}, expected [{ARCHITECTURE!r}]")
+        for key in ("dflash_config", "rope_parameters", "rope_scaling"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+                raise ToolkitError(f"config.json: {key} must be an object, got {shown(cfg[key])}")
         try:
-            n_layers = int(cfg["num_hidden_layers"])
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            taps = _pick(cfg, "target_layer_ids")
-            mask = _pick(cfg, "mask_token_id")
-            block = _pick(cfg, "block_size")
-            if taps is None or mask is None or block is None:
-                missing = [k for k, v in (("target_layer_ids", taps), ("mask_token_id", mask), ("block_size", block)) if v is None]
+            got = {k: _pick(cfg, k, d) if k in DFLASH_KEYS else cfg.get(k, d) for k, (_, d) in NUMBERS.items()}
+            missing = [k for k, v in got.items() if v is None and not NUMBERS[k][0].null]
+            if missing:
                 raise KeyError(missing[0])
+            for k, v in got.items():
+                number(v, NUMBERS[k][0], "config.json", k)
+            taps = _pick(cfg, "target_layer_ids")
+            if taps is None:
+                raise KeyError("target_layer_ids")
+            if not isinstance(taps, list):
+                raise ToolkitError(f"config.json: target_layer_ids must be a list of layers, got {shown(taps)}")
+            for i, t in enumerate(taps):
+                number(t, LAYER, "config.json", f"target_layer_ids[{i}]")
+            hidden, heads, n_layers = got["hidden_size"], got["num_attention_heads"], got["num_hidden_layers"]
+            layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+            for key, kind in (("layer_types", list), ("hidden_act", str), ("is_causal", bool), ("attention_bias", bool)):
+                value = layer_types if key == "layer_types" else _pick(cfg, key) if key in DFLASH_KEYS else cfg.get(key)
+                if value is not None and not isinstance(value, kind):
+                    raise ToolkitError(f"config.json: {key} must be a {kind.__name__}, got {shown(value)}")
             conf = cls(
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=got["intermediate_size"],
                 num_hidden_layers=n_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                block_size=int(block),
-                mask_token_id=int(mask),
-                target_layer_ids=[int(t) for t in taps],
-                layer_types=list(cfg.get("layer_types") or ["full_attention"] * n_layers),
-                sliding_window=cfg.get("sliding_window"),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                num_key_value_heads=got["num_key_value_heads"] or heads,
+                head_dim=got["head_dim"] or max(1, hidden // heads),
+                block_size=got["block_size"],
+                mask_token_id=got["mask_token_id"],
+                target_layer_ids=list(taps),
+                layer_types=list(layer_types),
+                sliding_window=got["sliding_window"],
+                rms_norm_eps=float(got["rms_norm_eps"]),
                 rope_theta=_rope_theta(cfg),
-                tap_shift=int(_pick(cfg, "tap_shift", 1)),
+                tap_shift=got["tap_shift"],
                 is_causal=_pick(cfg, "is_causal", None),
                 hidden_act=cfg.get("hidden_act", "silu"),
                 attention_bias=bool(cfg.get("attention_bias", False)),
-                vocab_size=cfg.get("vocab_size"),
-                num_target_layers=cfg.get("num_target_layers"),
-                input_embedding_scale=float(_pick(cfg, "input_embedding_scale", 1.0)),
+                vocab_size=got["vocab_size"],
+                num_target_layers=got["num_target_layers"],
+                input_embedding_scale=float(got["input_embedding_scale"]),
                 raw=cfg,
             )
         except KeyError as e:
             raise ToolkitError(f"config.json: missing key {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise ToolkitError(f"config.json: bad value ({e})") from None
         conf.check()
         return conf
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
         cfg = read_config(path)
-        if ARCHITECTURE not in (cfg.get("architectures") or []):     # name what the folder is instead
+        if ARCHITECTURE not in TargetInfo(cfg, folder=Path(path)).architectures:   # name what the folder is instead
             from ..core.kinds import kind_of
-            from ..core.target import TargetInfo
 
             raise ToolkitError(f"{path} is {kind_of(TargetInfo(cfg))}, not a DFlash drafter (architectures "
                                f"{cfg.get('architectures')!r}, expected [{ARCHITECTURE!r}])")
@@ -147,10 +180,11 @@ class DFlashConfig:
 
     def validate_against(self, target: dict) -> None:
         """Check the drafter fits a target config.json (a dict; a multimodal config's text_config is used)."""
-        if ARCHITECTURE in (target.get("architectures") or []):
+        info = TargetInfo(target)
+        if ARCHITECTURE in info.architectures:
             raise ToolkitError("the target folder is a DFlash drafter, not a target model (a drafter goes to --draft)")
-        t = text_config(target)
-        th, tl, tv = t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size")
+        th = info.number(info.text, "hidden_size", WIDTH, None)
+        tl, tv = info.num_layers or None, info.vocab_size or None
         if th is not None and th != self.hidden_size:
             raise ToolkitError(f"hidden_size: drafter has {self.hidden_size}, target has {th}")
         if tl is not None:

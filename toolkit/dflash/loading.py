@@ -80,6 +80,13 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
             raise ToolkitError(f"{where}: tensor {name!r} has non-finite weights (NaN or inf)")
 
 
+def check_finite_model(model: torch.nn.Module, where: str) -> None:
+    """Refuse a loaded model, a target as a drafter, with a NaN or infinite weight (one line naming the tensor): it
+    would decode nothing but stop tokens or garbage, never an error."""
+    for name, p in model.named_parameters():
+        check_finite({name: p.detach()}, where)
+
+
 def save_drafter(model: DFlashDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict | None = None,
                  command: str | None = None) -> Path:
     """Write config.json + model.safetensors atomically: a temp folder renamed into place (marked as `command`'s

@@ -10,12 +10,12 @@ its Hub ref or as "a local EXL3 quant at N bpw"; only Hub ids are linked.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..core.errors import ToolkitError
+from ..core.files import Num, numbers, shown
 from ..core.folders import read_json
 from .howto import framing, requires_line, usage
 from .names import link, public_report
@@ -59,18 +59,20 @@ def pick_pushed(results: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("calibrated") or float(r["bits"]) not in cal_bits]
 
 
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+# Every number of report.json: its type, finite range and unit (core.files.Num); null is "not measured".
+TAU = Num(0, 1024, "tokens per round", null=True)
+NUMBERS = {"bits": Num(1, 8, "bits per weight"), "size_bytes": Num(0, 2**53, "bytes", whole=True, null=True),
+           "kl": Num(0, 1e6, "nats", null=True), "top1": Num(0, 1, "(a share of positions)", null=True), "tau": TAU}
+EXL3_NUMBERS = {"tau": TAU, "speedup": Num(0, 1e4, "times", null=True),
+                "target_bits": Num(1, 16, "bits per weight", null=True)}
+TEXT_FIELDS = ("revision", "target", "target_kind", "target_model", "target_sha", "device", "created",
+               "toolkit_version", "exllamav3_version")
+REPORT_NUMBERS = {"block_size": Num(1, 1024, "tokens", whole=True, null=True),
+                  "tap_shift": Num(-1024, 1024, "layers", whole=True, null=True)}
 
-
-ROW_TYPES = {   # field -> (check, what it must be); None is allowed where the pipeline writes "not measured"
-    "bits": (lambda v: _is_num(v) and v > 0, "a positive number"),
+ROW_TYPES = {   # field -> (check, what it must be) for the fields that are not numbers
     "folder": (lambda v: isinstance(v, str) and v.strip() != "", "a folder name"),
-    "size_bytes": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "a byte count or null"),
     "calibrated": (lambda v: isinstance(v, bool), "true or false"),
-    "kl": (lambda v: v is None or _is_num(v), "a number or null"),
-    "top1": (lambda v: v is None or _is_num(v), "a number or null"),
-    "tau": (lambda v: v is None or _is_num(v), "a number or null"),
     "passed": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
     "pushed": (lambda v: isinstance(v, bool), "true or false"),
     "branch": (lambda v: v is None or isinstance(v, str), "a branch name or null"),
@@ -78,22 +80,19 @@ ROW_TYPES = {   # field -> (check, what it must be); None is allowed where the p
 }
 
 
-EXL3_TYPES = {
-    "tau": (lambda v: v is None or _is_num(v), "a number or null"),
-    "speedup": (lambda v: v is None or _is_num(v), "a number or null"),
-    "target": (lambda v: v is None or isinstance(v, str), "a model name or null"),
-    "target_bits": (lambda v: v is None or _is_num(v), "a number or null"),
-}
-BF16_TYPES = {k: ROW_TYPES[k] for k in ("size_bytes", "tau", "exl3")}
+EXL3_TYPES = {"target": (lambda v: v is None or isinstance(v, str), "a model name or null")}
+BF16_TYPES = {"exl3": ROW_TYPES["exl3"]}
+BF16_NUMBERS = {k: NUMBERS[k] for k in ("size_bytes", "tau")}
 
 
-def check_fields(d: dict, where: str, types: dict) -> None:
-    """Each present field of `d` of its type (and an `exl3` object's fields of theirs): one line naming it."""
+def check_fields(d: dict, where: str, types: dict, nums: dict[str, Num]) -> None:
+    """Each present field of `d` of its type or range (and an `exl3` object's fields of theirs): one line naming it."""
+    numbers(d, nums, "report.json", f"{where}.")
     for key, (ok, want) in types.items():
         if key in d and not ok(d[key]):
-            raise ToolkitError(f"report.json: {where}.{key} must be {want}, got {d[key]!r}")
+            raise ToolkitError(f"report.json: {where}.{key} must be {want}, got {shown(d[key])}")
     if isinstance(d.get("exl3"), dict):
-        check_fields(d["exl3"], f"{where}.exl3", EXL3_TYPES)
+        check_fields(d["exl3"], f"{where}.exl3", EXL3_TYPES, EXL3_NUMBERS)
 
 
 def check_report(report, out_dir: str | Path | None = None) -> None:
@@ -102,28 +101,37 @@ def check_report(report, out_dir: str | Path | None = None) -> None:
     if not isinstance(report, dict):
         raise ToolkitError(f"report.json: expected a JSON object, got a JSON {type(report).__name__}")
     if report.get("schema") != 1:
-        raise ToolkitError(f"report.json: schema must be 1, got {report.get('schema')!r}")
+        raise ToolkitError(f"report.json: schema must be 1, got {shown(report.get('schema'))}")
     for key in ("model", "results"):
         if not report.get(key):
             raise ToolkitError(f"report.json: field {key!r} is missing or empty")
     if not isinstance(report["model"], str):
-        raise ToolkitError(f"report.json: field 'model' must be a repo id string, got {report['model']!r}")
+        raise ToolkitError(f"report.json: field 'model' must be a repo id string, got {shown(report['model'])}")
     for key in ("model", "revision", "target"):          # one printable line each: no text smuggled into the card
         if isinstance(report.get(key), str) and not report[key].isprintable():
             raise ToolkitError(f"report.json: field {key!r} must be one line of printable text, got {report[key]!r}")
+    numbers(report, REPORT_NUMBERS, "report.json")
+    for key in TEXT_FIELDS:                             # names and versions the card prints: text or null
+        if report.get(key) is not None and not isinstance(report[key], str):
+            raise ToolkitError(f"report.json: field {key!r} must be text or null, got {shown(report[key])}")
+    widths = report.get("exl3_widths")
+    if widths is not None and not (isinstance(widths, list) and all(isinstance(w, dict) for w in widths)):
+        raise ToolkitError(f"report.json: field 'exl3_widths' must be a list of objects, got {shown(widths)}")
+    for i, w in enumerate(widths or []):
+        check_fields(w, f"exl3_widths[{i}]", EXL3_TYPES, {**EXL3_NUMBERS, "draft_tokens": Num(1, 1024, whole=True)})
     if not isinstance(report["results"], list):
         raise ToolkitError(f"report.json: field 'results' must be a list, got a JSON {type(report['results']).__name__}")
     if report.get("bf16") is not None:
         if not isinstance(report["bf16"], dict):
             raise ToolkitError("report.json: field 'bf16' must be an object or null")
-        check_fields(report["bf16"], "bf16", BF16_TYPES)
+        check_fields(report["bf16"], "bf16", BF16_TYPES, BF16_NUMBERS)
     for i, r in enumerate(report["results"]):
         if not isinstance(r, dict):
             raise ToolkitError(f"report.json: results[{i}] must be an object, got a JSON {type(r).__name__}")
         missing = [k for k in ("bits", "folder", "size_bytes", "calibrated") if k not in r]
         if missing:
             raise ToolkitError(f"report.json: results[{i}] lacks {', '.join(missing)}")
-        check_fields(r, f"results[{i}]", ROW_TYPES)
+        check_fields(r, f"results[{i}]", ROW_TYPES, NUMBERS)
         if out_dir is not None:
             check_folder_inside(r["folder"], Path(out_dir), f"results[{i}].folder")
 

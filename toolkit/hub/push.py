@@ -90,10 +90,13 @@ def link_inside(src: Path, dest: Path, root: Path) -> None:
 
 
 def branch_for(template: str, row: dict) -> str:
+    if re.search(r"\{[^}]*\d{4,}", template):          # {bits:>999999999} would build a gigabyte first
+        raise ToolkitError(f"--branch-template: {template[:60]!r} asks for a field wider than a branch name can be")
     try:
         name = template.format(bits=float(row["bits"]), folder=row["folder"], calibrated=row["calibrated"])
-    except (KeyError, IndexError, ValueError) as e:
-        raise ToolkitError(f"--branch-template: {template!r} cannot be formatted ({e}); use {{bits}}, {{folder}}")
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:   # {x}, {0}, {bits:d}, {bits.foo}, {bits[0]}
+        raise ToolkitError(f"--branch-template: {template!r} cannot be formatted ({e}); use {{bits}}, {{folder}}, "
+                           "{calibrated}") from None
     if not BRANCH_RE.match(name) or name == MAIN:
         raise ToolkitError(f"--branch-template: {template!r} gives branch {name!r}, not a usable branch name")
     return name
@@ -235,6 +238,7 @@ def push(repo: str, out_dir: str | Path, private: bool = False, branch_template:
     Checked before anything is read from the Hub: the options, report.json (every folder inside `out_dir`) and
     that the run is complete (its report step finished)."""
     check_options(repo, endpoint, retries, retry_delay)
+    branch_for(branch_template, {"bits": 4.0, "folder": "4.0bpw", "calibrated": True})   # before reading the run
     from_dir = Path(out_dir)
     report = load_report(from_dir)
     check_complete(report, from_dir)

@@ -23,7 +23,8 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from ..core.errors import OptionError, ToolkitError
-from ..core.folders import atomic_dir, claim
+from ..core.folders import atomic_dir, claim, copy_tree, tree_files
+from ..core.kinds import DFLASH, HF, check_role
 from ..core.refs import parse_ref
 from ..runtime.gpu_split import GpuSplit, check_for_backend
 from .names import is_hub_ref
@@ -196,14 +197,23 @@ def place_models(tmp: Path, target: str | None, draft: str | None) -> tuple[str 
         if ref is None or not parse_ref(ref, role).is_local:
             named.append(ref)
             continue
-        shutil.copytree(Path(ref).expanduser(), tmp / "models" / role, ignore=shutil.ignore_patterns(".*"))
+        copy_tree(Path(ref).expanduser(), tmp / "models" / role, shutil.ignore_patterns(".*"), f"--{role}")
         named.append(str(PurePosixPath("models", role)))
     return named[0], named[1]
 
 
+def check_models(target: str | None, draft: str | None) -> None:
+    """Before any work: a local --target is a model folder and no drafter, a local --draft a DFlash drafter (either
+    unquantized or EXL3), and neither holds a link that copying could not follow (core.folders.tree_files)."""
+    for role, ref, want in (("target", target, HF), ("draft", draft, DFLASH)):
+        if ref is not None and parse_ref(ref, role).is_local:
+            check_role(Path(ref).expanduser(), want, f"--{role}")
+            tree_files(Path(ref).expanduser(), shutil.ignore_patterns(".*"), f"--{role}")   # no link loops
+
+
 def copy_package(dst: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".tiny_pair.*")
-    shutil.copytree(ROOT / "toolkit", dst / "toolkit", ignore=ignore)
+    copy_tree(ROOT / "toolkit", dst / "toolkit", ignore, "the toolkit package")
     shutil.copy(ROOT / "app.py", dst / "app.py")
 
 
@@ -231,6 +241,7 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     for field, ref in (("target", target), ("draft", draft)):
         if ref is not None:
             parse_ref(ref, field)                       # a Hub id (REPO[@REVISION]) or a folder, one line otherwise
+    check_models(target, draft)
     if not plain_title(title):
         raise OptionError("title", f"{title!r} is not a one-line title that the Space's README front matter can hold")
     if backend not in ("auto", "torch", "exllamav3"):

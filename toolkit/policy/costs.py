@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import ToolkitError
-from ..core.files import finite_numbers, read_json
+from ..core.files import Num, number_table, read_json
 from ..core.folders import atomic_file, cache_root
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
@@ -202,8 +202,9 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
     if path.is_file() and not refresh:
         try:
             d = read_json(path, "cost cache", limit=1 << 20)
-            finite_numbers(d, str(path))
-            return CostTable.from_json(d, f"cached {path}")
+            ms = number_table(d.get("ms"), (Num(1, 4096, "jobs", whole=True), Num(0, 4096, "drafts", whole=True)),
+                              Num(0, 1e9, "ms", above=True), str(path), "ms")   # out of range: re-timed below
+            return CostTable.from_json({**d, "ms": ms}, f"cached {path}")
         except (ToolkitError, ValueError, KeyError, TypeError, AttributeError):
             pass                                 # broken or foreign: time it again and overwrite
     table = measure()

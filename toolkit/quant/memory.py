@@ -13,7 +13,6 @@ converter subprocess and the CUDA context.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.target import TargetInfo
+from ..core.tensorfiles import index_size
 from ..dflash import DFlashConfig
 from .validate import expected_shapes, linear_keys
 
@@ -92,7 +93,7 @@ def converter(config: DFlashConfig) -> dict[str, int]:
 
 
 def target_text(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
+    return TargetInfo(cfg).text
 
 
 def exl3_weights(folder: Path, cfg: dict) -> int | None:
@@ -100,12 +101,11 @@ def exl3_weights(folder: Path, cfg: dict) -> int | None:
     less the unquantized embedding table, which exllamav3 keeps on the CPU."""
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     if not size:
-        try:
-            size = int(json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"])
-        except (OSError, KeyError, ValueError, TypeError, RecursionError):
+        size = index_size(folder)
+        if size is None:
             return None
-    t = target_text(cfg)
-    return max(0, size - 2 * int(t.get("vocab_size") or 0) * int(t.get("hidden_size") or 0))
+    info = TargetInfo(cfg)
+    return max(0, size - 2 * info.vocab_size * info.hidden_size)
 
 
 def hf_weights(folder: Path, cfg: dict) -> int | None:
@@ -113,9 +113,8 @@ def hf_weights(folder: Path, cfg: dict) -> int | None:
     (the size from the safetensors, or the index's total_size when the weights are not here)."""
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     if not size:
-        try:
-            size = int(json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"])
-        except (OSError, KeyError, ValueError, TypeError):
+        size = index_size(folder)
+        if size is None:
             return None
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or target_text(cfg).get("dtype") or "bfloat16")
     params = size // (4 if "32" in dtype else 2)
@@ -130,8 +129,8 @@ def cache(cfg: dict, tokens: int, slots: int) -> int:
 
 def plan_memory(sz: Sizes, calibrate: bool, convert: bool, check: bool) -> list[Need]:
     """Estimated GPU bytes of each step that uses the GPU, in run order."""
-    c, t = sz.config, target_text(sz.target_cfg)
-    vocab, hidden = int(t.get("vocab_size") or c.vocab_size or 0), int(t.get("hidden_size") or c.hidden_size)
+    c, info = sz.config, TargetInfo(sz.target_cfg or {})          # the target's numbers, each in its range
+    vocab, hidden = info.vocab_size or c.vocab_size or 0, info.hidden_size or c.hidden_size
     d16, d32, hess = 2 * numel(c), 4 * numel(c), hessian_bytes(c)
     head = 2 * vocab * hidden
     weights = sz.target_weights or 0
@@ -145,7 +144,7 @@ def plan_memory(sz: Sizes, calibrate: bool, convert: bool, check: bool) -> list[
                                    "LM head read (128 rows at a time)": 2 * 128 * 4 * vocab}))
     resident = {"target weights": weights} if sz.kind == "hf" else {}
     if sz.kind == "hf":
-        out.append(Need("target", {**resident, "logits and hidden states": n * (4 * vocab + 4 * hidden * (int(t.get("num_hidden_layers") or 0) + 1))}))
+        out.append(Need("target", {**resident, "logits and hidden states": n * (4 * vocab + 4 * hidden * (info.num_layers + 1))}))
     if calibrate and sz.kind != "none":
         out.append(Need("calibrate", {**resident, "reference drafter (fp32)": d32, "Hessians (fp32)": hess}))
     if convert:

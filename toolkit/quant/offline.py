@@ -16,7 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..core import files
 from ..core.errors import ToolkitError
+from ..core.tensorfiles import index_size
 from . import memory as mem
 from .memory import GIB
 from .plan import format_plan
@@ -38,10 +40,7 @@ def shapes_file(recipe, ref: str) -> Path | None:
 
 def read_shapes(path: Path) -> dict:
     """A shapes file as a config (its `_source` and other `_` keys dropped)."""
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ToolkitError(f"recipe shapes: {path} is not readable JSON ({e})") from None
+    cfg = files.read_object(path, "recipe shapes")
     return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
@@ -104,12 +103,7 @@ def layout(cfg: dict, bits: int):
 
 def index_bytes(folder: Path | None) -> int | None:
     """total_size of a (cached, config-only) safetensors index."""
-    for f in sorted(Path(folder).glob("*.safetensors.index.json")) if folder else []:
-        try:
-            return int(json.loads(f.read_text())["metadata"]["total_size"])
-        except (OSError, KeyError, ValueError, TypeError):
-            continue
-    return None
+    return index_size(folder)
 
 
 def size_text(n: int | None) -> str:

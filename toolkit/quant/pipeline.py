@@ -38,7 +38,7 @@ from .run import STEPS, Run, step
 WORK = "quantize.work"               # the marker of a --work-dir folder
 from .source import fetch_ref, target_kind
 from .target import exl3_opener, exl3_target, fitting_shifts, hf_prompts, target_bits, target_shifts
-from .validate import check_finite_weights, linear_keys, unquantized_keys
+from .validate import check_finite_weights, check_shift_candidates, linear_keys, unquantized_keys
 from .validate import validate as validate_checkpoint
 
 
@@ -67,6 +67,8 @@ def validate(run: Run) -> None:
     run.checked = validate_checkpoint(run.model_dir, run.target_config, require_weights=not run.dry_run,
                                       target=s.target)
     s.recipe.check_expected(run.config)
+    if run.check:
+        check_shift_candidates(s.recipe.tap_shift_candidates, run.config, run.target_config)
     check_out_dir(s.out, run.manifest, run.force)
     if s.work_dir is not None:       # a scratch folder of ours: new, empty or an earlier run's (its marker)
         claim(s.work_dir, WORK, False, field="work_dir", force_flag=None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import files
+from ..core.files import Num, number, numbers, shown
 from ..core.errors import ToolkitError
 from .source import split_ref
 
@@ -70,9 +71,11 @@ def check_bits(value: float, field_name: str = "bits") -> float:
     try:
         b = float(value)
     except (TypeError, ValueError):
-        raise ToolkitError(f"{field_name}: {value!r} is not a number") from None
+        raise ToolkitError(f"{field_name}: {shown(value)} is not a number") from None
+    except OverflowError:                   # an integer of hundreds of digits
+        b = math.inf
     if not math.isfinite(b) or not MIN_BITS <= b <= MAX_BITS:
-        raise ToolkitError(f"{field_name}: {value!r} is outside exllamav3's range 1-8 bits per weight")
+        raise ToolkitError(f"{field_name}: {shown(value)} is outside exllamav3's range 1-8 bits per weight")
     if abs(round(b, 2) - b) > 1e-9:
         raise ToolkitError(f"{field_name}: {value!r} is not representable (at most two decimals, e.g. 4.25)")
     return round(b, 2)
@@ -94,10 +97,10 @@ def check_override_bits(pattern: str, value: float) -> float:
     """A per-tensor override must be a rate exllamav3 stores directly: integers 1-8, 16 (unquantized), or 1.5/2.5/3.5."""
     try:
         b = float(value)
-    except (TypeError, ValueError):
-        raise ToolkitError(f"overrides.{pattern}: {value!r} is not a number") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ToolkitError(f"overrides.{pattern}: {shown(value)} is not a number of bits") from None
     if not ((b.is_integer() and (1 <= b <= 8 or b == 16)) or b in HALF_RATES):
-        raise ToolkitError(f"overrides.{pattern}: {value!r} must be an integer 1-8, 16, or one of 1.5, 2.5, 3.5")
+        raise ToolkitError(f"overrides.{pattern}: {shown(value)} must be an integer 1-8, 16, or one of 1.5, 2.5, 3.5")
     return b
 
 
@@ -110,16 +113,26 @@ def _thresholds(raw: dict, where: Path) -> dict[str, Thresholds]:
         if unknown:
             raise ToolkitError(f"{where}: thresholds.{key} has unknown keys {sorted(unknown)}")
         name = key if key == "default" else format_bits(check_bits(key, f"thresholds.{key}"))
-        bad = [k for k, v in val.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
-        if bad:
-            raise ToolkitError(f"{where}: thresholds.{key}.{bad[0]} must be a number, got {val[bad[0]]!r}")
+        numbers(val, THRESHOLDS, f"recipe: {where}", f"thresholds.{key}.")
         out[name] = Thresholds(**{k: float(v) for k, v in val.items()})
     return out
 
 
-def _draft_tokens(raw, where: Path) -> list[int]:
-    if not isinstance(raw, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in raw):
-        raise ToolkitError(f"{where}: check.draft_tokens must be a list of integers >= 1, got {raw!r}")
+# The recipe's numbers: type, finite range and unit (core.files.Num); a value outside is one line naming it.
+THRESHOLDS = {"min_top1": Num(0, 1, "(a share of positions)"), "max_kl": Num(0, 1e6, "nats"),
+              "min_tau_ratio": Num(0, 100, "(tau of the quant over tau of BF16)")}
+NUMBERS = {"calibration.anchors_per_prompt": Num(1, 4096, "anchors per prompt", whole=True),
+           "check.max_new_tokens": Num(1, 65536, "tokens", whole=True)}
+LISTS = {"check.tap_shift_candidates": Num(-64, 64, "layers", whole=True),
+         "check.draft_tokens": Num(1, 1024, "drafts per round", whole=True)}
+
+
+def _whole_list(raw, name: str, where: Path) -> list[int]:
+    """A non-empty list of whole numbers in LISTS[name]'s range, each once (sorted); else one line naming it."""
+    if not isinstance(raw, list) or not raw:
+        raise ToolkitError(f"recipe: {where}: {name} must be a non-empty list of whole numbers, got {shown(raw)}")
+    for i, v in enumerate(raw):
+        number(v, LISTS[name], f"recipe: {where}", f"{name}[{i}]")
     return sorted(set(raw))
 
 
@@ -175,6 +188,8 @@ def load_recipe(path: str | Path) -> Recipe:
                                     ("check", chk, "max_new_tokens", int), ("check", chk, "tap_shift_candidates", list[int]),
                                     ("bits", bits, "default", (str, float, list))):
         _check_type(table.get(key), kind, f"{where}.{key}", p)
+        if f"{where}.{key}" in NUMBERS and table.get(key) is not None:
+            number(table[key], NUMBERS[f"{where}.{key}"], f"recipe: {p}", f"{where}.{key}")
     overrides = {k: check_override_bits(k, v) for k, v in _table(raw, "overrides", p).items()}
     return Recipe(
         model=model["id"],
@@ -187,8 +202,8 @@ def load_recipe(path: str | Path) -> Recipe:
         check_prompts=list(chk.get("prompts", [])),
         anchors_per_prompt=int(cal.get("anchors_per_prompt", 8)),
         max_new_tokens=int(chk.get("max_new_tokens", 64)),
-        tap_shift_candidates=[int(s) for s in chk.get("tap_shift_candidates", [0, 1])],
-        draft_tokens=_draft_tokens(chk.get("draft_tokens", []), p),
+        tap_shift_candidates=_whole_list(chk.get("tap_shift_candidates", [0, 1]), "check.tap_shift_candidates", p),
+        draft_tokens=_whole_list(chk["draft_tokens"], "check.draft_tokens", p) if chk.get("draft_tokens", []) != [] else [],
         thresholds=_thresholds(_table(raw, "thresholds", p), p),
         expect=dict(model.get("expect") or {}),
         path=p,

@@ -42,7 +42,7 @@ def expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_architecture(cfg: dict, folder: Path) -> None:
-    archs = cfg.get("architectures") or []
+    archs = TargetInfo(cfg, folder=Path(folder)).architectures      # a list of names, else one line
     if ARCHITECTURE in archs:
         return
     if cfg.get("auto_map"):
@@ -94,6 +94,15 @@ def validate(folder: Path, target_cfg: dict | None = None, require_weights: bool
         if n != config.hidden_size:
             raise ToolkitError(f"{folder}: tensor 'mask_embedding' has {n} values, expected {config.hidden_size}")
     return Checked(config, headers, size)
+
+
+def check_shift_candidates(candidates: list[int], config: DFlashConfig, target_cfg: dict | None) -> None:
+    """Before any work: the recipe's tap_shift candidates must hold one that puts every tap on a target layer
+    (tap L + shift within the target's layers), or the check step would have none to try."""
+    layers = TargetInfo(target_cfg or {}).num_layers or 1 << 30
+    if not any(all(0 <= t + x < layers for t in config.target_layer_ids) for x in candidates):
+        raise ToolkitError(f"recipe: each of check.tap_shift_candidates {candidates} puts a tap outside the target's "
+                           f"{layers} layers (the drafter taps layers {list(config.target_layer_ids)})")
 
 
 def check_finite_weights(folder: Path) -> None:

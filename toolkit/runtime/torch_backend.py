@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
+from ..dflash.loading import check_finite_model
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from .backend import Backend, GenSettings
@@ -212,6 +213,7 @@ def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: s
         raise ToolkitError(f"{what}: cannot load {folder} with transformers ({reason})") from None
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     check_loading(report, folder, what, tied)
+    check_finite_model(model, f"{what}: {folder}")
     try:
         model = model.to(device).eval()
     except (RuntimeError, AssertionError, ValueError) as e:       # no CUDA build, no such GPU, a bad device string

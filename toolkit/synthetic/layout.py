@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import ToolkitError
+from ..core.files import Num, number
+from ..core.target import TargetInfo
 from .codebook import marker_value
 
 PAD = 128
@@ -27,6 +29,10 @@ QWEN35_DEFAULTS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear
                        full_attention_interval=4, max_position_embeddings=32768, tie_word_embeddings=False)
 QWEN35_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                    "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+COUNT = Num(1, 1024, whole=True)          # layers, heads, experts, kernel widths of any real config
+SIZES = {k: Num(1, 1 << 21, whole=True) for k in ("hidden_size", "vocab_size", "moe_intermediate_size",
+                                                  "shared_expert_intermediate_size", "max_position_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def _need(cfg: dict, keys: tuple[str, ...], what: str) -> None:
 
 def kind_of(cfg: dict) -> str:
     """'qwen3_5_moe' or 'dflash' for a config dict; a one-line error for anything else."""
-    archs = cfg.get("architectures") or []
+    archs = TargetInfo(cfg).architectures                 # a list of names, else one line
     if DFLASH_ARCH in archs:
         return "dflash"
     if cfg.get("model_type") in QWEN35_TYPES or any(a in QWEN35_ARCHS for a in archs):
@@ -126,19 +132,23 @@ def kind_of(cfg: dict) -> str:
 
 def qwen35_text(cfg: dict) -> dict:
     """The flat text config of a Qwen3.5/3.6-MoE config (hub multimodal layout or text-only), defaults filled."""
-    inner = cfg.get("text_config") or {}
+    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     t = {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}, **inner}
     for k, v in QWEN35_DEFAULTS.items():
         t.setdefault(k, v)
     _need(t, QWEN35_REQUIRED, "qwen3_5_moe config")
+    for k in (*QWEN35_REQUIRED, *(k for k, v in QWEN35_DEFAULTS.items() if isinstance(v, int) and not isinstance(v, bool))):
+        number(t[k], SIZES.get(k, COUNT), "qwen3_5_moe config", k)     # in range: the plan's loops and sizes stay finite
     n = int(t["num_hidden_layers"])
     if not t.get("layer_types"):
         every = int(t["full_attention_interval"])
         t["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    if len(t["layer_types"]) != n or set(t["layer_types"]) - {"full_attention", "linear_attention"}:
+    types = t["layer_types"]
+    if not isinstance(types, list) or len(types) != n or any(x not in ("full_attention", "linear_attention") for x in types):
         raise ToolkitError(f"layer_types must list {n} entries of full_attention / linear_attention")
     if not t.get("head_dim"):
         t["head_dim"] = int(t["hidden_size"]) // int(t["num_attention_heads"])
+    number(t["head_dim"], COUNT, "qwen3_5_moe config", "head_dim")
     if t.get("tie_word_embeddings"):
         raise ToolkitError("tie_word_embeddings is true: synth writes an untied lm_head (exllamav3's converter unties it)")
     return t

@@ -42,7 +42,7 @@ def claim_outputs(out: str, checkpoint_dir: str | None, curve: str | None, force
         raise OptionError("checkpoint_dir", f"{ck} overlaps --out {o}: name a folder beside it")
     c = None
     if curve is not None:
-        c = claim_file(curve, "curve", command=COMMAND)
+        c = claim_file(curve, "curve", command=COMMAND, kind="PNG")
         if c.suffix.lower() != ".png":
             raise OptionError("curve", f"{c} must name a .png file")
     return Outputs(o, ck, c)

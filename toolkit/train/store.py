@@ -25,6 +25,7 @@ from ..core.folders import atomic_file
 
 FORMAT = 1
 SHARD_TOKENS = 1 << 22             # ~4M ids a shard (8 MB as uint16): its JSON stays small to rewrite per batch
+TOKENS = files.Num(0, 2**40, "tokens", whole=True)   # a shard's token count and its rows' offsets and lengths
 
 
 def prompt_key(text: str) -> str:
@@ -55,10 +56,9 @@ def check_index(index, folder: Path) -> dict:
 def check_shard(shard, path: Path) -> dict:
     """A shard's JSON: {"tokens": N, "rows": {key: [offset, length, answer start, category]}}, consistent with N."""
     def row_ok(r) -> bool:
-        return (isinstance(r, list) and len(r) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                           for x in r[:3]) and isinstance(r[3], str)
+        return (isinstance(r, list) and len(r) == 4 and all(TOKENS.ok(x) for x in r[:3]) and isinstance(r[3], str)
                 and r[0] + r[1] <= shard["tokens"] and r[2] <= r[1])
-    if not (isinstance(shard, dict) and isinstance(shard.get("tokens"), int) and shard["tokens"] >= 0
+    if not (isinstance(shard, dict) and TOKENS.ok(shard.get("tokens"))
             and isinstance(shard.get("rows"), dict) and all(row_ok(r) for r in shard["rows"].values())):
         raise ToolkitError(f"{path}: not an answer store shard index (tokens, rows of [offset, length, start, category])")
     return shard
