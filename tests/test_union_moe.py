@@ -133,9 +133,12 @@ def test_graphs_run_eagerly_then_capture_then_replay():
         recorded.append(graph)
         yield
 
-    def forward(x, sel, w):
-        out = x.float() * w.float().sum()
-        if recorded and not hasattr(recorded[-1], "fn"):
+    def forward(x, sel, w, out=None):
+        y = x.float() * w.float().sum()
+        if out is None:
+            return y
+        out.copy_(y)
+        if recorded and not hasattr(recorded[-1], "fn"):             # the capture: replay repeats this write
             recorded[-1].fn = lambda: out.copy_(x.float() * w.float().sum())
         return out
 

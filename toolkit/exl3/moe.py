@@ -149,7 +149,7 @@ class MoeForward:
                 from ..moe.graphs import Graphed
 
                 mgemm = self.mgemm
-                self.graphed = Graphed(lambda a, s, v: union_forward(a, s, v, tables, mgemm))
+                self.graphed = Graphed(lambda a, s, v, out=None: union_forward(a, s, v, tables, mgemm, out=out))
             return self.graphed(y, sel, w)
         from ..moe.grouped import MAX_SORT, grouped_forward
 

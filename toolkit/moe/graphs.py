@@ -1,7 +1,8 @@
 """One CUDA graph per (layer, row count) of an MoE forward whose launches depend on its row count alone (the union
 path): the call copies its rows and routing into the graph's static inputs and replays it, one launch instead of
-the path's five, so the host keeps ahead of the GPU. A shape's first call runs eagerly (kernels compile and tune),
-its second is captured, later ones replay."""
+the path's five, so the host keeps ahead of the GPU. A shape's first call runs eagerly (kernels compile and tune,
+scratch takes its size), its second is captured, later ones replay. The forward writes into a static output made
+before the capture, so a capture allocates nothing."""
 
 from __future__ import annotations
 
@@ -10,16 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-POOL: list = []
+Forward = Callable[..., torch.Tensor]          # forward(x, sel, w, out=None) -> out
 
 
-def shared_pool_capture(graph):
-    """torch.cuda.graph over one memory pool for every graph here: each graph allocates only its output, which it
-    keeps, so the graphs never share memory and need no replay order."""
-    if not POOL:
-        POOL.append(torch.cuda.graph_pool_handle())
-    return torch.cuda.graph(graph, pool=POOL[0], capture_error_mode="thread_local")
+def capture(graph):
+    return torch.cuda.graph(graph, capture_error_mode="thread_local")
 
 
 class Graphed:
@@ -27,7 +23,7 @@ class Graphed:
 
     def __init__(self, forward: Forward, capture: Callable | None = None, new_graph: Callable | None = None):
         self.forward = forward
-        self.capture = capture or shared_pool_capture    # a context manager taking a graph (tests inject both)
+        self.capture = capture or globals()["capture"]   # a context manager taking a graph (tests inject both)
         self.new_graph = new_graph or torch.cuda.CUDAGraph
         self.seen: set = set()
         self.graphs: dict = {}
@@ -55,7 +51,8 @@ class Graphed:
 
     def record(self, x: torch.Tensor, sel: torch.Tensor, w: torch.Tensor):
         static = (x.clone(), sel.clone(), w.clone())
+        out = self.forward(*static)                      # eager once more: the static output, scratch in place
         graph = self.new_graph()
         with self.capture(graph):
-            out = self.forward(*static)
+            self.forward(*static, out=out)
         return graph, static, out

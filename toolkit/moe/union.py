@@ -127,9 +127,10 @@ def slots(rows: int, topk: int, t: UnionTables) -> int:
 
 
 def union_forward(x: torch.Tensor, sel: torch.Tensor, weights: torch.Tensor, t: UnionTables, mgemm: Mgemm,
-                  ws: Workspace = WORKSPACE) -> torch.Tensor:
+                  ws: Workspace = WORKSPACE, out: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE output [R, hidden] fp32 of rows x [R, hidden] routed to sel [R, k] with weights [R, k], plus the
-    shared expert when the tables hold it."""
+    shared expert when the tables hold it (into `out` when given: a call then allocates nothing once the workspace
+    has its size, so it can be captured in a CUDA graph)."""
     k = kernels()
     rows, topk = sel.shape
     if not 1 <= rows <= MAX_ROWS:
@@ -153,7 +154,7 @@ def union_forward(x: torch.Tensor, sel: torch.Tensor, weights: torch.Tensor, t: 
     dn, p = ws.get("dn", (u, rows, H), torch.float32, dev), t.down
     mgemm(act, p.trellis, dn, p.suh, ws.get("had_d", (u, rows, I), f16, dev), p.svh, idx_d, None, p.K, -1, p.mcg,
           p.mul1, -1, -1, 0)
-    out = torch.empty((rows, H), dtype=torch.float32, device=dev)
+    out = torch.empty((rows, H), dtype=torch.float32, device=dev) if out is None else out
     bh = next(b for b in (512, 256, 128) if H % b == 0)
     gated = t.shared_gate is not None
     k.combine_kernel[(rows, H // bh)](dn, slot_of, weights, x, t.shared_gate if gated else x, out, rows, HID=H,
