@@ -128,7 +128,7 @@ def test_no_model_shows_the_load_error():
 
 def test_stop_flag_ends_the_turn():
     be = FakeBackend(step_s=0)
-    h = ChatHandler(Loaded(be))
+    h = ChatHandler(Loaded(be, device="cuda"))                  # one run after the other (a GPU)
     gen = h.respond("hello", [], 16, 200, 0.0, 0, "", False)
     next(gen)                # the prefilling status
     next(gen)                # the first round
@@ -153,21 +153,24 @@ def test_long_prompt_shows_the_message_and_the_prefill_status_first():
 
 
 @pytest.mark.parametrize("updates", [1, 3])
-def test_closing_the_turn_closes_the_backend_within_one_round(updates, monkeypatch):
-    """A client that left (or a cancelled event): Gradio closes the handler's generator at its next update."""
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_closing_the_turn_closes_the_backend_within_one_round(updates, device, monkeypatch):
+    """A client that left (or a cancelled event): Gradio closes the handler's generator at its next update; on a
+    CPU both runs (lockstep) are open and both are closed."""
     from toolkit.app import handlers
 
     monkeypatch.setattr(handlers, "UI_INTERVAL", 0.0)          # an update per round: deterministic, no timing
     be = FakeBackend(step_s=0)
-    h = ChatHandler(Loaded(be))
+    h = ChatHandler(Loaded(be, device=device))
     gen = h.respond("hello", [], 16, 380, 0.0, 0, "", False)
     for _ in range(updates):
         next(gen)
     produced = be.produced
     gen.close()
-    assert be.closed == (1 if updates > 1 else 0)               # no backend generator is left running
-    assert be.produced <= produced + 1
-    assert [c[1] for c in be.calls if c[0] == "generate"] == ([True] if updates > 1 else [])
+    runs = [True] if device == "cuda" else [True, False]
+    assert be.closed == (len(runs) if updates > 1 else 0)       # no backend generator is left running
+    assert be.produced <= produced + len(runs)
+    assert [c[1] for c in be.calls if c[0] == "generate"] == (runs if updates > 1 else [])
 
 
 def test_thinking_switch_only_where_the_template_has_it():
