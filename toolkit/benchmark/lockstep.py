@@ -1,9 +1,10 @@
 """Speculative against plain AR on a CPU: both decoders in lockstep, and a ratio only where drafting happened.
 
 On a shared CPU the load of the moment moves a run's speed by more than drafting does, so two runs one after the
-other compare two loads. In lockstep the two decoders of the same prompt alternate, one round of each in turn,
-and each side is timed only inside its own rounds: whatever the machine does falls on both alike (the method of
-experiments/auto_cpu.py). A ratio is shown only when enough rounds drafted for it to measure drafting: when the
+other compare two loads. In lockstep the two decoders of the same prompt take turns, the one behind in the answer
+going next (a speculative round of five tokens, then five AR rounds), and each side is timed only inside its own
+rounds: whatever the machine does falls on both alike. experiments/auto_cpu.py alternates one round of each
+instead, which leaves the AR run alone once the speculative one has ended. A ratio is shown only when enough rounds drafted for it to measure drafting: when the
 policy decoded almost every round as plain AR, the two runs decoded the same way and their ratio is noise.
 """
 
@@ -19,18 +20,21 @@ MIN_DRAFTED_ROUNDS = 3      # and at least this many of them
 
 
 def alternate(gens: Mapping[str, Iterator[Round]]) -> Iterator[tuple[str, Round]]:
-    """(name, round) from each generator in turn, one round each, until all have ended; a generator that ends
-    drops out and the others go on. Closing this closes the generators still running."""
+    """(name, round) from the generators in lockstep: each step advances the one that has emitted the fewest tokens
+    (the first named on a tie), so all move through the answer together and the machine's load of any moment falls
+    on each in proportion to its work; one that ends drops out. Closing this closes the generators still running."""
     live = dict(gens)
+    emitted = {name: 0 for name in live}
     try:
         while live:
-            for name in list(live):
-                try:
-                    r = next(live[name])
-                except StopIteration:
-                    del live[name]
-                    continue
-                yield name, r
+            name = min(live, key=lambda k: emitted[k])          # min() keeps the first of equals
+            try:
+                r = next(live[name])
+            except StopIteration:
+                del live[name]
+                continue
+            emitted[name] += len(r.tokens)
+            yield name, r
     finally:
         for g in live.values():
             close = getattr(g, "close", None)
