@@ -176,15 +176,18 @@ def test_refusals_change_only_the_message_line():
         assert len(outs) == 1
         assert all(outs[0][k] == gr.skip() for k in OUT if k != "message")     # chat, box, panels, plots: untouched
         assert "the prompt is empty" in html.unescape(outs[0]["message"])
+    long = "x" * 1100                                                           # refused: it goes back into the box
+    out = dict(zip(OUT, next(h.respond(long, [], 16, 8, 0.0, 0, "", False))))
+    assert out["box"] == long and out["chat"] == gr.skip() and "exceeds the model's context" in html.unescape(out["message"])
 
 
 def test_send_is_busy_while_a_turn_runs():
     h = ChatHandler(Loaded(FakeBackend(step_s=0)))
     req = type("Req", (), {"session_hash": "s1"})()
     other = type("Req", (), {"session_hash": "s2"})()
-    assert h.claim(req) == gr.update(interactive=False)
+    assert h.claim("hello", req) == (gr.update(interactive=False), "", "hello")   # the box empties, the message goes on
     with pytest.raises(gr.Error, match="your prompt stays in the box"):
-        h.claim(req)
-    assert h.claim(other) == gr.update(interactive=False)                      # another visitor is not blocked
+        h.claim("next one", req)
+    assert h.claim("hi", other)[0] == gr.update(interactive=False)             # another visitor is not blocked
     assert h.release(req) == gr.update(interactive=True)
-    assert h.claim(req) == gr.update(interactive=False)
+    assert h.claim("next one", req)[2] == "next one"

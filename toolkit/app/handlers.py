@@ -55,9 +55,9 @@ class View:
     message: str = ""
     result: dict | None = None
 
-    def values(self, clear_box: bool = False) -> tuple:
-        skip = gr.skip()
-        return (self.chat, "" if clear_box else skip, self.banner, self.spec, self.ar, self.tau, self.blocks,
+    def values(self) -> tuple:
+        skip = gr.skip()                       # the box: Send emptied it already (ChatHandler.claim)
+        return (self.chat, skip, self.banner, self.spec, self.ar, self.tau, self.blocks,
                 skip if self.acc is None else self.acc, skip if self.hist is None else self.hist, self.message,
                 skip if self.result is None else self.result)
 
@@ -122,25 +122,27 @@ class ChatHandler:
         self._flag(request).set()
         return render.message_html("info", "Stopping…")
 
-    def claim(self, request: gr.Request = None):
+    def claim(self, message: str, request: gr.Request = None):
         """Before a turn: refuse a second one while this session's turn runs (the prompt stays in the box), else
-        mark the session busy and disable Send."""
+        mark the session busy, disable Send and move the message out of the box (the next one may be typed at
+        once, even while the turn waits in the queue). Outputs: Send, the box, the message being answered."""
         key = self._key(request)
         if key in self.busy:
             raise gr.Error("A turn is still running: wait for it to finish (or press Stop); your prompt stays in the box.",
-                           duration=5)
+                           duration=5, print_exception=False)
         self.busy.add(key)
-        return gr.update(interactive=False)
+        return gr.update(interactive=False), "", message
 
     def release(self, request: gr.Request = None):
         """After a turn, however it ended: Send works again."""
         self.busy.discard(self._key(request))
         return gr.update(interactive=True)
 
-    def _refuse(self, message: str, kind: str = "error") -> tuple:
-        """A turn refused before decoding: only the message line changes; the chat, the box and the panels stay."""
+    def _refuse(self, message: str, kind: str = "error", text: str = "") -> tuple:
+        """A turn refused before decoding: only the message line changes (and the refused prompt `text` goes back
+        into the box); the chat and the panels stay."""
         skip = gr.skip()
-        return (skip,) * 9 + (render.message_html(kind, message), skip)
+        return (skip, text or skip) + (skip,) * 7 + (render.message_html(kind, message), skip)
 
     def _view(self, chat, spec: Run, ar: Run | None, state: str, plots: bool, block: int, mode: str, message: str = "",
               paired: bool = False) -> View:
@@ -216,7 +218,7 @@ class ChatHandler:
         stop.clear()
         be = self.loaded.backend
         if be is None:
-            yield self._refuse(self.loaded.error or "No model is loaded.")
+            yield self._refuse(self.loaded.error or "No model is loaded.", text=message or "")
             return
         text = (message or "").strip()
         if not text:
@@ -226,11 +228,11 @@ class ChatHandler:
             settings, choice, block, think, ids = self._settings(be, text, chat, block_size, max_new_tokens,
                                                                  temperature, seed, system, thinking)
         except (ToolkitError, ValueError) as e:
-            yield self._refuse(str(e))
+            yield self._refuse(str(e), text=text)
             return
         except Exception as e:  # the tokenizer or its chat template failed: a message, not a traceback
             log.exception("encoding the prompt failed")
-            yield self._refuse(friendly(e))
+            yield self._refuse(friendly(e), text=text)
             return
         if self.loaded.policy_start is not None:
             self.loaded.policy_start.restore(be)       # every turn decodes from the same policy state
@@ -240,7 +242,7 @@ class ChatHandler:
         ar: Run | None = Run(be, ids, settings, False) if self.loaded.lockstep else None
         turn.update(prompt=len(ids), block=choice, spec=spec, ar=ar)
         # the user's message shows at once: a long prompt's prefill comes before the first round
-        yield self.prefilling(chat, spec, block, mode, len(ids)).values(clear_box=True)
+        yield self.prefilling(chat, spec, block, mode, len(ids)).values()
         args = (chat, spec, block, mode)
         try:
             if ar is not None:
@@ -261,7 +263,7 @@ class ChatHandler:
             if chat and chat[-1]["role"] == "assistant" and not chat[-1]["content"]:
                 chat[-1] = {"role": "assistant", "content": FAILED + friendly(e)}
             v = self._view(chat, spec, ar, "failed", True, block, mode, render.message_html("error", friendly(e)))
-            yield v.values(clear_box=True)
+            yield v.values()
 
     def _lockstep(self, chat, spec: Run, block: int, mode: str, ar: Run, stop: threading.Event):
         """Both runs, one round of each in turn (a CPU: the machine's load falls on both alike)."""

@@ -109,5 +109,6 @@ def request_line(turn: dict, how: str) -> str:
         return f"{head}; ended before the plain AR run"
     speed = speed_of(spec, ar)
     if speed.value is None:
-        return f"{head}, all plain AR (no round drafted): no ratio"
+        why = "all plain AR (no round drafted)" if not drafted else f"{drafted} drafted, too few for a ratio"
+        return f"{head}, {why}: no ratio"
     return f"{head} ({drafted} drafted); {speed.text()}"

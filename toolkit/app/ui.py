@@ -125,19 +125,21 @@ def build_app(loaded: Loaded) -> gr.Blocks:
         with gr.Accordion("Every round: its block and drafted tokens, rejected tail struck through", open=False):
             blocks = gr.HTML(render.rounds_table_html(render.Transcript(str)), elem_id="dfl-blocks")
         result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
+        sent = gr.Textbox(visible=False, label="message")     # the message being answered (Send empties the box)
         gr.Markdown("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a "
                     "CPU the two alternate round by round (lockstep), so the machine's load falls on both alike. "
                     "Every turn starts from the same policy state. If someone else is generating you see your place "
                     "in the queue. tok/s counts the time inside the decoder, prefill included.")
 
-        inputs = [box, chat, block, max_new, temperature, seed, system, thinking]
+        inputs = [sent, chat, block, max_new, temperature, seed, system, thinking]
         outputs = [chat, box, banner, spec_html, ar_html, tau, blocks, acc, hist, message, result]
         fn = gpu_wrap(handler.respond, loaded.hardware)
         common = dict(fn=fn, inputs=inputs, outputs=outputs, concurrency_id="gpu", concurrency_limit=1,
                       show_progress_on=[banner])
         # Send is disabled while this session's turn runs; Enter then says so and leaves the prompt in the box
-        busy = dict(fn=handler.claim, inputs=None, outputs=send, queue=False, api_name=False, show_progress="hidden")
-        free = dict(fn=handler.release, inputs=None, outputs=send, queue=False, api_name=False, show_progress="hidden")
+        ui = dict(api_name=False, show_progress="hidden", concurrency_limit=None, concurrency_id="ui")   # no wait
+        busy = dict(fn=handler.claim, inputs=box, outputs=[send, box, sent], **ui)
+        free = dict(fn=handler.release, inputs=None, outputs=send, **ui)
         send.click(**busy).success(api_name="chat", **common).then(**free)
         box.submit(**busy).success(api_name=False, **common).then(**free)
         stop.click(handler.stop, None, message, queue=False, api_name="stop")
