@@ -93,7 +93,7 @@ def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path):
     assert "0.000000" not in page.locator("#dfl-hist").inner_text()                # an empty histogram keeps its axis
 
     banner = send(page, PROMPT, block="16", max_new=48)                           # every round drafts: a ratio
-    assert re.search(r"\d\.\d\d× ", banner) and "spread" in banner and "outputs identical" in banner
+    assert re.search(r"\d\.\d\d×", banner) and "spread" in banner and "outputs identical" in banner
     assert "One lockstep run of each" in banner                                   # a CPU: the runs alternated
     assert "block auto" not in banner
     coloured = page.locator("#dfl-spec .tok.accepted, #dfl-spec .tok.correction, #dfl-spec .tok.bonus")

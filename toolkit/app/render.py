@@ -242,8 +242,8 @@ def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int
         return (f'<div class="dfl-banner run">Speculative done ({rate(spec):.1f} tok/s). '
                 f'Now plain autoregressive on the same target… {rate(ar):.1f} tok/s so far</div>')
     if state == "both":
-        return (f'<div class="dfl-banner run">⚡ Both in lockstep, one round of each in turn (so the machine\'s load '
-                f'falls on both alike)… speculative {rate(spec):.1f} tok/s, plain AR {rate(ar):.1f} tok/s so far</div>')
+        return (f'<div class="dfl-banner run">⚡ Both in lockstep, taking turns (so the machine\'s load falls on both '
+                f'alike)… speculative {rate(spec):.1f} tok/s, plain AR {rate(ar):.1f} tok/s so far</div>')
     if state == "failed":
         return '<div class="dfl-banner warn">The run did not finish: see the message under the chat.</div>'
     if state == "stopped":
@@ -269,7 +269,7 @@ def verdict(speed: Speedup, paired: bool = False) -> tuple[str, str, str]:
     if speed.value is None:
         return ("No speedup to report", "plain", f"No ratio: {speed.reason}.")
     x, spread = speed.value, speed.spread_text()
-    runs = "One lockstep run of each (rounds alternating)" if paired else "One run of each"
+    runs = "One lockstep run of each (the two taking turns)" if paired else "One run of each"
     if speed.noisy:
         return (f"≈ AR speed ({x:.2f}×)", "even",
                 f"{runs}; the ratio's spread ({spread}) reaches both sides of 1×: no faster or slower here.")

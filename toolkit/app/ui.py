@@ -127,7 +127,8 @@ def build_app(loaded: Loaded) -> gr.Blocks:
         result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
         sent = gr.Textbox(visible=False, label="message")     # the message being answered (Send empties the box)
         gr.Markdown("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a "
-                    "CPU the two alternate round by round (lockstep), so the machine's load falls on both alike. "
+                    "CPU the two take turns (lockstep: the one behind in the answer goes next), so the machine's load "
+                    "falls on both alike. "
                     "Every turn starts from the same policy state. If someone else is generating you see your place "
                     "in the queue. tok/s counts the time inside the decoder, prefill included.")
 
