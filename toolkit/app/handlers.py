@@ -150,7 +150,7 @@ class ChatHandler:
         s = spec.summary()
         n_ar = sum(1 for r in spec.rounds if not r.prefill and not r.drafted)      # rounds the policy decoded as AR
         spec_rate = render.rate_html(len(spec.tokens), spec.seconds, s.rounds, s.tau if s.rounds else None)
-        ar_rate = render.rate_html(len(ar.tokens), ar.seconds) if ar else "runs after the speculative pass"
+        ar_rate = render.rate_html(len(ar.tokens), ar.seconds) if ar else "waiting for its turn"
         live = state in ("spec", "ar", "both")
         done = state == "done"
         policy = learnt_text(learnt(spec.backend, spec.settings)) if done else ""
