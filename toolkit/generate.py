@@ -2,10 +2,11 @@
 
 With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU.
 The --json output is a stable contract (docs/generate.md): tokens, text, rounds, tau, tok_s, and with
---compare-ar also ar_tokens, ar_tok_s, speedup (null, with speedup_reason, when no round drafted),
-speedup_spread, lossless. --block-size auto (the default) lets the drafting policy pick each round's verify width
-(0 = a plain AR round); a number N verifies N-1 drafts every round. With --compare-ar the speculative and AR
-decodes alternate --reps times and the speedup is the median of the paired ratios, with their min-max.
+--compare-ar also ar_tokens, ar_tok_s, speedup (null, with speedup_reason, when fewer than 1 round in 10
+drafted), speedup_spread, lossless, lockstep. --block-size auto (the default) lets the drafting policy pick each
+round's verify width (0 = a plain AR round); a number N verifies N-1 drafts every round. With --compare-ar the
+speculative and AR decodes run --reps times each, in lockstep on a CPU (one round of each in turn), one after the
+other on a GPU; the speedup is the median of the paired ratios, with their min-max.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from .core.cli import entry, option
 from .core.cli import run as run_cli_options
 from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
-from .runtime.events import Round, Summary, ar_verdict, paired_speedup, summarize, tokens_of
+from .benchmark import lockstep
+from .runtime.events import Round, Speedup, Summary, ar_verdict, paired_speedup, summarize, tokens_of
 from .runtime.factory import load_backend
 from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
@@ -43,14 +45,34 @@ def timed(backend: Backend, ids: list[int], settings: GenSettings, speculative: 
     return rounds, time.perf_counter() - t0
 
 
+Runs = list[tuple[list[Round], float]]      # (rounds, seconds) of each run, in order
+
+
+def decode_runs(be: Backend, ids: list[int], settings: GenSettings, compare_ar: bool, reps: int,
+                paired: bool) -> tuple[Runs, Runs]:
+    """The speculative runs and (with compare_ar) the AR runs: `reps` pairs, each in lockstep (one round of each in
+    turn, timed inside each side's rounds) when `paired`, else one run after the other."""
+    if compare_ar and paired:
+        pairs = [lockstep.timed_lockstep({"spec": be.generate(ids, settings),
+                                          "ar": be.generate(ids, settings, speculative=False)}) for _ in range(reps)]
+        return [(r["spec"], t["spec"]) for r, t in pairs], [(r["ar"], t["ar"]) for r, t in pairs]
+    spec, ar = [timed(be, ids, settings, speculative=True)], []
+    for k in range(reps if compare_ar else 0):
+        if k:
+            spec.append(timed(be, ids, settings, speculative=True))
+        ar.append(timed(be, ids, settings, speculative=False))
+    return spec, ar
+
+
 def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, system: str | None,
-        raw: bool, reps: int = 1) -> tuple[dict, Summary]:
-    """Decode the prompt speculatively (and with compare_ar plain AR too, the two alternating `reps` times); the
-    JSON-contract dict and its summary (of the first speculative run)."""
+        raw: bool, reps: int = 1, paired: bool = False) -> tuple[dict, Summary]:
+    """Decode the prompt speculatively (and with compare_ar plain AR too, `reps` pairs, in lockstep when `paired`);
+    the JSON-contract dict and its summary (of the first speculative run)."""
     ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
     be.check_prompts([ids], settings.max_new_tokens)       # the real length, not the warm-up's 4 tokens
     be.warm_up(ids, settings, (True, False) if compare_ar else (True,))   # outside the clock: a fair comparison
-    rounds, secs = timed(be, ids, settings, speculative=True)
+    spec_runs, ar_runs = decode_runs(be, ids, settings, compare_ar, reps, paired)
+    rounds, secs = spec_runs[0]
     toks = tokens_of(rounds)
     s = summarize(rounds, secs)
     result = {
@@ -61,27 +83,20 @@ def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, syste
         "costs": be.cost_source() if settings.auto else None,
     }
     if compare_ar:
-        result.update(compare(be, ids, settings, reps, (toks, secs), s.drafted))
+        result.update(compare(spec_runs, ar_runs, paired))
     return result, s
 
 
-def compare(be: Backend, ids: list[int], settings: GenSettings, reps: int, first: tuple[list[int], float],
-            drafted: bool) -> dict:
-    """AR after the first speculative run, then `reps` - 1 more (speculative, AR) pairs: the AR keys of the JSON
-    contract, the speedup with its spread (none when no round drafted), lossless over every run."""
-    spec_runs, ar_runs = [first], []
-    for k in range(reps):
-        if k:
-            rounds, secs = timed(be, ids, settings, speculative=True)
-            spec_runs.append((tokens_of(rounds), secs))
-        rounds, secs = timed(be, ids, settings, speculative=False)
-        ar_runs.append((tokens_of(rounds), secs))
-    rate = lambda run: len(run[0]) / run[1] if run[1] > 0 else 0.0  # noqa: E731
-    ar, ar_secs = ar_runs[0]
-    speed = paired_speedup([rate(r) for r in spec_runs], [rate(r) for r in ar_runs], drafted)
-    return {"ar_tokens": ar, "ar_tok_s": rate(ar_runs[0]), "ar_seconds": ar_secs, **speed.to_json(),
+def compare(spec_runs: Runs, ar_runs: Runs, paired: bool) -> dict:
+    """The AR keys of the JSON contract: the speedup (the median of the paired ratios) with its spread, none when
+    too few rounds drafted for a ratio to measure drafting; lossless over every run."""
+    rate = lambda run: len(tokens_of(run[0])) / run[1] if run[1] > 0 else 0.0  # noqa: E731
+    why = lockstep.too_few_drafted([r for rounds, _ in spec_runs for r in rounds])
+    speed = Speedup(None, why) if why else paired_speedup([rate(r) for r in spec_runs], [rate(r) for r in ar_runs], True)
+    ar = tokens_of(ar_runs[0][0])
+    return {"ar_tokens": ar, "ar_tok_s": rate(ar_runs[0]), "ar_seconds": ar_runs[0][1], **speed.to_json(),
             "tok_s_reps": [rate(r) for r in spec_runs], "ar_tok_s_reps": [rate(r) for r in ar_runs],
-            "lossless": all(t == ar for t, _ in spec_runs + ar_runs)}
+            "lossless": all(tokens_of(rounds) == ar for rounds, _ in spec_runs + ar_runs), "lockstep": paired}
 
 
 def generate(
@@ -119,8 +134,9 @@ def generate(
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
     be.retime_costs = retime_costs
+    paired = backend == "torch" and (device or "cpu") == "cpu"     # a CPU: load moves a run more than drafting does
     try:
-        result, s = run(be, prompt, settings, compare_ar, system, raw, reps)
+        result, s = run(be, prompt, settings, compare_ar, system, raw, reps, paired)
     finally:
         be.close()
     if json_out:
@@ -143,10 +159,10 @@ def speed_text(result: dict) -> str:
     """The speedup of a --compare-ar result in words: the median ratio with its spread, or why there is none."""
     if result["speedup"] is None:
         return f"none ({result['speedup_reason']})"
-    sp = result.get("speedup_spread")
+    sp, how = result.get("speedup_spread"), "lockstep" if result.get("lockstep") else "alternating"
     if not sp:
-        return f"{result['speedup']:.2f}x (one run of each: no spread measured; --reps 3 or more measures it)"
-    return f"{result['speedup']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f}x over {sp['n']} alternating runs)"
+        return f"{result['speedup']:.2f}x (one {how} run of each: no spread measured; --reps 3 or more measures it)"
+    return f"{result['speedup']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f}x over {sp['n']} {how} runs)"
 
 
 @dataclass
@@ -162,8 +178,9 @@ class GenerateOptions:
     seed: int = option(0, kind="seed")
     backend: str = option("torch", choices=["torch", "exllamav3"])
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
-    reps: int = option(3, "with --compare-ar: speculative and AR decodes alternate this many times; the speedup is "
-                       "the median of the paired ratios, printed with their min-max (default 3)", lo=1, hi=10**6)
+    reps: int = option(3, "with --compare-ar: this many speculative and AR decodes, in pairs (on a CPU each pair in "
+                       "lockstep: one round of each in turn); the speedup is the median of the paired ratios, printed "
+                       "with their min-max (default 3)", lo=1, hi=10**6)
     system: str | None = option(None, "system prompt")
     raw: bool = option(False, "tokenize the prompt as is, without the chat template")
     device: str | None = option(None, "torch device for the torch backend (default cpu)", kind="device")

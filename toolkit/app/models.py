@@ -29,6 +29,7 @@ from ..core.refs import fetch, parse_ref
 from ..runtime.backend import Backend, GenSettings
 from ..runtime.factory import load_backend
 from ..runtime.gpu_split import ENV, GpuSplit, from_env
+from .policy_view import PolicyStart
 
 log = logging.getLogger("toolkit.app")
 BACKENDS = ("auto", "torch", "exllamav3")
@@ -121,6 +122,13 @@ class Loaded:
     hardware: Hardware = field(default_factory=Hardware)
     demo_kind: str = ""               # "smollm2" or "tiny" when demo
     steps: dict[str, float] = field(default_factory=dict)   # start-up step -> seconds, in order
+    policy_start: PolicyStart | None = None          # the auto policies after the start-up: every turn starts there
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether a turn decodes its two runs in lockstep: on a CPU, where load moves a run's speed more than
+        drafting does (on a GPU they run one after the other)."""
+        return self.backend is not None and self.device == "cpu"
 
     @property
     def engine(self) -> str:
@@ -266,6 +274,7 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
             out.backend.prepare(GenSettings())
         with step(out, "warm-up", "a short speculative and a plain decode"):
             out.backend.warm_up(out.backend.encode("Hello"))
+        out.policy_start = PolicyStart(out.backend)
     except ToolkitError as e:
         out.backend, out.error = None, f"Could not load the models: {e}"
     except Exception as e:  # OOM, a broken checkpoint, a CUDA error: the page says so and keeps serving

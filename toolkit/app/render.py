@@ -225,21 +225,25 @@ def legend_html() -> str:
 
 def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int, float] | None = None,
                 identical: bool | None = None, greedy: bool = True, mode: str = "", widths: str = "",
-                speed: Speedup | None = None) -> str:
-    """The speedup banner. state: idle | spec | ar | done | stopped | failed; `widths` says what the policy chose,
-    `speed` the measured ratio with its spread (no ratio at all when no round drafted)."""
+                speed: Speedup | None = None, paired: bool = False, policy: str = "") -> str:
+    """The speedup banner. state: idle | spec | ar | both (lockstep) | done | stopped | failed; `widths` says what
+    the policy chose, `speed` the measured ratio with its spread (none when too few rounds drafted), `paired`
+    whether the two runs alternated round by round, `policy` what the policy learnt."""
     def rate(x):
         return x[0] / x[1] if x and x[1] > 0 else 0.0
 
     if state == "idle":
-        msg = ("Send a message. The same prompt is decoded twice on the same target model: first with DFlash "
-               "speculative decoding, then plain autoregressive. The speedup below is measured, not estimated.")
+        msg = ("Send a message. The same prompt is decoded twice on the same target model: with DFlash speculative "
+               "decoding and plain autoregressive. The speedup below is measured, not estimated.")
         return f'<div class="dfl-banner idle">{msg}</div>'
     if state == "spec":
         return f'<div class="dfl-banner run">⚡ Speculative decoding… {rate(spec):.1f} tok/s so far</div>'
     if state == "ar":
         return (f'<div class="dfl-banner run">Speculative done ({rate(spec):.1f} tok/s). '
                 f'Now plain autoregressive on the same target… {rate(ar):.1f} tok/s so far</div>')
+    if state == "both":
+        return (f'<div class="dfl-banner run">⚡ Both in lockstep, taking turns (so the machine\'s load falls on both '
+                f'alike)… speculative {rate(spec):.1f} tok/s, plain AR {rate(ar):.1f} tok/s so far</div>')
     if state == "failed":
         return '<div class="dfl-banner warn">The run did not finish: see the message under the chat.</div>'
     if state == "stopped":
@@ -251,26 +255,28 @@ def banner_html(state: str, spec: tuple[int, float] | None = None, ar: tuple[int
     else:
         same = "sampling: the two texts differ by chance; both follow the target's distribution"
     speed = speed or Speedup(s / a if a > 0 and s > 0 else None, None if a > 0 and s > 0 else "nothing was decoded")
-    head, kind, note = verdict(speed)
+    head, kind, note = verdict(speed, paired)
+    lines = "".join(f"<br>{esc(x)}" for x in (note, widths, policy) if x)
     return (f'<div class="dfl-banner done {kind}"><span class="dfl-x">{head}</span>'
             f'<span class="dfl-detail">DFlash speculative <b>{s:.1f} tok/s</b> ({spec[0]} tokens, {spec[1]:.2f} s) vs '
-            f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}'
-            f'<br>{esc(note)}{"<br>" + esc(widths) if widths else ""}</span></div>')
+            f'plain AR <b>{a:.1f} tok/s</b> ({ar[0]} tokens, {ar[1]:.2f} s) · {esc(same)}{esc(mode)}{lines}</span></div>')
 
 
-def verdict(speed: Speedup) -> tuple[str, str, str]:
-    """(headline, banner class, sentence) of a finished turn: no ratio when nothing was drafted, "about the same"
-    when the spread of the ratio reaches both sides of 1, faster or slower only when all of it lies on one side."""
+def verdict(speed: Speedup, paired: bool = False) -> tuple[str, str, str]:
+    """(headline, banner class, sentence) of a finished turn: no ratio when (almost) nothing was drafted, "about
+    the same" when the spread of the ratio reaches both sides of 1, faster or slower only when all of it lies on
+    one side."""
     if speed.value is None:
         return ("No speedup to report", "plain", f"No ratio: {speed.reason}.")
     x, spread = speed.value, speed.spread_text()
+    runs = "One lockstep run of each (the two taking turns)" if paired else "One run of each"
     if speed.noisy:
         return (f"≈ AR speed ({x:.2f}×)", "even",
-                f"One run of each; the ratio's spread ({spread}) reaches both sides of 1×: no faster or slower here.")
+                f"{runs}; the ratio's spread ({spread}) reaches both sides of 1×: no faster or slower here.")
     if x >= 1:
-        return (f"{x:.2f}× faster", "", f"One run of each; the ratio's spread: {spread}.")
+        return (f"{x:.2f}× faster", "", f"{runs}; the ratio's spread: {spread}.")
     return (f"{x:.2f}× (slower here)", "slow",
-            f"One run of each; the ratio's spread: {spread}. On this model and hardware drafting costs more than it saves.")
+            f"{runs}; the ratio's spread: {spread}. On this model and hardware drafting costs more than it saves.")
 
 
 def tau_html(s: Summary | None, block: int, ar_rounds: int = 0) -> str:

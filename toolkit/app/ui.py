@@ -6,6 +6,7 @@ import time
 
 import gradio as gr
 
+from ..benchmark import lockstep
 from . import render
 from .handlers import ChatHandler
 from .models import Loaded, ModelSpec, gpu_wrap, load, say
@@ -13,6 +14,11 @@ from .style import CSS
 
 TITLE = "DFlash speculative decoding"
 DEMO_EXAMPLES = ["pathlib.Path", "shutil.copy", "json.dumps", "textwrap.wrap"]   # the tiny target answers stdlib names with docstrings
+# The SmolLM2 pair on a GPU, as docs/results.md measured it (a test checks every ratio a page shows is there).
+GPU_DEMO = ("in the benchmark on an H100 this pair decodes 2.04× faster than plain AR with <i>auto</i> and 2.23× at block 16, one "
+            "request at a time")
+NO_RATIO = (f"when fewer than 1 round in {round(1 / lockstep.MIN_DRAFTED_SHARE)} drafts, the page shows no ratio and "
+            "says the answer decoded as plain AR (a ratio of two AR runs is noise).")
 REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
                  "Write a Python function that checks whether a string is a palindrome.",
                  "List five facts about the Moon."]
@@ -40,8 +46,8 @@ def header_html(loaded: Loaded) -> str:
                 "Python stdlib name such as <code>json.dumps</code> with its docstring) and a trained tiny DFlash drafter, on CPU. "
                 "Expect docstring-like text, not a useful assistant; at this size drafting costs about as much as verifying, "
                 "so with block size <i>auto</i> the policy drafts only where the drafter is right often enough and decodes "
-                "the rest as plain AR; a fixed block size drafts every round. Look at the colours, τ and the measured "
-                "speedup. For real models start it with "
+                f"the rest as plain AR; {NO_RATIO} A fixed block size drafts every round. Look at the colours, τ and the "
+                "measured speedup. For real models start it with "
                 "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
     notes = "".join(render.message_html("info", n) for n in loaded.notes)
     models = (f'<div class="dfl-models">Backend <b>{render.esc(loaded.backend_name)}</b> on {render.esc(loaded.device)} · '
@@ -57,15 +63,13 @@ def smollm2_note(loaded: Loaded) -> str:
             "135M-parameter chat model) with a DFlash drafter trained for it with this toolkit, ")
     if loaded.backend_name == "exllamav3":
         return head + ("on the GPU with ExLlamaV3 (both zero-padded to its 128-aligned widths: the same outputs). "
-                       "Answers are those of a very small model; watch the speed: on an H200 this pair decodes about "
-                       "2.2-2.4× faster than plain AR at block 16 or <i>auto</i>.</div>")
+                       f"Answers are those of a very small model; watch the speed: {GPU_DEMO}.</div>")
     where = "on the CPU (PyTorch)" if loaded.device == "cpu" else f"on {render.esc(loaded.device)} (PyTorch)"
     return head + (f"{where}. Answers are those of a very small model. On a CPU at this size the drafter and a "
                    "16-token verify cost several target steps, so with block size <i>auto</i> the drafting policy "
-                   "decodes mostly plain AR and then shows no ratio; pick a fixed block size to watch every round "
-                   "draft. On a GPU with ExLlamaV3 the same pair decodes about 2.2-2.4× faster than plain AR. For "
-                   "real models start it with <code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> "
-                   "on a GPU.</div>")
+                   f"decodes mostly plain AR; {NO_RATIO} Pick a fixed block size to watch every round draft. "
+                   f"On a GPU with ExLlamaV3, {GPU_DEMO}. For real models start it with "
+                   "<code>python app.py --target &lt;model&gt; --draft &lt;drafter&gt;</code> on a GPU.</div>")
 
 
 def build_app(loaded: Loaded) -> gr.Blocks:
@@ -121,17 +125,24 @@ def build_app(loaded: Loaded) -> gr.Blocks:
         with gr.Accordion("Every round: its block and drafted tokens, rejected tail struck through", open=False):
             blocks = gr.HTML(render.rounds_table_html(render.Transcript(str)), elem_id="dfl-blocks")
         result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
-        gr.Markdown("Requests run one at a time on the model (speculative, then AR, never both at once, so neither "
-                    "skews the other's timing). If someone else is generating you see your place in the queue. "
-                    "tok/s counts the time inside the decoder, prefill included.")
+        sent = gr.Textbox(visible=False, label="message")     # the message being answered (Send empties the box)
+        gr.Markdown("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a "
+                    "CPU the two take turns (lockstep: the one behind in the answer goes next), so the machine's load "
+                    "falls on both alike. "
+                    "Every turn starts from the same policy state. If someone else is generating you see your place "
+                    "in the queue. tok/s counts the time inside the decoder, prefill included.")
 
-        inputs = [box, chat, block, max_new, temperature, seed, system, thinking]
+        inputs = [sent, chat, block, max_new, temperature, seed, system, thinking]
         outputs = [chat, box, banner, spec_html, ar_html, tau, blocks, acc, hist, message, result]
         fn = gpu_wrap(handler.respond, loaded.hardware)
         common = dict(fn=fn, inputs=inputs, outputs=outputs, concurrency_id="gpu", concurrency_limit=1,
                       show_progress_on=[banner])
-        send.click(api_name="chat", **common)
-        box.submit(api_name=False, **common)
+        # Send is disabled while this session's turn runs; Enter then says so and leaves the prompt in the box
+        ui = dict(api_name=False, show_progress="hidden", concurrency_limit=None, concurrency_id="ui")   # no wait
+        busy = dict(fn=handler.claim, inputs=box, outputs=[send, box, sent], **ui)
+        free = dict(fn=handler.release, inputs=None, outputs=send, **ui)
+        send.click(**busy).success(api_name="chat", **common).then(**free)
+        box.submit(**busy).success(api_name=False, **common).then(**free)
         stop.click(handler.stop, None, message, queue=False, api_name="stop")
     demo.handler = handler
     return demo
@@ -143,9 +154,11 @@ def serve(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, sha
     `started` (time.perf_counter() at the process start) the console says how long the page took."""
     demo.queue(default_concurrency_limit=1, max_size=64)
     demo.launch(server_name=host, server_port=port, share=share, css=CSS, prevent_thread_lock=True,
-                show_error=False, quiet=not block)
-    if started is not None:
-        say(f"page ready {time.perf_counter() - started:.0f} s after the start: {demo.local_url}")
+                show_error=False, quiet=True)       # gradio's own lines name launch(share=True); ours name --share
+    if block or started is not None:
+        when = f" {time.perf_counter() - started:.0f} s after the start" if started is not None else ""
+        link = f"; public link {demo.share_url}" if share else " (python app.py --share also opens a public link)"
+        say(f"page ready{when}: {demo.local_url}{link}")
     if block:
         demo.block_thread()
     return demo

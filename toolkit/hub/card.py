@@ -18,7 +18,7 @@ from ..core.errors import ToolkitError
 from ..core.files import Num, numbers, shown
 from ..core.folders import read_json
 from .howto import framing, requires_line, usage
-from .names import link, public_report
+from .names import is_hub_ref, link, public_report
 from ..core.refs import is_repo_id
 from .upstream import UPSTREAM, Upstream, license_fields, read_upstream, upstream_url
 
@@ -235,17 +235,28 @@ def _about(report: dict) -> list[str]:
     ]
 
 
-def _method(report: dict) -> list[str]:
-    device = report.get("device")
+def _tau_words(report: dict) -> str:
+    """What the "τ (tokens/round)" column is in this run: measured where and how, or why it is empty."""
     rows = [*(report.get("results") or []), report.get("bf16") or {}]
-    measured = any(isinstance(r, dict) and r.get("tau") is not None for r in rows)
-    where = (f"measured on {device}" if device else "measured on a device the report does not name") if measured \
-        else "not measured in this run (it needs a GPU)"
+    if any(isinstance(r, dict) and r.get("tau") is not None for r in rows):
+        device = report.get("device")
+        return ("greedy decoding through this toolkit's torch runtime with the BF16 target, "
+                + (f"measured on {device}" if device else "on a device the report does not name"))
+    if report.get("target_kind") == "exl3":
+        return ("empty in this run: that column decodes with a BF16 (transformers) target, and this run's target was "
+                "an EXL3 quant, whose τ is the \"τ on exllamav3\" column")
+    if not report.get("target"):
+        return "not measured in this run: it had no target to decode with"
+    return "not measured in this run (its check was skipped)"
+
+
+def _method(report: dict) -> list[str]:
     return [
         "KL is the mean KL divergence of each quantized drafter's next-token distribution from the bf16 "
         "drafter's, and top-1 agreement the share of positions where both pick the same token, over the "
-        "block positions of the calibration prompts. τ is the mean number of tokens accepted per "
-        f"verification round with the target, {where}. \"τ on exllamav3\" and \"Speedup on exllamav3\" are "
+        "block positions of the held-out check prompts (the recipe's check prompts: none of them calibrated the "
+        f"quants). τ is the mean number of tokens accepted per verification round with the target: {_tau_words(report)}. "
+        "\"τ on exllamav3\" and \"Speedup on exllamav3\" are "
         "measured on exllamav3 itself with the named EXL3 target at the bitrate shown, the speedup against "
         "plain decoding of the same target in the same process. \"not measured\" means the run skipped that "
         "measurement; no number is estimated.",
@@ -254,7 +265,7 @@ def _method(report: dict) -> list[str]:
 
 def _license(report: dict, up: Upstream) -> list[str]:
     model, rev = report["model"], report.get("revision")
-    if not is_repo_id(model):
+    if not is_hub_ref(model):
         return [f"These weights are a quantization of the local drafter `{model}`: its license applies."]
     fields = license_fields(up, model, rev)
     files = ", ".join(f"[{n}]({upstream_url(model, rev, n)})" for n in up.licenses)
@@ -271,7 +282,7 @@ def _license(report: dict, up: Upstream) -> list[str]:
 
 def _original(report: dict, up: Upstream) -> list[str]:
     model, rev = report["model"], report.get("revision")
-    link = f"[{model}]({upstream_url(model, rev)})" if is_repo_id(model) else f"`{model}`"
+    link = f"[{model}]({upstream_url(model, rev)})" if is_hub_ref(model) else f"`{model}` (a local folder)"
     if up.readme is None:
         return [f"This run's upstream folder holds no README.md, so the original card is not reproduced here; "
                 f"read it at {link}."]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
+import json
 import math
 import os
 import re
@@ -78,6 +79,19 @@ def check_complete(report: dict, from_dir: Path) -> None:
     if missing:
         raise ToolkitError(f"--from: {from_dir} is an incomplete quantize run (no {', '.join(missing)}): its report step "
                            "did not finish; re-run python -m toolkit.quantize with the same --out")
+
+
+def refuse_preview(report: dict, from_dir: Path) -> None:
+    """A CPU preview run (python -m toolkit.preview_run) holds fp16 stand-ins, not EXL3 weights: never uploaded."""
+    for r in report["results"]:
+        cfg = from_dir / r["folder"] / "config.json"
+        try:
+            preview = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("preview")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if preview:
+            raise ToolkitError(f"--from: {from_dir} is a CPU preview ({r['folder']} holds fp16 stand-ins, not EXL3 "
+                               "weights): push it only with --dry-run; quantize on a GPU for weights to publish")
 
 
 def link_inside(src: Path, dest: Path, root: Path) -> None:
@@ -242,6 +256,8 @@ def push(repo: str, out_dir: str | Path, private: bool = False, branch_template:
     from_dir = Path(out_dir)
     report = load_report(from_dir)
     check_complete(report, from_dir)
+    if not dry_run:
+        refuse_preview(report, from_dir)
     with tempfile.TemporaryDirectory(prefix="push-") as stage:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
         if dry_run:

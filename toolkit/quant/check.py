@@ -88,7 +88,8 @@ def pick_tap_shift(drafter: DFlashDraft, prompts: list[Prompt], target, anchors:
 
 def measure_tau(target, tokenizer, drafter: DFlashDraft, prompt_ids: list[list[int]], max_new_tokens: int,
                 tap_shift: int) -> float:
-    """τ (tokens per speculative round) of greedy decoding through the runtime, all prompts pooled."""
+    """τ (tokens per speculative round) of greedy decoding through the runtime at the drafter's native block (every
+    round drafts: the auto policy would decode AR where drafting does not pay), all prompts pooled."""
     from ..runtime.backend import GenSettings
     from ..runtime.events import summarize
     from ..runtime.torch_backend import TorchBackend
@@ -98,7 +99,8 @@ def measure_tau(target, tokenizer, drafter: DFlashDraft, prompt_ids: list[list[i
     backend = TorchBackend(target, tokenizer, d)
     rounds = []
     for ids in prompt_ids:
-        rounds += list(backend.generate(ids, GenSettings(max_new_tokens=max_new_tokens, temperature=0.0)))
+        rounds += list(backend.generate(ids, GenSettings(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                         block_size=None)))
     return summarize(rounds).tau
 
 

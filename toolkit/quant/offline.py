@@ -5,13 +5,17 @@ A recipe's shapes are the config.json files under `quantize/shapes/`, one per Hu
 (`z-lab/Qwen3.6-35B-A3B-DFlash` -> `shapes/qwen3.6-35b-a3b-dflash.json`). A dry run that cannot read a model's
 config from a local folder or the Hub cache reads its shapes instead, in a temporary config-only folder removed
 at exit, and says so; sizes of what a real run fetches come from a cached safetensors index when there is one,
-else from the shapes (BF16, and an EXL3 target's size at 4.0 bpw for a single GPU).
+else from the shapes (BF16, and an EXL3 target's size at 4.0 bpw for a single GPU). A target that is neither on
+disk nor cached (an EXL3 quant not made or downloaded yet) is planned as the recipe's [target] shape, as an EXL3
+quant at the bitrate its name says (`...-exl3-4.0bpw`, `@4.0bpw`) when it names one, else BF16: every step of the
+run is planned, and the plan says what must be made or downloaded first.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,15 +48,15 @@ def read_shapes(path: Path) -> dict:
     return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
-def config_folder(cfg: dict) -> Path:
+def config_folder(cfg: dict, size: int | None = None) -> Path:
     """A temporary folder holding what a config-only fetch holds of a model: config.json, and a safetensors index
-    whose total_size is the BF16 size of the shapes (the memory plan reads it), removed at exit."""
+    whose total_size is `size` (default: the BF16 size of the shapes; the memory plan reads it), removed at exit."""
     folder = tempfile.mkdtemp(prefix="dflash-shapes-")
     if not _made:
         atexit.register(lambda: [shutil.rmtree(f, ignore_errors=True) for f in _made])
     _made.append(folder)
     (Path(folder) / "config.json").write_text(json.dumps(cfg))
-    size = bf16_bytes(cfg)
+    size = bf16_bytes(cfg) if size is None else size
     if size is not None:
         index = {"metadata": {"total_size": size, "estimated_from": "recipe shapes"}, "weight_map": {}}
         (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -71,6 +75,45 @@ def fetch_or_shapes(run, ref: str, revision: str | None, what: str, config_only:
                      f"({shapes.parent.name}/{shapes.name}, not read from the Hub)")
     run.offline[what] = read_shapes(shapes)
     return config_folder(run.offline[what]), None
+
+
+BPW = re.compile(r"(?<![\d.])([1-8](?:\.\d{1,2})?)[-_ ]?bpw", re.IGNORECASE)
+
+
+def named_bits(ref: str) -> float | None:
+    """The EXL3 bitrate a model's name or branch says (`...-exl3-4.0bpw`, `@4.0bpw`; EXL3_BITS for a name that says
+    exl3 without one), or None when the name does not say EXL3."""
+    m = BPW.search(ref)
+    if m:
+        return float(m.group(1))
+    return EXL3_BITS if "exl3" in ref.lower() else None
+
+
+def planned_target(run, ref: str) -> tuple[Path, None] | None:
+    """A dry run's target that is neither on disk nor in the Hub cache, planned as the recipe's [target] shape:
+    EXL3 at the bitrate its name says, else BF16 (None without the recipe's shapes). run.offline["target_plan"]
+    keeps what the plan assumed, for the downloads and notes."""
+    recipe = run.s.recipe
+    base = recipe.target if recipe is not None else None
+    shapes = shapes_file(recipe, base) if base else None
+    if shapes is None:
+        return None
+    cfg, bits = read_shapes(shapes), named_bits(ref)
+    size = exl3_bytes(cfg, bits) if bits else bf16_bytes(cfg)
+    if bits:
+        cfg = {**cfg, "quantization_config": {"quant_method": "exl3", "bits": bits}}
+    run.offline["target"] = cfg
+    run.offline["target_plan"] = {"base": base, "bits": bits, "bytes": size, "hub": is_hub_name(ref),
+                                  "base_bytes": bf16_bytes(read_shapes(shapes))}
+    kind = f"an EXL3 quant at {bits:.1f} bpw (from its name)" if bits else "a BF16 checkpoint"
+    run.notes.append(f"target {ref} is not on disk and not in the Hub cache: planned as {kind} of {base}, from the "
+                     f"recipe's shapes ({shapes.parent.name}/{shapes.name}), {size_text(size)}")
+    return config_folder(cfg, size), None
+
+
+def is_hub_name(ref: str) -> bool:
+    """Whether a real run would fetch `ref` from the Hub as named: USER/NAME[@REVISION]."""
+    return ref.partition("@")[0].count("/") == 1 and not ref.startswith(("/", ".", "~"))
 
 
 def bf16_bytes(cfg: dict) -> int | None:
@@ -110,6 +153,31 @@ def size_text(n: int | None) -> str:
     return "size unknown" if n is None else f"about {n / GIB:.1f} GiB" if n >= GIB / 10 else f"about {n / 2**20:.0f} MiB"
 
 
+def missing_target(run) -> list[str]:
+    """What must exist before a real run, for a target the plan did not find: a Hub quant it downloads, or a folder
+    to make first (downloading the BF16 model, then exllamav3's converter)."""
+    plan, ref = run.offline["target_plan"], run.s.target
+    what = f"EXL3 at {plan['bits']:.1f} bpw (from its name)" if plan["bits"] else "BF16 (transformers)"
+    head = f"  {ref}: the target, {what}, {size_text(plan['bytes'])}"
+    hint = [exl3_hint(run.offline["target"])] if not plan["bits"] and (plan["bytes"] or 0) > 20 * GIB else []
+    if plan["hub"]:
+        return [head, *hint]
+    base = plan["base"]
+    local = base.split("/")[-1] if plan["bits"] else ref
+    lines = [head + ": not on disk yet; make it first (a real run would look for a Hub model of that name and fail):",
+             f"    hf download {base} --local-dir {local}      (BF16, {size_text(plan['base_bytes'])})"]
+    if plan["bits"]:
+        lines += [f"    python -m exllamav3.conversion.convert_model -i {local} -o {ref} -w exl3-work -b {plan['bits']:.1f}",
+                  "    or pass a published EXL3 quant: --target USER/NAME@REVISION (docs/quantize.md)"]
+    return lines + hint
+
+
+def exl3_hint(cfg: dict) -> str:
+    """The line for a BF16 target too big for one 24 GB card."""
+    return (f"    on one 24 GB GPU pass an EXL3 quant of it as --target instead: at {EXL3_BITS:.1f} bpw "
+            f"{size_text(exl3_bytes(cfg))} (a published quant, or exllamav3's converter: docs/quantize.md)")
+
+
 def downloads(run) -> list[str]:
     """What a real run of this plan fetches from the Hub (nothing for local folders), with sizes."""
     from ..core.refs import parse_ref
@@ -117,6 +185,9 @@ def downloads(run) -> list[str]:
     s, lines = run.s, []
     for what, ref, rev, folder in (("model", s.model, s.revision, run.model_dir), ("target", s.target, s.target_revision,
                                                                                   run.target_dir)):
+        if what == "target" and "target_plan" in run.offline:
+            lines += missing_target(run)
+            continue
         if not ref or parse_ref(ref, what).is_local:
             continue
         cfg = run.offline.get(what) or (run.target_config if what == "target" else None) or {}
@@ -129,8 +200,7 @@ def downloads(run) -> list[str]:
         lines.append(f"  {ref}{'@' + rev if rev else ''}: the target, {kind}, "
                      + (f"{size_text(size)}" if uses else "config and tokenizer only (no --calibrate/--check)"))
         if uses and run.kind != "exl3" and cfg and (size or 0) > 20 * GIB:
-            lines.append(f"    on one 24 GB GPU pass an EXL3 quant of it as --target instead: at {EXL3_BITS:.1f} bpw "
-                         f"{size_text(exl3_bytes(cfg))} (a published quant, or exllamav3's converter: docs/quantize.md)")
+            lines.append(exl3_hint(cfg))
     head = "a real run downloads (unless already in the Hub cache):"
     return [head, *lines] if lines else ["a real run downloads nothing: the model and target are local folders"]
 
@@ -139,8 +209,9 @@ def show_plan(run) -> None:
     """--dry-run: the drafter, the plan as a table, the GPU memory per step and the notes."""
     s, c = run.s, run.config
     where = "the recipe's shapes" if "model" in run.offline else run.model_dir
+    planned = ", not here yet: planned from the recipe's shapes" if "target_plan" in run.offline else ""
     print(f"model {s.model_id} @ {s.revision or 'unpinned'} ({where}), target {s.target or 'none'}"
-          + (f" ({'EXL3 on exllamav3' if run.kind == 'exl3' else 'transformers'})" if run.kind != "none" else ""))
+          + (f" ({'EXL3 on exllamav3' if run.kind == 'exl3' else 'transformers'}{planned})" if run.kind != "none" else ""))
     print(f"drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block {c.block_size}, "
           f"taps {c.target_layer_ids}, layer types {sorted(set(c.layer_types))}")
     if not run.checked.has_weights:

@@ -53,8 +53,12 @@ def read_target_config(run: Run) -> dict | None:
     except ToolkitError:
         if not run.dry_run:
             raise
+    planned = offline.planned_target(run, s.target)      # not made or downloaded yet: the recipe's target shape
+    if planned is None:
         run.notes.append(f"target {s.target} not checked: not a local folder and not in the Hub cache")
         return None
+    run.target_dir, run.target_sha = planned
+    return read_config(run.target_dir, "target")
 
 
 @step

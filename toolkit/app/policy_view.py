@@ -1,0 +1,63 @@
+"""The drafting policy as the app uses it: every turn starts from the same state, and the page says what it learnt.
+
+A backend keeps its auto policies in `backend.policies` (one per sampling mode): what they learn (the drafter's
+acceptance, the rounds' observed costs, the probing spacing) would otherwise carry from one visitor's prompts to
+the next visitor's turn. The app copies them once the start-up is done and gives every turn a fresh copy; the
+timed cost table itself is shared (it describes the machine, not a prompt).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..runtime.backend import Backend, GenSettings
+
+
+class PolicyStart:
+    """The backend's auto policies as the start-up (calibration and warm-up) left them."""
+
+    def __init__(self, backend: Backend | None):
+        self.saved = self._copy(getattr(backend, "policies", None))
+
+    @staticmethod
+    def _copy(policies: dict | None) -> dict | None:
+        if policies is None:
+            return None
+        tables = [getattr(getattr(p, "costs", None), "table", None) for p in policies.values()]
+        memo = {id(t): t for t in tables if t is not None}        # the timed table stays shared
+        return copy.deepcopy(policies, memo)
+
+    def restore(self, backend: Backend) -> None:
+        """Give `backend` fresh copies of the saved policies (a policy made later starts fresh anyway)."""
+        if self.saved is not None and hasattr(backend, "policies"):
+            backend.policies = self._copy(self.saved)
+
+
+def learnt(backend: Backend, settings: GenSettings) -> dict | None:
+    """What the auto policy of `settings` knows after a turn: acceptance per drafted position, how many proposals
+    it was learnt from, the round cost of each block relative to an AR round, and the block it would pick now."""
+    pol = backend.auto_policy(settings) if settings.auto else None
+    if pol is None:
+        return None
+    try:
+        rates, count = list(pol.acceptance.rates), int(pol.acceptance.count)
+        curve = list(pol.curve(1))
+        best = int(pol.best(1))
+    except (AttributeError, TypeError, ValueError, IndexError):      # a policy without these readings
+        return None
+    return {"acceptance": [round(a, 3) for a in rates], "proposals": count,
+            "round_ms": [round(t, 2) for t in curve], "best_block": best + 1}
+
+
+def learnt_text(info: dict | None) -> str:
+    """One sentence for the page: what the policy learnt in this turn and what it would pick now."""
+    if not info or not info["round_ms"]:
+        return ""
+    acc = ", ".join(f"{100 * a:.0f} %" for a in info["acceptance"][:4])
+    t, best = info["round_ms"], info["best_block"]
+    parts = [f"drafts accepted at positions 1-4: {acc} (from {info['proposals']} proposals)" if info["proposals"]
+             else "no proposal checked yet (acceptance is still its prior)"]
+    if t[0] > 0:
+        parts.append(f"a block-{len(t)} round costs {t[-1] / t[0]:.1f} AR rounds ({t[-1]:.0f} vs {t[0]:.0f} ms)")
+    parts.append("it would now pick " + ("plain AR (block 1)" if best == 1 else f"block {best}"))
+    return f"What the policy learnt this turn (every turn starts from the same state): {'; '.join(parts)}."
