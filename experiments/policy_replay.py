@@ -33,18 +33,34 @@ MIN_ROUNDS = 5        # traced rounds a (jobs, width) needs to stand for itself
 SWITCH_MS = 0.25      # a round at another width than the one before: median excess 0.06-0.46 ms in the s20/s21 traces
 
 
-def full_lengths(steps, prompt_ids: list[int], answer: list[int], positions: int) -> list[int]:
-    """L at every answer position p: the drafter's proposal after answer[p], matched against answer[p+1:]."""
+def draft_scores(steps, token: int, positions: int) -> tuple[list[int], list[float]]:
+    """The drafter's proposal after `token` (as TorchSteps.draft_block) and each position's winning logit, the
+    score exllamav3 1.6.5 calibrates its dynamic draft window on (Model.lm_head_argmax's draft_conf)."""
+    import torch
+
+    steps.flush()
+    with torch.no_grad():
+        emb = steps.target.get_input_embeddings().weight
+        h = steps.drafter.draft_hidden(steps.draft_cache, torch.tensor([token], device=emb.device), emb)
+        conf, ids = steps.target.get_output_embeddings()(h[:, 1:1 + positions].to(emb.dtype))[0].max(-1)
+    return ids.tolist(), conf.float().tolist()
+
+
+def full_lengths(steps, prompt_ids: list[int], answer: list[int], positions: int) -> tuple[list[int], list[list[float]]]:
+    """L at every answer position p (the drafter's proposal after answer[p], matched against answer[p+1:]) and
+    the proposal's per-position scores (draft_scores)."""
     from toolkit.runtime.loop import accepted_prefix
 
     steps.prefill(prompt_ids)
-    out = []
+    out, scores = [], []
     for p in range(len(answer) - 1):
         truth = answer[p + 1:p + 1 + positions]
-        out.append(accepted_prefix(steps.draft_block(answer[p], positions)[:len(truth)], truth))
+        ids, conf = draft_scores(steps, answer[p], positions)
+        out.append(accepted_prefix(ids[:len(truth)], truth))
+        scores.append([round(x, 2) for x in conf])
         steps.verify([answer[p]])
         steps.accept(1)
-    return out
+    return out, scores
 
 
 def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | None = None,
@@ -78,8 +94,8 @@ def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | 
         ids = be.encode(item.text)
         rounds = list(be.generate(ids, GenSettings(max_new_tokens=max_new_tokens), speculative=False))
         answer = [t for r in rounds for t in r.tokens]
-        L = full_lengths(TorchSteps(be.target, be.drafter), ids, answer, be.block_size - 1)
-        rows.append({"category": item.category, "answer": answer, "lengths": L})
+        L, conf = full_lengths(TorchSteps(be.target, be.drafter), ids, answer, be.block_size - 1)
+        rows.append({"category": item.category, "answer": answer, "lengths": L, "conf": conf})
         print(f"prompt {i + 1}/{len(items)}: {len(answer)} tokens, mean L {statistics.mean(L or [0]):.2f}", file=sys.stderr)
     res = {"block_size": be.block_size, "max_new_tokens": max_new_tokens, "limit": limit, "prompts": rows}
     out.parent.mkdir(parents=True, exist_ok=True)

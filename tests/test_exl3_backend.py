@@ -235,8 +235,8 @@ def test_auto_learns_acceptance_and_settles_on_the_best_width(timed):
     tail = {len(r.drafted) for r in rounds[len(rounds) // 2:]}
     assert tail == {3}                       # acceptance 1 up to 3 ids, 0 after; rounds cost 10 + 2w: w = 3 is best
     pol = timed.policies[(True, ADOPTED.tag)]
-    assert pol.acceptance.count > 50 and pol.jobs == {}
-    e = pol.acceptance.expected_tokens()
+    assert pol.count > 50 and pol.jobs == {}
+    e = pol.expected_tokens()
     assert e[3] > 3.85 and e[7] - e[3] < 0.2
 
 
