@@ -4,7 +4,7 @@ prints the same table).
 
 Targets on every trace, the noisy one included: `auto` >= 0.97 of the best fixed width and >= exllamav3's own
 window at c = 1, 4 and 8; >= 0.98 of AR with a drafter that accepts nothing. Each mechanism, switched off, costs
-`auto` >= 1 % in some cell or a target it holds, and pays on balance (its losses, where it has any, are on the
+`auto` >= 1 % in some cell and pays on balance, or holds a target (its losses, where it has any, are on the
 results page).
 """
 
@@ -44,11 +44,11 @@ def test_auto_beats_the_static_policy_somewhere_and_ar_everywhere_the_drafter_he
 
 @pytest.mark.parametrize("row", [m for m in ROWS if m.startswith("-")])
 def test_each_mechanism_pays(row):
-    """Without it `auto` loses >= 1 % somewhere or misses a target it holds, and it pays on balance."""
+    """Without it `auto` loses >= 1 % somewhere and more than it gains on balance, or misses a target it holds."""
     got = cells()
     gain, loss, held = T.verdict(got, "auto", row)
-    assert gain >= 0.01 or held, (row, gain, loss)
-    assert statistics.mean(math.log(got[k]["auto"][0] / got[k][row][0]) for k in got) > 0, (row, gain, loss)
+    balance = statistics.mean(math.log(got[k]["auto"][0] / got[k][row][0]) for k in got)
+    assert held or (gain >= 0.01 and balance > 0), (row, gain, loss, balance)
 
 
 def test_the_table_names_the_best_width_and_every_row():

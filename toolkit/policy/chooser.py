@@ -7,8 +7,8 @@
   any), weighing CARRY proposals. Each resolved proposal then weighs 1 and fades the older ones by
   DECAY ** jobs (a batch follows its present jobs); a job's AR round moves the rates toward the long-run ones.
 - While AR wins nothing is proposed, so one round probes at full width after `gap` AR rounds: MIN_GAP after a
-  width that won, doubling after each probe, at most (and from a job's start) the spacing at which a probe's cost
-  beyond the AR rounds it replaces is PROBE_BUDGET of them.
+  width that won, doubling after each probe, at most (and from a job's start, so a short answer never pays a
+  whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET of them.
 - A batching engine asks `plain(jobs)` before a request: after a request at whose end no width beats AR by
   PLAIN_MARGIN at the long-run rates, the next 1, 4, then 16 requests of as many jobs decode without the drafter
   (its K/V upkeep makes AR rounds of a speculative engine dearer than plain steps).
@@ -51,7 +51,7 @@ class Policy:
         self.total = [0.0] * (block_size - 1), 1.0   # long-run sums of [L >= i] and their weight (0 at first)
         self.sums, self.weight, self.count = list(self.total[0]), 1.0, 0
         self.jobs: dict[Hashable, list] = {}        # job -> [emitted tokens, pending [start, proposal, matched]]
-        self.ar_rounds = self.request = 0           # AR rounds since a probe or a job's start; rounds of the request
+        self.ar_rounds = self.request = 0           # AR rounds since drafting or a job's start; rounds of the request
         self.every, self.probing = 1 << 16, False   # the present spacing of probes, whether this round probes
         self.last_jobs, self.plain_served = 1, 0
         self.plain_left: dict[int, list[int]] = {}  # jobs -> [plain requests to serve, losing requests in a row]
