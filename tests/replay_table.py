@@ -69,7 +69,7 @@ def markdown(cells: Cells, rows: dict[str, str], base: str = "auto") -> str:
         v = ""
         if m.startswith("-"):
             g, loss, held = verdict(cells, base, m)
-            v = f"+{100 * g:.1f} % / -{100 * max(loss, 0):.1f} %" + (f"; holds {len(held)}" if held else "")
+            v = f"+{100 * g:.1f} % / -{100 * max(0.0, loss):.1f} %" + (f"; holds {len(held)}" if held else "")
         lines.append("| " + " | ".join([label] + [f"{x:.3f}" for x in vals] + [v]) + " |")
     best = "| best fixed width | " + " | ".join(cells[k]["best"].lstrip("w") if k[0] != "useless" else "AR" for k in keys) + " | |"
     return "\n".join(lines[:2] + [best] + lines[2:])

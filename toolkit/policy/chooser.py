@@ -108,7 +108,7 @@ class Policy:
         self.request += 1
         self.ar_rounds = 0 if width else self.ar_rounds + 1
         if width:                                   # probes back off; a width that won brings the next one close
-            self.every = 2 * self.every if self.probing else MIN_GAP
+            self.every = min(2 * self.every, 1 << 16) if self.probing else MIN_GAP
 
     # -- acceptance, in hindsight ------------------------------------------------------------------------------
 
