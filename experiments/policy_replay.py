@@ -1,4 +1,4 @@
-"""The inputs of the drafting policy's replay test (tests/replay.py, tests/test_policy_replay.py), made on a CPU.
+"""The drafting policy's replay (tests/replay.py, tests/test_policy_replay.py): its inputs, made on a CPU, and its table.
 
 - `lengths`: decodes the SmolLM2 pair's held-out prompts greedily on the CPU (torch backend, fp32) in the pair
   bench's order (`--limit`), and at every answer position records the drafter's full-width accepted length L:
@@ -8,10 +8,13 @@
   emitted token, the prefill ms, the calibration table the bench's `auto` cells started from, and the device's
   noise in time: every decoding round's ms over its (jobs, width) median, in the order the bench ran them (a
   slow stretch of the device slows every width for a while; tests/replay.py can play it back).
+- `table`: `auto`, exllamav3 1.6.5's own window and `auto` without each of its mechanisms over AR and every
+  calibrated fixed width, on every committed trace (the results page's table, as markdown).
 
     python -m experiments.policy_replay lengths --limit 8 --out /tmp/replay/lengths.json
     python -m experiments.policy_replay costs experiments/results/traces/pair_call4_trace.jsonl.gz \
         --bench experiments/results/traces/pair_call4_bench.json --out tests/data/replay/costs_h100_call4.json.gz
+    python -m experiments.policy_replay table --seeds 6 --reps 10
 
 The CPU drafter is the BF16 drafter in fp32, not the device's EXL3 6 bpw one, so the lengths are close to the
 device's, not equal; new shapes' CUDA graph captures are not modelled (every shape is warm).
@@ -33,18 +36,34 @@ MIN_ROUNDS = 5        # traced rounds a (jobs, width) needs to stand for itself
 SWITCH_MS = 0.25      # a round at another width than the one before: median excess 0.06-0.46 ms in the s20/s21 traces
 
 
-def full_lengths(steps, prompt_ids: list[int], answer: list[int], positions: int) -> list[int]:
-    """L at every answer position p: the drafter's proposal after answer[p], matched against answer[p+1:]."""
+def draft_scores(steps, token: int, positions: int) -> tuple[list[int], list[float]]:
+    """The drafter's proposal after `token` (as TorchSteps.draft_block) and each position's winning logit, the
+    score exllamav3 1.6.5 calibrates its dynamic draft window on (Model.lm_head_argmax's draft_conf)."""
+    import torch
+
+    steps.flush()
+    with torch.no_grad():
+        emb = steps.target.get_input_embeddings().weight
+        h = steps.drafter.draft_hidden(steps.draft_cache, torch.tensor([token], device=emb.device), emb)
+        conf, ids = steps.target.get_output_embeddings()(h[:, 1:1 + positions].to(emb.dtype))[0].max(-1)
+    return ids.tolist(), conf.float().tolist()
+
+
+def full_lengths(steps, prompt_ids: list[int], answer: list[int], positions: int) -> tuple[list[int], list[list[float]]]:
+    """L at every answer position p (the drafter's proposal after answer[p], matched against answer[p+1:]) and
+    the proposal's per-position scores (draft_scores)."""
     from toolkit.runtime.loop import accepted_prefix
 
     steps.prefill(prompt_ids)
-    out = []
+    out, scores = [], []
     for p in range(len(answer) - 1):
         truth = answer[p + 1:p + 1 + positions]
-        out.append(accepted_prefix(steps.draft_block(answer[p], positions)[:len(truth)], truth))
+        ids, conf = draft_scores(steps, answer[p], positions)
+        out.append(accepted_prefix(ids[:len(truth)], truth))
+        scores.append([round(x, 2) for x in conf])
         steps.verify([answer[p]])
         steps.accept(1)
-    return out
+    return out, scores
 
 
 def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | None = None,
@@ -78,8 +97,8 @@ def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | 
         ids = be.encode(item.text)
         rounds = list(be.generate(ids, GenSettings(max_new_tokens=max_new_tokens), speculative=False))
         answer = [t for r in rounds for t in r.tokens]
-        L = full_lengths(TorchSteps(be.target, be.drafter), ids, answer, be.block_size - 1)
-        rows.append({"category": item.category, "answer": answer, "lengths": L})
+        L, conf = full_lengths(TorchSteps(be.target, be.drafter), ids, answer, be.block_size - 1)
+        rows.append({"category": item.category, "answer": answer, "lengths": L, "conf": conf})
         print(f"prompt {i + 1}/{len(items)}: {len(answer)} tokens, mean L {statistics.mean(L or [0]):.2f}", file=sys.stderr)
     res = {"block_size": be.block_size, "max_new_tokens": max_new_tokens, "limit": limit, "prompts": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +166,15 @@ def slope(groups) -> float:
     return num / den if den else 0.0
 
 
+def table(seeds: int, reps: int) -> str:
+    """The replay's table of rivals and ablations (tests/replay_table.py) as markdown."""
+    from tests import replay_table as T
+    from tests.replay_rivals import ROWS
+
+    cells = T.evaluate(T.modes_of(ROWS), seeds=seeds, reps=reps)
+    return T.markdown(cells, {m: label for m, (label, _) in ROWS.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.policy_replay", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -164,8 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--bench", type=Path, required=True, help="that run's bench.json (the calibration table)")
     r.add_argument("--out", type=Path, required=True, help="where to write (.json.gz)")
     r.add_argument("--force", action="store_true", help="replace --out if it exists (once the new one is complete)")
+    t = sub.add_parser("table", help="auto, its rivals and its ablation on every committed trace, as markdown")
+    t.add_argument("--seeds", type=int, default=6, help="cost draws per scenario (default 6)")
+    t.add_argument("--reps", type=int, default=10, help="interleaved repetitions per draw (default 10)")
     a = p.parse_args(argv)
     try:
+        if a.cmd == "table":
+            if a.seeds < 1 or a.reps < 1:
+                raise ValueError("--seeds and --reps must be >= 1")
+            print(table(a.seeds, a.reps))
+            return 0
         if a.cmd == "lengths":
             if (a.target is None) != (a.draft is None):
                 raise ValueError("give --target and --draft together")

@@ -2,16 +2,22 @@
 
 Inputs, committed under tests/data/replay/ (made by `python -m experiments.policy_replay`):
 - lengths: the SmolLM2 pair's greedy answers to its held-out prompts and, at every answer position, the drafter's
-  full-width accepted length L (greedy output does not depend on the widths verified, so one decode gives all);
+  full-width accepted length L and each proposed position's score (its winning logit; greedy output does not
+  depend on the widths verified, so one decode gives all);
 - costs: round ms per (jobs, width) drawn from a device trace of the pair bench, the cost per emitted token beyond
   one per job, the prefill ms, and the calibration table the bench's `auto` cells started from.
 
 A request's jobs decode together with one width per round, as exllamav3 does; a round costs a traced round of its
-shape (an untraced width: its nearest traced width's, moved by the traced w=7 -> 15 slope), plus `switch_ms` when
-its width differs from the last round's, plus host time (`auto` pays its own extra per round). Costs that carry
+shape (an untraced width: its nearest traced width's, drafting or not as it is, moved by the traced w=7 -> 15
+slope), plus `switch_ms` when
+its width differs from the last round's, plus host time (a policy pays its own extra per round). Costs that carry
 the device's noise in time (`noise`: each traced round's ms over its shape's median, in the bench's order) can
 play it back instead: round k costs its shape's median times the k-th traced factor, so a slow stretch of the
 device slows every width for a while, as it did there.
+
+Modes are compared on common draws: each repetition at each concurrency is a slot, and every mode of a slot
+replays the same cost draws and the same stretch of the noise series from its first round, so a slow stretch
+meets each mode at the same point of its run (the series then moves on by the longest mode's rounds).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import random
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.benchmark.grid import job_list
@@ -45,13 +52,22 @@ class Costs:
         self.noise = data.get("noise") if timed_noise else None
         if timed_noise and not self.noise:
             raise ValueError("these costs carry no noise series")
-        self.k = seed * 997                          # each seed starts the series at another round
+        self.seed = seed
         self.by = {tuple(map(int, k.split(","))): v for k, v in data["rounds"].items()}
         self.per_token, self.prefill = data["per_token_ms"], {int(c): v for c, v in data["prefill_ms"].items()}
         self.start = data["start"]
-        self.rng = random.Random(seed)
         self.shapes: dict[tuple[int, int], list[float]] = {}
         self.medians: dict[tuple[int, int], float] = {}
+        self.origin = seed * 997                      # each seed starts the noise series at another round
+        self.begin()
+
+    def begin(self, slot: int = 0) -> None:
+        """Rewind the draws to the start of `slot`: every mode of a slot meets the same costs."""
+        self.rng, self.k = random.Random(self.seed * 1_000_003 + slot), self.origin
+
+    def advance(self, rounds: int) -> None:
+        """The next slot plays the noise series from `rounds` rounds further on."""
+        self.origin += rounds
 
     def traced(self, jobs: int, w: int) -> bool:
         return len(self.by.get((jobs, w), ())) >= MIN_ROUNDS
@@ -65,7 +81,8 @@ class Costs:
             if self.traced(jobs, w):
                 self.shapes[(jobs, w)] = self.by[(jobs, w)]
             else:
-                near = min((k for k in self.by if self.traced(*k)), key=lambda k: (abs(k[0] - jobs), abs(k[1] - w)))
+                near = min((k for k in self.by if self.traced(*k) and (k[1] > 0) == (w > 0)),
+                           key=lambda k: (abs(k[0] - jobs), abs(k[1] - w)))
                 slope = (self.median(jobs, 15) - self.median(jobs, 7)) / 8 if self.traced(jobs, 15) and self.traced(jobs, 7) else 0.0
                 shift = self.median(jobs, 0) - self.median(near[0], 0) if self.traced(jobs, 0) and self.traced(near[0], 0) else 0.0
                 self.shapes[(jobs, w)] = [x + slope * (w - near[1]) + shift for x in self.by[near]]
@@ -77,8 +94,8 @@ class Costs:
         return self.medians[(jobs, w)]
 
     def round_ms(self, jobs: int, w: int, extra_tokens: int) -> float:
+        self.k += 1
         if self.noise:
-            self.k += 1
             base = self.shape_median(jobs, w) * self.noise[self.k % len(self.noise)]
         else:
             base = self.rng.choice(self.shape(jobs, w))
@@ -89,90 +106,119 @@ class Costs:
 
 
 class Job:
-    """One answer being decoded: its tokens, full-width lengths and how many it has emitted."""
+    """One answer being decoded: its tokens, full-width lengths, proposal scores and how many it has emitted."""
 
     def __init__(self, row: dict, max_new: int):
-        self.answer, self.lengths = row["answer"], row["lengths"]
+        self.answer, self.lengths, self.scores = row["answer"], row["lengths"], row.get("conf")
         self.cap = min(max_new, len(self.answer))
         self.n = 1                                   # the prefill round emitted answer[0]
 
-    def round(self, w: int, positions: int) -> tuple[tuple, Round]:
-        """(full proposal or (), Round) of one round verifying w drafts."""
+    def conf(self) -> list[float]:
+        """The scores of the proposal the next round drafts."""
+        return self.scores[self.n - 1]
+
+    def advance(self, w: int) -> int:
+        """Emit one round verifying w drafts; how many tokens it emitted."""
+        L = self.lengths[self.n - 1] if self.n - 1 < len(self.lengths) else 0
+        e = min(min(L, w) + 1, self.cap - self.n)
+        self.n += e
+        return e
+
+    def round(self, w: int, positions: int, propose: bool = False) -> tuple[tuple, Round]:
+        """(full proposal, or () when nothing was drafted, and the Round) of one round verifying w drafts."""
         start = self.n
         L = self.lengths[start - 1] if start - 1 < len(self.lengths) else 0
-        e = min(min(L, w) + 1, self.cap - start)
-        toks = self.answer[start:start + e]
-        self.n += e
-        if not w:
-            return (), Round((), 0, toks[-1])
-        proposal = tuple(self.answer[start:start + L]) + (-1,) * (positions - L)
-        return proposal, Round(proposal[:w], e - 1, toks[-1], proposed=positions)
+        e = self.advance(w)
+        proposal = tuple(self.answer[start:start + L]) + (-1,) * (positions - L) if w or propose else ()
+        return proposal, Round(proposal[:w], e - 1, self.answer[start + e - 1], proposed=len(proposal) if w else 0)
 
 
-def replay_request(rows: list[dict], max_new: int, fixed: int | None, policy: Policy | None, costs: Costs,
-                   positions: int, host_ms: float, switch_ms: float = SWITCH_MS, spec_ar: float = 1.0) -> tuple[int, float]:
-    """(tokens, ms) of one request whose jobs decode together, one width per round; an AR round of a speculative
-    request costs `spec_ar` times a plain one (the drafter's K/V upkeep)."""
+def replay_request(rows: list[dict], max_new: int, mode, costs: Costs, positions: int, host_ms: float,
+                   switch_ms: float = SWITCH_MS, spec_ar: float = 1.0) -> tuple[int, float, int]:
+    """(tokens, ms, rounds) of one request whose jobs decode together, one width per round. `mode` is a fixed
+    width or a policy (the backends' protocol; one with `window(jobs)` picks from the live jobs' proposals, which
+    it always drafts, so its empty windows cost a w=1 round). An AR round of a speculative request costs `spec_ar` times a plain one (the drafter's K/V)."""
     jobs = [Job(r, max_new) for r in rows]
-    tokens, ms, last = len(jobs), costs.prefill_ms(len(jobs)), None
+    tokens, ms, last, n = len(jobs), costs.prefill_ms(len(jobs)), None, 0
+    policy = None if isinstance(mode, int) else mode
+    window = getattr(policy, "window", None)
     plain = policy is not None and policy.plain(len(rows))
     if policy is not None and not plain:
         for i, r in enumerate(rows):
             policy.start(i, -2)
             policy.observe([(i, (), Round((), 0, r["answer"][0], prefill=True))])
     while live := [(i, j) for i, j in enumerate(jobs) if j.n < j.cap]:
-        w = fixed if policy is None else 0 if plain else policy.width(len(live))
-        out = [(i, *j.round(w, positions)) for i, j in live]
-        emitted = sum(len(r.tokens) for _, _, r in out)
-        t = costs.round_ms(len(live), w, emitted - len(live)) + (switch_ms if last not in (None, w) else 0.0)
+        if policy is None:
+            w, out = mode, []
+            emitted = sum(j.advance(w) for _, j in live)
+        else:
+            w = 0 if plain else window([j for _, j in live]) if window else policy.width(len(live))
+            out = [(i, *j.round(w, positions, window is not None)) for i, j in live]
+            emitted = sum(len(r.tokens) for _, _, r in out)
+        shape = max(w, 1) if window else w                 # an empty window still ran the drafter
+        t = costs.round_ms(len(live), shape, emitted - len(live)) + (switch_ms if last not in (None, w) else 0.0)
         t *= spec_ar if policy is not None and not plain and not w else 1.0
-        last, tokens, ms = w, tokens + emitted, ms + t + host_ms
+        last, tokens, ms, n = w, tokens + emitted, ms + t + host_ms, n + 1
         if policy is not None and not plain:
             policy.observe(out, t)
     if policy is not None and not plain:
         for i in range(len(rows)):
             policy.finish(i)
         policy.end_request(len(rows))
-    return tokens, ms
+    return tokens, ms, n
+
+
+def start_table(costs: Costs, block_size: int) -> CostTable:
+    """The calibration table the bench's `auto` cells started from (the bench records its whole curve: only the
+    widths calibration times are kept)."""
+    widths = calibration_widths(block_size)
+    return CostTable({c: {w: t for w, t in pts.items() if int(w) in widths} for c, pts in costs.start.items()})
 
 
 def make_policy(costs: Costs, block_size: int, **kw) -> Policy:
-    """The policy the exllamav3 backend builds, over the calibration table the bench's `auto` cells started from
-    (the bench records its whole curve: only the widths calibration times are kept)."""
-    widths = calibration_widths(block_size)
-    table = {c: {w: t for w, t in pts.items() if int(w) in widths} for c, pts in costs.start.items()}
-    return Policy.auto(block_size, CostTable(table), **{"learn_costs": True, **kw})
+    """The policy the exllamav3 backend builds, over the calibration table."""
+    return Policy.auto(block_size, start_table(costs, block_size), **{"learn_costs": True, **kw})
 
 
-def replay(lengths: dict, cost_data: dict, concurrency: list[int], reps: int = 10, seed: int = 0,
-           host_ms: float = 0.05, auto_host_ms: float = 0.05, spec_ar: float = 1.0, timed_noise: bool = False,
-           **policy_kw) -> dict:
-    """tok/ms of AR, auto, B=16 and B=8 at each concurrency, interleaved rep by rep as the bench runs them (one
-    policy for every `auto` cell); per concurrency the medians, and auto over the best fixed width and over AR,
-    paired per repetition."""
+Factory = Callable[[Costs, int], object]      # (costs, block size) -> a policy, made once per replay
+
+
+def run_modes(lengths: dict, cost_data: dict, concurrency: list[int], modes: dict[str, int | Factory],
+              reps: int = 10, seed: int = 0, host_ms: float = 0.05, policy_host_ms: float = 0.05,
+              spec_ar: float = 1.0, timed_noise: bool = False) -> dict[int, dict[str, list[float]]]:
+    """tok/ms of every mode (a fixed width or a policy factory) per concurrency and repetition, interleaved rep by
+    rep as the bench runs them (one policy per mode for every cell), each slot on common draws."""
     B, max_new, rows = lengths["block_size"], lengths["max_new_tokens"], lengths["prompts"]
     costs = Costs(cost_data, seed, timed_noise)
-    policy = make_policy(costs, B, **policy_kw)
-    modes = ("ar", "auto", 16, 8)
-    got: dict[tuple, list[float]] = defaultdict(list)
+    made = {m: f if isinstance(f, int) else f(costs, B) for m, f in modes.items()}
+    got: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    slot = 0
     for _ in range(reps):
         for c in concurrency:
             jobs = job_list(rows, c)
             waves = [jobs[k:k + c] for k in range(0, len(jobs), c)]
-            for mode in modes:
-                pol = policy if mode == "auto" else None
-                w = None if pol else 0 if mode == "ar" else mode - 1
+            longest = 0
+            for m, mode in made.items():
+                costs.begin(slot)
+                host = host_ms + (0.0 if isinstance(mode, int) else policy_host_ms)
                 warm = [dict(r, answer=r["answer"][:8]) for r in waves[0]]                # the untimed warm-up wave
-                replay_request(warm, max_new, w, pol, costs, B - 1, host_ms, spec_ar=spec_ar)
-                runs = [replay_request(req, max_new, w, pol, costs, B - 1, host_ms + (auto_host_ms if pol else 0),
-                                       spec_ar=spec_ar) for req in waves]
-                got[(c, mode)].append(sum(t for t, _ in runs) / sum(m for _, m in runs))
+                runs = [replay_request(req, max_new, mode, costs, B - 1, host, spec_ar=spec_ar) for req in [warm] + waves]
+                got[c][m].append(sum(t for t, _, _ in runs[1:]) / sum(ms for _, ms, _ in runs[1:]))
+                longest = max(longest, sum(n for _, _, n in runs))
+            costs.advance(longest)
+            slot += 1
+    return got
+
+
+def ratios(got: dict[int, dict[str, list[float]]], fixed: list[str]) -> dict[int, dict]:
+    """Per concurrency: the best of the `fixed` modes (by median tok/ms) and each mode over it and over AR,
+    paired per repetition (median)."""
     out = {}
-    for c in concurrency:
-        row = {str(m): statistics.median(got[(c, m)]) for m in modes}
-        best = max((16, 8), key=lambda m: row[str(m)])
-        row["best"] = best
-        row["auto_over_best"] = statistics.median(a / b for a, b in zip(got[(c, "auto")], got[(c, best)]))
-        row["auto_over_ar"] = statistics.median(a / b for a, b in zip(got[(c, "auto")], got[(c, "ar")]))
+    for c, by in got.items():
+        best = max(fixed, key=lambda m: statistics.median(by[m]))
+        row: dict = {"best": best}
+        for m, xs in by.items():
+            row[m] = {"over_best": statistics.median(a / b for a, b in zip(xs, by[best])),
+                      "over_ar": statistics.median(a / b for a, b in zip(xs, by["ar"]))}
         out[c] = row
     return out

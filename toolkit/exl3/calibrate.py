@@ -13,7 +13,6 @@ import statistics
 from collections.abc import Sequence
 
 from ..core.errors import ToolkitError
-from ..policy.costs import QUANTILE, low_quantile
 from ..runtime import trace
 from ..runtime.backend import GenSettings
 
@@ -23,6 +22,14 @@ CALIBRATION_REPS = 5
 CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
 TABLE_VERSION = 3                  # of the cached tables' meaning (replayed rounds, their low quartile); in the cache key
+
+
+def low_quartile(xs: Sequence[float]) -> float:
+    """The 0.25-quantile of xs, linear between the order statistics (host jitter only adds to a round)."""
+    v = sorted(xs)
+    pos = 0.25 * (len(v) - 1)
+    i = int(pos)
+    return v[i] if i + 1 >= len(v) else v[i] + (v[i + 1] - v[i]) * (pos - i)
 
 
 def calibration_widths(block_size: int, widths: Sequence[int] = CALIBRATION_WIDTHS) -> list[int]:
@@ -115,7 +122,7 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
         times = time_rounds(be, concurrency, ws, CALIBRATION_REPS, CALIBRATION_WARM, context, emitted=seen)
     finally:
         trace.emit("cell_end")
-    ms = {w: low_quantile(ts, QUANTILE) for w, ts in times.items()}
+    ms = {w: low_quartile(ts) for w, ts in times.items()}
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     return ms

@@ -1,21 +1,24 @@
 """The drafting policy: each round's verify width, the one with the most expected tokens per ms.
 
-A round that verifies w drafts emits E(w) = 1 + sum_{i<=w} a_i tokens on average and costs t(w, jobs); w = 0 is a
-plain AR round with no drafter call. The policy picks argmax E(w) / t(w, jobs) among the widths the table timed,
-from acceptance learnt in hindsight (acceptance.py) and a cost model corrected by observed rounds (costs.py).
+- A round of `jobs` jobs verifying w drafts emits E(w) = 1 + a_1 + ... + a_w tokens per job and costs t(w) ms
+  (costs.py); w = 0 is an AR round. The policy verifies argmax E(w) / t(w) over the widths its cost table timed.
+- a_i = P(L >= i), L a proposal's full-width accepted length: the drafter proposes all B-1 ids whatever w is, and
+  the target's later tokens show L. A request starts from the long-run rates (every proposal so far; 0 before
+  any), weighing CARRY proposals. Each resolved proposal then weighs 1 and fades the older ones by
+  DECAY ** jobs (a batch follows its present jobs); a job's AR round moves the rates toward the long-run ones.
+- While AR wins nothing is proposed, so one round probes at full width after `gap` AR rounds: MIN_GAP after a
+  width that won, doubling after each probe, at most (and from a job's start, so a short answer never pays a
+  whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET of them.
+- A batching engine asks `plain(jobs)` before a request: after a request at whose end no width beats AR by
+  PLAIN_MARGIN at the long-run rates, the next 1, 4, then 16 requests of as many jobs decode without the drafter
+  (its K/V upkeep makes AR rounds of a speculative engine dearer than plain steps).
 
-While AR wins the drafter proposes nothing, so the policy probes with one full-width round after `gap` AR rounds;
-the gap doubles after each probe that leaves AR ahead, up to the spacing at which probes cost `probe_budget` of AR
-time, and resets once drafting wins. Both backends drive it the same way, round by round:
+Both backends drive it the same way, round by round:
 
-    policy.start(job, last_prompt_token)       a job begins
-    w = policy.width(jobs)                     before a round of `jobs` jobs
+    policy.start(job, last_prompt_token)           a job begins
+    w = policy.width(jobs)                         before a round of `jobs` jobs
     policy.observe([(job, proposal, Round)], ms)   after it: each job's full proposal and Round, the round's ms
-    policy.finish(job)                         a job ends
-
-A batching engine also asks `plain(jobs)` before a request: after a request at whose end no drafting width beat
-an AR round of the speculative engine by `PLAIN_MARGIN`, the next 1, 4, then 16 requests of as many jobs decode
-without the drafter (its K/V upkeep makes AR rounds on a speculative engine dearer than plain steps).
+    policy.finish(job)                             a job ends
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from .acceptance import Acceptance, Hindsight
 from .costs import CostTable, RoundCosts
 
-PLAIN_MARGIN = 0.05     # drafting must beat AR rounds of the speculative engine by this much to keep the drafter
+CARRY = 2.0              # proposals a request's starting rates weigh
+DECAY = 0.93             # older proposals fade by DECAY ** jobs per resolved one
+PROBE_BUDGET = 0.03      # while AR wins, probes cost this share of the AR time
+MIN_GAP = 2              # AR rounds before the first probe after a width that won
+PLAIN_MARGIN = 0.1       # drafting must beat AR rounds of the speculative engine by this much to keep the drafter
 PLAIN_RUNS = (1, 4, 16)  # plain requests after the first, second, third such request in a row
 
 
@@ -35,25 +41,20 @@ class Policy:
     """Chooses each round's verify width and learns from the rounds it sees; one per backend, drafter and mode."""
 
     def __init__(self, block_size: int, costs: CostTable | None = None, fixed_width: int | None = None, *,
-                 learn_costs: bool = False, prior: float = 0.6, decay: float = 0.95, probe_budget: float = 0.03,
-                 min_probe_every: int = 4, first_probe_cost: float | None = None, carry_weight: float | None = None,
-                 explore: float = 0.03):
+                 learn_costs: bool = False):
         if fixed_width is None and (costs is None or block_size < 2):
             raise ValueError("an auto policy needs a cost table and a block size >= 2")
         if not 0 <= (fixed_width or 0) < max(block_size, 1):
             raise ValueError(f"width {fixed_width} outside 0..{block_size - 1}")
         self.block_size, self.fixed_width = block_size, fixed_width
-        self.costs = RoundCosts(costs, block_size, learn_costs) if costs is not None else None
-        self.acceptance = Acceptance(block_size - 1, prior, decay=decay)
-        self.jobs: dict[Hashable, Hindsight] = {}
-        self.probe_budget, self.min_probe_every, self.first_probe_cost = probe_budget, min_probe_every, first_probe_cost
-        self.carry_weight, self.explore = carry_weight, explore
-        self.gap = self.every = 0                   # AR rounds before the next probe, its doubling spacing (0: the floor)
-        self.ar_rounds, self.answer_rounds, self.probing = 0, 0, False
-        self.request = 0                            # decoding rounds of the request under way
-        self.plain_left: dict[int, list[int]] = {}  # jobs -> [plain requests still to serve, requests in a row]
-        self.plain_served = 0
-        self.last_jobs = 1
+        self.costs = RoundCosts(costs, learn_costs) if costs is not None else None
+        self.total = [0.0] * (block_size - 1), 1.0   # long-run sums of [L >= i] and their weight (0 at first)
+        self.sums, self.weight, self.count = list(self.total[0]), 1.0, 0
+        self.jobs: dict[Hashable, list] = {}        # job -> [emitted tokens, pending [start, proposal, matched]]
+        self.ar_rounds = self.request = 0           # AR rounds since drafting or a job's start; rounds of the request
+        self.every, self.probing = 1 << 16, False   # the present spacing of probes, whether this round probes
+        self.last_jobs, self.plain_served = 1, 0
+        self.plain_left: dict[int, list[int]] = {}  # jobs -> [plain requests to serve, losing requests in a row]
 
     @classmethod
     def fixed(cls, width: int) -> Policy:
@@ -74,89 +75,104 @@ class Policy:
 
     def start(self, job: Hashable, last_token: int) -> None:
         """A job starts; its first proposal predicts the tokens after `last_token`."""
-        self.jobs[job] = Hindsight(last_token)
-        self.answer_rounds, self.probing = 0, False
-        if self.carry_weight is not None:
-            self.acceptance.forget(self.carry_weight)
+        if not self.jobs:                           # a new request
+            sums, weight = self.total
+            self.sums, self.weight = [s * CARRY / weight for s in sums], CARRY
+        self.jobs[job] = [[last_token], []]
+        self.ar_rounds, self.every = 0, 1 << 16
 
     def finish(self, job: Hashable) -> None:
-        self.jobs.pop(job, None)                   # its unresolved proposals are censored
+        self.jobs.pop(job, None)                    # its unresolved proposals are censored
 
     def width(self, jobs: int = 1) -> int:
         """The verify width of the next round of `jobs` jobs."""
         self.last_jobs = jobs
         if self.fixed_width is not None:
             return self.fixed_width
-        w, self.probing = self.best(jobs), False
-        if w > 0:
-            self.gap = self.every = 0
-        elif min(self.ar_rounds, self.answer_rounds) >= self.floor(jobs) and self.ar_rounds >= self.gap:
-            self.probing, w = True, self.block_size - 1
-        return w
+        w = self.best(jobs)
+        self.probing = w == 0 and self.ar_rounds >= min(self.every, self.gap(jobs))
+        return max(self.scores(jobs)) if self.probing else w
 
     def observe(self, items: Sequence[tuple[Hashable, Sequence[int], Any]], ms: float | None = None) -> None:
         """Learn from one round: (job, its full proposal or (), its Round) for every job that emitted, and the
         round's ms (a cost observation when every job emitted a decoding round)."""
-        drafted, accepted, prefill = False, 0, False
+        fade = self.fade(len(items))
         for job, proposal, rnd in items:
-            h = self.jobs.get(job)
-            if h is not None:
-                for length in h.add(proposal, rnd.tokens):
-                    self.acceptance.update(length)
-            drafted, accepted = drafted or bool(rnd.drafted), max(accepted, rnd.accepted)
-            prefill = prefill or rnd.prefill
-        if self.fixed_width is not None or prefill or not items:
+            for length in self.resolve(job, proposal, rnd.tokens):
+                self.learn(length, fade)
+        if self.fixed_width is not None or not items or any(r.prefill for _, _, r in items):
             return
         width = max(len(r.drafted) for _, _, r in items)
         if ms and len(items) == self.last_jobs:
             self.costs.observe(self.last_jobs, width, ms)
         self.request += 1
-        self.ar_rounds = 0 if drafted else self.ar_rounds + 1
-        self.answer_rounds += 1
-        if self.probing and self.best(self.last_jobs) == 0:
-            self.back_off(accepted)
-        self.probing = False
+        self.ar_rounds = 0 if width else self.ar_rounds + 1
+        if width:                                   # probes back off; a width that won brings the next one close
+            self.every = min(2 * self.every, 1 << 16) if self.probing else MIN_GAP
+
+    # -- acceptance, in hindsight ------------------------------------------------------------------------------
+
+    def resolve(self, job: Hashable, proposal: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """Record a round of `job` (its full proposal, its emitted tokens); return the lengths L it resolved."""
+        state = self.jobs.get(job)
+        if state is None:
+            return []
+        stream, pending = state
+        if proposal:
+            pending.append([len(stream), tuple(proposal), 0])
+        stream.extend(tokens)
+        done, state[1] = [], []
+        for p in pending:
+            start, ids, j = p
+            while j < len(ids) and start + j < len(stream) and ids[j] == stream[start + j]:
+                j += 1
+            if j == len(ids) or start + j < len(stream):      # all confirmed, or a mismatch seen
+                done.append(j)
+            else:
+                p[2] = j
+                state[1].append(p)
+        return done
+
+    def fade(self, jobs: int) -> float:
+        """How much older proposals fade per proposal resolved in a round of `jobs` jobs."""
+        return DECAY ** jobs
+
+    def learn(self, length: int, fade: float) -> None:
+        """One proposal's full-width accepted length, into the request's and the long-run rates."""
+        new = [float(i < length) for i in range(len(self.sums))]
+        self.sums, self.weight = [fade * s + x for s, x in zip(self.sums, new)], fade * self.weight + 1.0
+        self.total = [s + x for s, x in zip(self.total[0], new)], self.total[1] + 1.0
+        self.count += 1
+
+    @property
+    def rates(self) -> list[float]:
+        """a_i = P(L >= i), i = 1..B-1, as the request's rounds estimate it."""
+        return [s / self.weight for s in self.sums]
+
+    def expected_tokens(self, rates: Sequence[float] | None = None) -> list[float]:
+        """E(w) = 1 + sum_{i<=w} a_i for w = 0..B-1 (at the request's rates unless given)."""
+        out = [1.0]
+        for a in self.rates if rates is None else rates:
+            out.append(out[-1] + a)
+        return out
 
     # -- the choice --------------------------------------------------------------------------------------------
 
-    def curve(self, jobs: int) -> list[float]:
-        return self.costs.curve(jobs)
-
-    def scores(self, jobs: int = 1) -> list[float]:
-        """Expected tokens per ms for each width w = 0..B-1."""
-        return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.curve(jobs))]
+    def scores(self, jobs: int = 1, rates: Sequence[float] | None = None) -> dict[int, float]:
+        """Expected tokens per ms of each timed width."""
+        e = self.expected_tokens(rates)
+        return {w: e[w] / t for w, t in self.costs.curve(jobs).items() if w < self.block_size}
 
     def best(self, jobs: int = 1) -> int:
-        """Among the timed widths, the one with the most expected tokens per ms (ties: the narrower). While costs
-        are learnt, a width not yet seen counts `explore` better than its estimate: a near-best width is tried
-        for a few rounds, so the curve is measured where the decision is close."""
-        s, seen = self.scores(jobs), self.costs.costs.get(jobs, {})
-        bonus = 1 + self.explore if self.costs.learn else 1.0
-        menu = [w for w in self.costs.table.widths(jobs) if w < self.block_size]
-        return max(menu, key=lambda w: (s[w] * (1.0 if w in seen else bonus), -w))
+        """The timed width with the most expected tokens per ms (ties: the narrower)."""
+        s = self.scores(jobs)
+        return max(s, key=lambda w: (s[w], -w))
 
-    def probe_extra(self, jobs: int) -> float:
-        """A full-width probe's cost beyond the AR rounds it replaces, in AR rounds (at least 1 % of one)."""
-        t, e = self.curve(jobs), self.acceptance.expected_tokens()
-        return max((t[-1] - t[0] * e[-1]) / t[0], 0.01)
-
-    def floor(self, jobs: int) -> int:
-        """AR rounds before any probe, in an answer and between probes: with `first_probe_cost`, until a probe
-        costs at most that share of them, so a short answer never pays a whole probe."""
-        if self.first_probe_cost is None:
-            return self.min_probe_every
-        return max(self.min_probe_every, min(math.ceil(self.probe_extra(jobs) / self.first_probe_cost), 1 << 16))
-
-    def back_off(self, accepted: int) -> None:
-        """After a probe that left AR ahead: probe again soon if this one alone beat AR, else wait twice as long,
-        up to the spacing at which probes cost `probe_budget` of AR time."""
-        jobs = self.last_jobs
-        t, floor = self.curve(jobs), self.floor(jobs)
-        cap = max(floor, min(math.ceil(self.probe_extra(jobs) / self.probe_budget), 1 << 16))
-        if any((1 + w) / t[w] > 1 / t[0] for w in range(1, min(accepted, len(t) - 1) + 1)):
-            self.gap = 0
-        else:
-            self.every = self.gap = min(2 * max(self.every, floor), cap)
+    def gap(self, jobs: int) -> int:
+        """The widest spacing of probes: a probe's cost beyond the AR rounds it replaces, over PROBE_BUDGET of one."""
+        t, e = self.costs.curve(jobs), self.expected_tokens()
+        w = max(w for w in t if w < self.block_size)
+        return max(MIN_GAP, min(math.ceil(max(t[w] / t[0] - e[w], 0.01) / PROBE_BUDGET), 1 << 16))
 
     # -- whole requests on a batching engine ---------------------------------------------------------------------
 
@@ -173,19 +189,18 @@ class Policy:
     def end_request(self, jobs: int) -> None:
         """A speculative request of `jobs` jobs ended: if drafting no longer pays, plan a run of plain requests."""
         rounds, self.request = self.request, 0
-        if self.fixed_width is not None or not rounds or not self.acceptance.count:
+        if self.fixed_width is not None or not rounds or not self.count:
             return
         state = self.plain_left.setdefault(jobs, [0, 0])
-        s = self.scores(jobs)
-        menu = [w for w in self.costs.table.widths(jobs) if 0 < w < self.block_size]
-        if max(s[w] for w in menu) < (1 + PLAIN_MARGIN) * s[0]:
+        s = self.scores(jobs, [x / self.total[1] for x in self.total[0]])
+        if max(x for w, x in s.items() if w) < (1 + PLAIN_MARGIN) * s[0]:
             state[0], state[1] = PLAIN_RUNS[min(state[1], len(PLAIN_RUNS) - 1)], state[1] + 1
         else:
             state[0] = state[1] = 0
 
     def report(self) -> dict:
         """The cost curves the policy started from and decides by (bench.json), and its plain requests."""
-        out = self.costs.report() if self.costs is not None else {}
+        out = self.costs.report(self.block_size) if self.costs is not None else {}
         if self.plain_served:
             out["plain_ar_requests"] = self.plain_served
         return out

@@ -1,11 +1,9 @@
-"""What a round costs: a timed table (the prior) corrected by the rounds the decoder observes.
+"""What a round costs: a timed table, corrected by the rounds the decoder observes.
 
 `CostTable` holds ms per round {concurrency: {verify width: ms}}, w = 0 the AR step, timed once per model pair and
-device and cached as JSON. `RoundCosts` is the cost model the policy decides by: a width it has seen often enough
-costs the low quartile of its recent rounds (host jitter only adds to a round), and every other width costs the
-table's value scaled by the observed/tabled ratio of the nearest seen drafting width (AR's when none was seen; the
-AR step only by its own). So a table timed under other load, on another machine or by another version is
-corrected after a few rounds of each kind.
+device and cached as JSON. `RoundCosts` is what the policy decides by, at the table's widths: a width seen at least
+MIN_SEEN times at a job count costs the median of its last KEEP rounds there, any other the table's value. A table
+timed under other load, on another machine or by another version is corrected after a few rounds of each width.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,9 +24,8 @@ from ..core.files import Num, number_table, read_json
 from ..core.folders import atomic_file, cache_root
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
-KEEP = 16          # recent rounds kept per (jobs, width)
-MIN_SEEN = 3       # rounds before a width's own cost replaces the table's
-QUANTILE = 0.25    # a width's cost: this quantile of its recent rounds
+KEEP = 32          # recent rounds kept per (jobs, width)
+MIN_SEEN = 5       # rounds before a width's own rounds replace the table's value
 
 
 @dataclass
@@ -51,10 +49,6 @@ class CostTable:
     def nearest(self, concurrency: int = 1) -> dict[int, float]:
         """{w: ms} of the timed concurrency nearest `concurrency` (ties: the lower one)."""
         return self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))]
-
-    def widths(self, concurrency: int = 1) -> list[int]:
-        """The widths timed at the nearest timed concurrency."""
-        return sorted(self.nearest(concurrency))
 
     def curve(self, block_size: int, concurrency: int = 1) -> list[float]:
         """t_round(w) for w = 0..block_size-1: linear between timed widths, non-decreasing, never below AR."""
@@ -98,68 +92,33 @@ def monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
     return [(w, s / n) for n, s, ws in blocks for w in ws]
 
 
-def low_quantile(xs: Iterable[float], q: float = QUANTILE) -> float:
-    """The q-quantile of xs, linear between the order statistics."""
-    v = sorted(xs)
-    pos = q * (len(v) - 1)
-    i = int(pos)
-    return v[i] if i + 1 >= len(v) else v[i] + (v[i + 1] - v[i]) * (pos - i)
-
-
 class RoundCosts:
-    """t_round(w) per job count: the table's curve corrected by observed rounds (module docstring)."""
+    """ms per round at the table's widths per job count: the table corrected by observed rounds (module docstring)."""
 
-    def __init__(self, table: CostTable, block_size: int, learn: bool = True):
-        self.table, self.block_size, self.learn = table, block_size, learn
-        self.seen: dict[int, dict[int, deque]] = {}      # jobs -> width -> recent ms
-        self.costs: dict[int, dict[int, float]] = {}     # jobs -> width -> low quartile of its recent ms (settled)
-        self.cache: dict[int, tuple] = {}                # jobs -> (key, curve)
+    def __init__(self, table: CostTable, learn: bool = True):
+        self.table, self.learn = table, learn
+        self.seen: dict[tuple[int, int], deque] = {}    # (jobs, width) -> its recent rounds' ms
 
     def observe(self, jobs: int, width: int, ms: float) -> None:
-        """A round of `jobs` jobs verifying `width` drafts took `ms`; the width's cost is taken again."""
-        if self.learn and math.isfinite(ms) and ms > 0:
-            d = self.seen.setdefault(jobs, {}).setdefault(width, deque(maxlen=KEEP))
-            d.append(ms)
-            if len(d) >= MIN_SEEN:
-                self.costs.setdefault(jobs, {})[width] = low_quantile(d)
+        """A round of `jobs` jobs verifying `width` drafts took `ms`."""
+        if self.learn and width in self.table.nearest(jobs) and math.isfinite(ms) and ms > 0:
+            self.seen.setdefault((jobs, width), deque(maxlen=KEEP)).append(ms)
 
-    def settled(self, jobs: int) -> dict[int, float]:
-        """{w: ms} of the widths seen at least MIN_SEEN times at `jobs` jobs."""
-        return dict(sorted(self.costs.get(jobs, {}).items()))
+    def curve(self, jobs: int) -> dict[int, float]:
+        """{w: ms} at the table's widths for `jobs` jobs."""
+        seen = self.seen.get
+        return {w: statistics.median(seen((jobs, w))) if len(seen((jobs, w), ())) >= MIN_SEEN else t
+                for w, t in self.table.nearest(jobs).items()}
 
-    def curve(self, jobs: int) -> list[float]:
-        """ms per round for w = 0..B-1 at `jobs` jobs."""
-        got = self.settled(jobs)
-        key = (tuple(got.items()), id(self.table.nearest(jobs)))
-        hit = self.cache.get(jobs)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        prior = self.table.curve(self.block_size, jobs)
-        est = [got[w] if w in got else prior[w] * ratio(w, got, prior) for w in range(self.block_size)]
-        spec = [t for _, t in monotone([(w, est[w], len(self.seen[jobs][w]) if w in got else 1)
-                                        for w in range(1, self.block_size)])]
-        out = [est[0]] + [max(t, est[0]) for t in spec]
-        self.cache[jobs] = (key, out)
-        return out
-
-    def report(self) -> dict:
-        """{"start": {c: {w: ms}}, "learned": {c: {w: ms}}, "observed": {c: {w: rounds}}, "source": ...}."""
-        cs = sorted(set(self.table.ms) | set(self.seen))
+    def report(self, block_size: int) -> dict:
+        """{"start": {c: {w: ms}}, "learned": {c: {w: ms}}, "observed": {c: {w: rounds}}, "source": ...}: the
+        curves for w = 0..B-1, interpolated between the table's widths (CostTable.curve)."""
+        cs = sorted(set(self.table.ms) | {j for j, _ in self.seen})
         return {"source": self.table.source,
-                "start": {c: as_ms(self.table.curve(self.block_size, c)) for c in cs},
-                "learned": {c: as_ms(self.curve(c)) for c in cs},
-                "observed": {c: {w: {"ms": round(low_quantile(d), 3), "rounds": len(d)}
-                                 for w, d in sorted(self.seen[c].items())} for c in sorted(self.seen)}}
-
-
-def ratio(w: int, got: dict[int, float], prior: list[float]) -> float:
-    """observed / tabled ms of the seen width nearest w: a drafting width's nearest seen drafting width (else AR's),
-    AR's own (ties: the narrower; 1 when none was seen)."""
-    pool = {v: t for v, t in got.items() if (v > 0) == (w > 0)} or ({} if w == 0 else got)
-    if not pool:
-        return 1.0
-    v = min(pool, key=lambda x: (abs(x - w), x))
-    return pool[v] / prior[v]
+                "start": {c: as_ms(self.table.curve(block_size, c)) for c in cs},
+                "learned": {c: as_ms(CostTable({c: self.curve(c)}).curve(block_size, c)) for c in cs},
+                "observed": {c: {w: {"ms": round(self.curve(c)[w], 3), "rounds": len(d)}
+                                 for (j, w), d in sorted(self.seen.items()) if j == c} for c in cs}}
 
 
 def as_ms(curve: Iterable[float]) -> dict[int, float]:

@@ -97,7 +97,7 @@ def summarize(rounds: list[Round], seconds: float | None = None) -> Summary:
     tau is the mean of accepted+1 over speculative rounds (AR rounds of a drafting policy excluded). Acceptance
     per position i is the share of the rounds that verified position i (len(drafted) > i) that accepted it: every
     speculative round at a fixed width; with a variable width only the rounds whose width reached i, so it is
-    conditional on the policy's choice (the policy's own full-width estimate is `Policy.acceptance`).
+    conditional on the policy's choice (the policy's own full-width estimate is `Policy.rates`).
     """
     spec = [r for r in rounds if r.drafted and not r.prefill]
     tokens = sum(len(r.tokens) for r in rounds)

@@ -36,13 +36,6 @@ from ..policy.costs import CostTable, cached_costs, cost_key, device_name
 from .sampling import Sampler
 
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
-# The torch backend's policy settings, the same for every cost table. While the policy decodes AR it probes with
-# full-width rounds; a probe costs its round less the tokens it is expected to emit (on a CPU ~1-2 AR steps).
-# Probing gets 2 % of AR time in steady state, the first probe waits until it costs at most 3 % of the answer's AR
-# rounds before it (a short answer never pays a whole probe), and what earlier answers taught about acceptance
-# weighs as one round when a new answer starts, so drafting stops within a few rounds on a prompt where it fails;
-# a timed table is also corrected by the rounds' observed times (see TorchBackend.learn_costs).
-PROBING = dict(probe_budget=0.02, min_probe_every=8, first_probe_cost=0.03, carry_weight=1.0)
 
 
 def tap_selection(drafter: DFlashDraft) -> list[int] | bool:
@@ -322,7 +315,7 @@ class TorchBackend(Backend):
         """The auto policy of greedy or sampled decoding (acceptance differs), made at first use."""
         if greedy not in self.policies:
             costs = self.cost_table()
-            self.policies[greedy] = Policy.auto(self.block_size, costs, learn_costs=self.learn_costs, **PROBING)
+            self.policies[greedy] = Policy.auto(self.block_size, costs, learn_costs=self.learn_costs)
         return self.policies[greedy]
 
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:

@@ -1,0 +1,79 @@
+"""The policy replay's scenarios and its table: `auto`, its rivals and its ablation on every committed trace.
+
+A scenario is a device trace (tests/data/replay/costs_h100_*.json.gz) at the concurrencies its bench ran, over the
+SmolLM2 pair's full-width lengths; `useless` replays call4's costs with a drafter that accepts nothing and AR rounds
+of the speculative engine 20 % dearer than plain steps. Every mode runs on common draws (tests/replay.py) beside AR
+and every fixed width the calibration times; a cell is the mean over seeds of each mode's paired median ratio over
+the best of those fixed widths and over AR.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from tests import replay as R
+
+LENGTHS = R.load(R.DATA / "lengths_smollm2.json.gz")
+FIRST4 = dict(LENGTHS, prompts=LENGTHS["prompts"][:4])      # the bench's --limit 4 runs
+USELESS = dict(FIRST4, prompts=[dict(p, lengths=[0] * len(p["lengths"])) for p in FIRST4["prompts"]])
+SWITCH = dict(FIRST4, prompts=USELESS["prompts"] + FIRST4["prompts"])    # useless on 4 requests, then good on 4
+# name -> (lengths, costs file, concurrencies, noise in time, AR rounds of a speculative request over plain ones)
+SCENARIOS = {"call4": (FIRST4, "call4", [1, 4, 8], False, 1.0), "call6": (LENGTHS, "call6", [4, 8], False, 1.0),
+             "call9": (LENGTHS, "call9", [4, 8], False, 1.0), "call10": (FIRST4, "call10", [1, 4, 8], False, 1.0),
+             "call13": (FIRST4, "call13", [1], False, 1.0), "noisy": (FIRST4, "noisy", [1, 4, 8], True, 1.0),
+             "useless": (USELESS, "call4", [1, 4, 8], False, 1.2), "switch": (SWITCH, "call4", [1], False, 1.0)}
+FIXED = {"ar": 0, **{f"w{w}": w for w in (1, 3, 5, 7, 11, 15)}}     # the calibration's widths (timed, traced)
+COSTS = {name: R.load(R.DATA / f"costs_h100_{name}.json.gz") for name in {s[1] for s in SCENARIOS.values()}}
+
+Cells = dict[tuple[str, int], dict[str, tuple[float, float]]]
+
+
+def evaluate(modes: dict[str, int | R.Factory], scenarios: list[str] | None = None, seeds: int = 4,
+             reps: int = 8) -> Cells:
+    """{(scenario, c): {mode: (over the best fixed width, over AR)}, "best": the best fixed width}."""
+    out: Cells = {}
+    for name in scenarios or list(SCENARIOS):
+        lengths, costs, cs, noise, spec_ar = SCENARIOS[name]
+        runs = [R.ratios(R.run_modes(lengths, COSTS[costs], cs, {**FIXED, **modes}, reps=reps, seed=s,
+                                     timed_noise=noise, spec_ar=spec_ar), [m for m in FIXED if m != "ar"])
+                for s in range(seeds)]
+        for c in cs:
+            cell = {m: (statistics.mean(r[c][m]["over_best"] for r in runs), statistics.mean(r[c][m]["over_ar"] for r in runs))
+                    for m in modes}
+            cell["best"] = statistics.mode(r[c]["best"] for r in runs)
+            out[(name, c)] = cell
+    return out
+
+
+def target(name: str, cell: tuple[float, float]) -> bool:
+    """Whether a mode's cell meets the target: >= 0.97 of the best fixed width, >= 0.98 of AR for `useless`."""
+    return cell[1] >= 0.98 if name == "useless" else cell[0] >= 0.97
+
+
+def verdict(cells: Cells, base: str, off: str) -> tuple[float, float, list[str]]:
+    """(largest gain of `base` over `off`, largest loss, the cells where `base` meets the target and `off` not)."""
+    d = [cells[k][base][0] / cells[k][off][0] - 1 for k in cells]
+    held = [f"{n} c={c}" for (n, c), v in cells.items() if target(n, v[base]) and not target(n, v[off])]
+    return max(d), -min(d), held
+
+
+def markdown(cells: Cells, rows: dict[str, str], base: str = "auto") -> str:
+    """One row per mode: its ratio over the best fixed width in every cell (over AR for `useless`), and for an
+    ablation row how much `base` gains and loses against it and the target cells only `base` holds."""
+    keys = list(cells)
+    head = ["mode"] + [f"{n} c={c}" for n, c in keys] + ["`auto` gains / loses; target cells only it holds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, label in rows.items():
+        vals = [cells[k][m][1 if k[0] == "useless" else 0] for k in keys]
+        v = ""
+        if m.startswith("-"):
+            g, loss, held = verdict(cells, base, m)
+            v = f"+{100 * g:.1f} % / -{100 * max(0.0, loss):.1f} %" + (f"; holds {len(held)}" if held else "")
+        lines.append("| " + " | ".join([label] + [f"{x:.3f}" for x in vals] + [v]) + " |")
+    best = "| best fixed width | " + " | ".join(cells[k]["best"].lstrip("w") if k[0] != "useless" else "AR" for k in keys) + " | |"
+    return "\n".join(lines[:2] + [best] + lines[2:])
+
+
+def modes_of(rows: dict[str, tuple[str, Callable]]) -> dict[str, R.Factory]:
+    return {m: f for m, (_, f) in rows.items()}
