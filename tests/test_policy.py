@@ -189,7 +189,8 @@ def test_probes_cost_at_most_the_budget_of_ar_time():
     assert g == math.ceil((5.5 - p.expected_tokens()[-1]) / PROBE_BUDGET) and 145 <= g <= 150   # the prior faded
     at = probes(rounds)
     gaps = [b - a - 1 for a, b in zip([-1] + at, at)]
-    assert g == 150 and set(gaps) == {g}                     # (55 - 10) / 10 AR steps beyond, 3 % of the AR time
+    assert gaps[0] == MIN_GAP                                # a fresh policy learns from a proposal at once ...
+    assert g == 150 and set(gaps[1:]) == {g}                 # ... then (55 - 10) / 10 AR steps beyond, 3 % of AR time
     assert all(len(rounds[i].drafted) == B - 1 for i in at)
     t = costs.curve(B)
     steady = rounds[at[3] + 1:]
@@ -406,3 +407,10 @@ def test_the_cost_source_is_reported_and_retiming_skips_the_cache(pair, pair_bac
     again.retime_costs = True
     list(again.generate(ids, GenSettings(max_new_tokens=4)))
     assert again.cost_source() == "timed now"
+
+
+def test_a_fresh_policy_drafts_within_its_first_rounds():
+    p = Policy.auto(B, linear(10, 14, 0.2))        # drafting pays once the drafter is known to be right
+    rounds = run(p, lambda n: B, 60)[1:]
+    first = next(i for i, r in enumerate(rounds) if r.drafted)
+    assert first == MIN_GAP and all(r.drafted for r in rounds[first + 1:first + 10])

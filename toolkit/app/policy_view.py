@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+from ..policy.costs import CostTable
 from ..runtime.backend import Backend, GenSettings
 
 
@@ -40,10 +41,11 @@ def learnt(backend: Backend, settings: GenSettings) -> dict | None:
     if pol is None:
         return None
     try:
-        rates, count = list(pol.acceptance.rates), int(pol.acceptance.count)
-        curve = list(pol.curve(1))
+        rates, count = list(pol.rates), int(pol.count)
+        costs = pol.costs
+        curve = CostTable({1: costs.curve(1)}).curve(pol.block_size, 1) if costs is not None else []
         best = int(pol.best(1))
-    except (AttributeError, TypeError, ValueError, IndexError):      # a policy without these readings
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError):      # a policy without these readings
         return None
     return {"acceptance": [round(a, 3) for a in rates], "proposals": count,
             "round_ms": [round(t, 2) for t in curve], "best_block": best + 1}
