@@ -140,13 +140,13 @@ COSTS = {"device": "cpu", "ms": {"1": {"0": 1.0, "1": 2.0, "4": 2.5, "15": 3.0},
 
 
 def use_cost_cache(folder: Path, obj) -> None:
-    from toolkit.policy.costs import CostTable, RoundCosts, cached_costs
+    from toolkit.policy.costs import CostTable, cached_costs
 
     (folder / "k.json").write_text(dump(obj))
     timed = CostTable({1: {0: 1.0, 1: 2.0}})
     table = cached_costs("k", lambda: timed, folder)         # never an error: a bad cache is timed again
     for jobs in (1, 2, 8):
-        assert all(math.isfinite(t) and t > 0 for t in RoundCosts(table, 16).curve(jobs))
+        assert all(math.isfinite(t) and t > 0 for t in table.curve(16, jobs))
 
 
 def use_report(folder: Path, obj) -> None:

@@ -56,13 +56,16 @@ def result_sections() -> list[str]:
 
 
 def pages() -> dict[str, str]:
-    """Every page a user reads that may quote a ratio: README, the guides, the app's headers, the Space READMEs."""
+    """Every page a user reads that may quote a ratio: README, the shipped drafter's card, the guides, the app's
+    headers, the Space READMEs."""
     from toolkit.app import ui
     from toolkit.app.models import Loaded
     from toolkit.hub import space
 
-    out = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-           if p.name != "results.md"}
+    shipped = ROOT / "toolkit" / "data" / "smollm2_dflash" / "README.md"      # the shipped drafter's card
+    out = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", shipped,
+                                                             *sorted((ROOT / "docs").glob("*.md"))]
+           if p.name != "results.md" or p.parent.name != "docs"}
 
     class Be:
         block_size, max_context, supports_thinking = 16, 2048, False
@@ -113,7 +116,7 @@ def test_no_machine_path_in_a_space_export(tmp_path):
     assert absolute_paths(out) == []
     local = tmp_path / "draft"
     local.mkdir()
-    (local / "config.json").write_text("{}")
+    (local / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
     out = export(str(tmp_path / "space2"), target="USER/T@main", draft=str(local), hardware="cpu-basic")
     assert absolute_paths(out) == [] and str(tmp_path) not in (out / "space.json").read_text()
 

@@ -30,11 +30,13 @@ class PreviewOptions:
 def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool = False) -> Path:
     """The run folder `out`, quantized on the CPU with the stand-in converter; its cards written, thresholds not
     enforced (a preview fails nothing)."""
+    from .core.folders import check_folder_place
     from .hub.push import write_cards
     from .hub.upstream import copy_upstream
     from .quant.pipeline import execute, start
     from .quant.preview import cpu_converter, tiny_recipe
 
+    check_folder_place(out)                    # before any work (the tiny pair may be built first)
     with ExitStack() as stack:
         if pair == "tiny":
             from .assets.pairs import tiny_pair

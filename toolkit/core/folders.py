@@ -125,6 +125,18 @@ def claim(out: str | Path, command: str, force: bool, field: str = "out", force_
     the current folder or one above it, and a non-empty folder that is not `command`'s earlier output (by its
     marker) unless forced (`force_flag` None: no flag forces it). What killed runs left beside it is removed
     (`sweep`)."""
+    out = check_folder_place(out, field)
+    if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
+        how = (f"pass {force_flag} to replace it once the new output is complete" if force_flag
+               else "name a new or empty folder")
+        raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} ({how})")
+    sweep(out)
+    return out
+
+
+def check_folder_place(out: str | Path, field: str = "out") -> Path:
+    """Refuse, before any work, an output folder that is the current folder, one above it or the home folder, a
+    symbolic link, a file, under a file or unwritable (one OptionError naming `field`); returns it expanded."""
     out = Path(out).expanduser()
     full, cwd = out.resolve(), Path.cwd().resolve()
     if full == cwd or full in cwd.parents or full == Path.home().resolve():
@@ -134,11 +146,6 @@ def claim(out: str | Path, command: str, force: bool, field: str = "out", force_
     if out.exists() and not out.is_dir():
         raise OptionError(field, f"{out} exists and is not a folder")
     check_place(out, field)
-    if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
-        how = (f"pass {force_flag} to replace it once the new output is complete" if force_flag
-               else "name a new or empty folder")
-        raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} ({how})")
-    sweep(out)
     return out
 
 
