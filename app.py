@@ -19,7 +19,8 @@ from pathlib import Path
 
 from toolkit.core.cli import Domain, Parser, check_device, check_number
 from toolkit.core.errors import ToolkitError, run_cli
-from toolkit.runtime.gpu_split import ENV, add_split_args
+from toolkit.exl3.split import ENV, add_split_args
+from toolkit.runtime.registry import BACKENDS
 
 
 def main(argv=None):
@@ -27,7 +28,7 @@ def main(argv=None):
     ap.add_argument("--target", help="target model: local folder or Hub ref USER/NAME[@REVISION], e.g. a quant branch @4.0bpw "
                     "(default: $DFLASH_TARGET, else the demo)")
     ap.add_argument("--draft", help="DFlash drafter: local folder or Hub ref USER/NAME[@REVISION] (default: $DFLASH_DRAFT)")
-    ap.add_argument("--backend", choices=["auto", "torch", "exllamav3"],
+    ap.add_argument("--backend", choices=["auto", *BACKENDS],
                     help="auto (default): exllamav3 on a CUDA GPU when installed, else torch on CPU")
     ap.add_argument("--device", help="torch device for the torch backend (default: cuda if available, else cpu)")
     ap.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if os.environ.get("SPACE_ID") else "127.0.0.1"))

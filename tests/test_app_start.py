@@ -18,10 +18,10 @@ from toolkit.app.ui import build_app, title_of  # noqa: E402
 
 
 def test_demo_runs_on_exllamav3_on_a_cuda_gpu(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())      # exllamav3 "installed"
+    monkeypatch.setattr(models.backend_class(models.gpu_backend()), "installed", classmethod(lambda cls: True))      # exllamav3 "installed"
     assert choose_backend(ModelSpec(), Hardware(cuda=True))[:2] == ("exllamav3", "cuda")
     assert choose_backend(ModelSpec(), Hardware(cuda=False))[:2] == ("torch", "cpu")
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(models.backend_class(models.gpu_backend()), "installed", classmethod(lambda cls: False))
     assert choose_backend(ModelSpec(), Hardware(cuda=True))[:2] == ("torch", "cuda")    # no exllamav3: torch, on the GPU
 
 

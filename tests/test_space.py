@@ -204,7 +204,7 @@ def test_gpu_space_serves_the_smollm2_demo_on_the_gpu(tmp_path):
 def test_demo_runs_on_exllamav3_where_the_space_has_a_gpu(monkeypatch):
     from toolkit.app import models
 
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(models.backend_class(models.gpu_backend()), "installed", classmethod(lambda cls: True))
     spec = ModelSpec.resolve(env={}, defaults={"target": None, "draft": None, "backend": "auto"})
     gpu = Hardware(space_id="me/s", accelerator="l4x1", cuda=True)             # what Hardware.detect finds on an L4
     assert models.choose_backend(spec, gpu)[:2] == ("exllamav3", "cuda")

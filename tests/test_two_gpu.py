@@ -19,7 +19,7 @@ from toolkit.exl3.memory import (
     plan_devices,
     weight_bytes,
 )
-from toolkit.runtime.gpu_split import GpuSplit, add_split_args, from_env
+from toolkit.exl3.split import GpuSplit, add_split_args, from_env
 
 # -- parsing ----------------------------------------------------------------------------------------------
 
@@ -322,7 +322,7 @@ def test_app_passes_the_split_to_exllamav3_and_refuses_it_on_torch(monkeypatch):
         raise ToolkitError("stop here")
 
     monkeypatch.setattr(models, "fetch_model", lambda ref, what: (ref, ref))
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())     # exllamav3 "installed"
+    monkeypatch.setattr(models.backend_class(models.gpu_backend()), "installed", classmethod(lambda cls: True))     # exllamav3 "installed"
     hw = Hardware(cuda=True)
     assert "stop here" in load(ModelSpec("t", "d", "exllamav3", split=GpuSplit.of("16,16")), hw, opener).error
     assert calls == [("exllamav3", {"split": GpuSplit.of("16,16")})]

@@ -49,7 +49,8 @@ from .benchmark.grid import (  # noqa: F401
 )
 from .exl3.options import ADOPTED, LEVERS, parse_lever
 from .runtime.factory import load_backend
-from .runtime.gpu_split import (
+from .runtime.registry import BACKENDS, capabilities
+from .exl3.split import (
     DRAFT_HELP,
     SPLIT_HELP,
     TP_HELP,
@@ -254,7 +255,7 @@ def bench(
     blocks = check_inputs(block_sizes, concurrency, limit, reps, max_new_tokens=max_new_tokens, temperature=temperature,
                           seed=seed, device=device, cache_tokens=cache_tokens, draft_device=draft_device, minutes=minutes)
     lever_opts = [parse_lever(x, ADOPTED) for x in levers]
-    if lever_opts and backend != "exllamav3":
+    if lever_opts and capabilities(backend).levers is None:
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
     taus = parse_taus(project_tau)
     split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
@@ -290,7 +291,7 @@ def bench(
         "device": device_name(backend, device), "prompts": prompts or "builtin", "num_prompts": len(items),
         "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
-        "cache_tokens": cache_tokens if backend == "exllamav3" else None, "ar": ar_cells, "cells": spec_cells,
+        "cache_tokens": cache_tokens if be.caps.cache_tokens else None, "ar": ar_cells, "cells": spec_cells,
         "best": best_per_concurrency(ar_cells, [c for c in spec_cells if c["speedup"] is not None]), "reps": ar_cells[0]["reps"], "reps_planned": reps, "levers": [label for label, _ in lever_opts],
         "timing_only": timing_only, "synthetic": synthetic, "gpu_split": split.tag,
     }
@@ -331,7 +332,7 @@ def cut_blocks(block_sizes: list, native: int, timing_only: bool = False) -> lis
 def device_name(backend: str, device: str | None) -> str:
     import torch
 
-    if backend == "exllamav3" or (device or "").startswith("cuda"):
+    if capabilities(backend).gpu_only or (device or "").startswith("cuda"):
         return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (unavailable)"
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
@@ -347,7 +348,7 @@ def write_outputs(result: dict, out: Path) -> None:
 class BenchOptions:
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
     draft: str | None = option(None, "DFlash drafter folder (default: the shipped tiny pair)")
-    backend: str = option("torch", choices=["torch", "exllamav3"])
+    backend: str = option("torch", choices=list(BACKENDS))
     prompts: str | None = option(None, "prompt file: JSON lines with \"prompt\" (and \"category\"), or one prompt a line "
                                  "(default: built-in chat/code/math set)")
     block_sizes: list[str] = option(["auto", "8", "16"], "settings: auto (the drafting policy) and/or fixed verify widths B "

@@ -29,7 +29,8 @@ from .core.folders import atomic_file, check_writable, claim_file, marker
 from .assets import unseen
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
-from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
+from .runtime.registry import BACKENDS, capabilities
+from .exl3.split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
 
@@ -97,7 +98,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     """Run the held-out prompts at each block size; returns (and with `out`, writes after every prompt or wave) the result."""
     import torch
 
-    from .runtime.factory import BACKENDS, load_backend
+    from .runtime.factory import load_backend
 
     if backend not in BACKENDS:
         raise ToolkitError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -124,13 +125,14 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     held = unseen.unseen_heldout() if held_set == "unseen" else read_heldout(
         Path(heldout) if heldout is not None else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
-    exl3 = backend == "exllamav3"                 # exllamav3 runs fp16 on the GPU, `concurrency` prompts a wave
+    caps = capabilities(backend)
+    exl3 = caps.gpu_only                          # a GPU-only engine runs in its own precision there
     dev = "cuda" if exl3 else ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "float32": torch.float32}.get("auto" if exl3 else dtype)
     if dt is None:
         raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
-    wave = concurrency if exl3 else 1
+    wave = concurrency if caps.batching else 1
     be = load_backend(backend, target, draft, device=dev, dtype=dt, max_concurrency=wave,
                       cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256,
                       split=GpuSplit.of(gpu_split, tensor_parallel, draft_device))
@@ -194,7 +196,7 @@ class EvalTauOptions:
                                     "drafter's own tau)", metavar="auto|B")
     max_new_tokens: int = option(128, lo=1)
     limit: int | None = option(None, "at most N prompts per category", lo=1)
-    backend: str = option("torch", "runtime (default torch)", choices=["torch", "exllamav3"])
+    backend: str = option("torch", "runtime (default torch)", choices=list(BACKENDS))
     concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)", lo=1)
     device: str = option("auto", "torch backend: auto (cuda when available), cpu or cuda", kind="device_auto")
     dtype: str = option("auto", "torch backend: auto (float16 on cuda, float32 on cpu)",

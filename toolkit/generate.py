@@ -24,7 +24,8 @@ from .runtime.backend import Backend, GenSettings
 from .benchmark import lockstep
 from .runtime.events import Round, Speedup, Summary, ar_verdict, paired_speedup, summarize, tokens_of
 from .runtime.factory import load_backend
-from .runtime.gpu_split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
+from .runtime.registry import BACKENDS
+from .exl3.split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 
 def load(backend: str, target: str | None, draft: str | None, device: str | None = None,
@@ -176,7 +177,7 @@ class GenerateOptions:
                              metavar="auto|N")
     temperature: float = option(0.0, "0 = greedy (default)", lo=0, hi=100)
     seed: int = option(0, kind="seed")
-    backend: str = option("torch", choices=["torch", "exllamav3"])
+    backend: str = option("torch", choices=list(BACKENDS))
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
     reps: int = option(3, "with --compare-ar: this many speculative and AR decodes, in pairs (on a CPU each pair in "
                        "lockstep: one round of each in turn); the speedup is the median of the paired ratios, printed "

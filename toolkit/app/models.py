@@ -4,7 +4,7 @@ Env vars: DFLASH_TARGET, DFLASH_DRAFT (local folders or Hub refs USER/NAME[@REVI
 @4.0bpw, fetched through core.refs), DFLASH_BACKEND (auto|torch|exllamav3), DFLASH_DEVICE, DFLASH_DEMO
 (smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls back to tiny when its target
 cannot be prepared offline), and for the exllamav3 backend on several GPUs DFLASH_GPU_SPLIT (auto|GB,GB,...),
-DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (runtime/gpu_split.py). On a Space, SPACE_ID and
+DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (exl3/split.py). On a Space, SPACE_ID and
 ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware. On a CUDA GPU with exllamav3 installed the SmolLM2 demo
 runs there, its two models zero-padded once to exllamav3's 128-aligned widths (toolkit.assets.padding, the same
 function); without exllamav3 it runs on the torch backend, on the GPU when there is one.
@@ -14,7 +14,6 @@ start (prepare, load, calibrate, warm-up) with its time.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -26,13 +25,14 @@ from typing import Callable, Iterator
 
 from ..core.errors import ToolkitError
 from ..core.refs import fetch, parse_ref
-from ..runtime.backend import Backend, GenSettings
+from ..runtime.backend import Backend, Capabilities, GenSettings
 from ..runtime.factory import load_backend
-from ..runtime.gpu_split import ENV, GpuSplit, from_env
+from ..runtime.registry import BACKENDS as REGISTRY, backend_class, capabilities, cpu_backend, gpu_backend
+from ..exl3.split import ENV, GpuSplit, from_env
 from .policy_view import PolicyStart
 
 log = logging.getLogger("toolkit.app")
-BACKENDS = ("auto", "torch", "exllamav3")
+BACKENDS = ("auto", *REGISTRY)
 
 
 @dataclass
@@ -133,9 +133,15 @@ class Loaded:
     @property
     def engine(self) -> str:
         """The backend in words, for the page title: ExLlamaV3 on a GPU, PyTorch on the CPU or a GPU."""
-        if self.backend_name == "exllamav3":
-            return "ExLlamaV3 (GPU)"
-        return "PyTorch (CPU)" if self.device == "cpu" else f"PyTorch ({self.device.split(':')[0].upper()})"
+        caps = self.caps
+        if caps.gpu_only:
+            return f"{caps.engine} (GPU)"
+        return f"{caps.engine} (CPU)" if self.device == "cpu" else f"{caps.engine} ({self.device.split(':')[0].upper()})"
+
+    @property
+    def caps(self) -> Capabilities:
+        """What the chosen backend can do (a name the registry does not know: the CPU backend's)."""
+        return capabilities(self.backend_name if self.backend_name in REGISTRY else cpu_backend())
 
     @property
     def block_size(self) -> int:
@@ -170,18 +176,19 @@ def fetch_model(ref: str, what: str) -> tuple[str, str]:
 def choose_backend(spec: ModelSpec, hw: Hardware) -> tuple[str, str, list[str]]:
     """(backend, device, notes). exllamav3 needs CUDA; without it the torch backend runs on CPU."""
     notes: list[str] = []
-    has_exl = importlib.util.find_spec("exllamav3") is not None
+    gpu, cpu = gpu_backend(), cpu_backend()
+    ready = backend_class(gpu).installed()
     want = spec.backend
     if want == "auto":
-        want = "exllamav3" if (hw.cuda and has_exl and not hw.zero_gpu) else "torch"
-    if want == "exllamav3" and hw.zero_gpu:
-        notes.append("ZeroGPU cannot run exllamav3's CUDA extension (docs/app.md); using the torch backend.")
-        want = "torch"
-    elif want == "exllamav3" and not (hw.cuda and has_exl):
-        why = "no CUDA GPU" if not hw.cuda else "exllamav3 is not installed"
-        notes.append(f"exllamav3 backend asked for but {why}; using the torch backend on CPU instead.")
-        want = "torch"
-    device = spec.device or ("cuda" if want == "exllamav3" or hw.cuda or hw.zero_gpu else "cpu")
+        want = gpu if (hw.cuda and ready and not hw.zero_gpu) else cpu
+    if capabilities(want).gpu_only and hw.zero_gpu:
+        notes.append(f"ZeroGPU cannot run {want}'s CUDA extension (docs/app.md); using the {cpu} backend.")
+        want = cpu
+    elif capabilities(want).gpu_only and not (hw.cuda and backend_class(want).installed()):
+        why = "no CUDA GPU" if not hw.cuda else f"{want} is not installed"
+        notes.append(f"{want} backend asked for but {why}; using the {cpu} backend on CPU instead.")
+        want = cpu
+    device = spec.device or ("cuda" if capabilities(want).gpu_only or hw.cuda or hw.zero_gpu else "cpu")
     return want, device, notes
 
 
@@ -229,7 +236,7 @@ def demo_pair(out: Loaded) -> tuple[str, str]:
     """The embedded pair: SmolLM2-135M-Instruct + its trained drafter, else (or with DFLASH_DEMO=tiny) the tiny pair.
     On exllamav3 the SmolLM2 pair is padded for it; the tiny pair runs on the torch backend."""
     t, d = pick_demo(out)
-    if out.backend_name != "exllamav3":
+    if out.caps.width_multiple == 1:
         return t, d
     if out.demo_kind == "smollm2":
         return padded_pair(t, d)
@@ -264,7 +271,7 @@ def load(spec: ModelSpec, hw: Hardware | None = None, opener: Callable = open_ba
         with step(out, "prepare", "the models' folders are ready"):
             target, draft = models_of(spec, out)
         name = out.backend_name
-        if not spec.split.default and name != "exllamav3":
+        if not spec.split.default and not capabilities(name).placement:
             raise ToolkitError(f"the GPU split ({spec.split.tag}) needs the exllamav3 backend; this runs {name}"
                                + (f" ({notes[-1].rstrip('.')})" if notes else ""))
         with step(out, "load", f"{name} backend on {out.device}"):
@@ -301,7 +308,7 @@ def open_models(out: Loaded, spec: ModelSpec, hw: Hardware, opener: Callable, ta
     except ToolkitError:
         raise
     except Exception as e:
-        if name != "exllamav3":
+        if not capabilities(name).gpu_only:
             raise
         log.exception("exllamav3 backend failed")
         out.notes.append(f"exllamav3 failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "

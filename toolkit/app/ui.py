@@ -61,7 +61,7 @@ def smollm2_note(loaded: Loaded) -> str:
     """The SmolLM2 demo's banner: what runs where, and what to expect there."""
     head = ('<div class="dfl-demo"><b>Demo on a small real model.</b> This page runs SmolLM2-135M-Instruct (a '
             "135M-parameter chat model) with a DFlash drafter trained for it with this toolkit, ")
-    if loaded.backend_name == "exllamav3":
+    if loaded.caps.gpu_only:
         return head + ("on the GPU with ExLlamaV3 (both zero-padded to its 128-aligned widths: the same outputs). "
                        f"Answers are those of a very small model; watch the speed: {GPU_DEMO}.</div>")
     where = "on the CPU (PyTorch)" if loaded.device == "cpu" else f"on {render.esc(loaded.device)} (PyTorch)"

@@ -26,8 +26,9 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
-from ..runtime.backend import Backend, GenSettings
+from ..runtime.backend import Backend, Capabilities, GenSettings
 from ..runtime.events import Round
+from ..runtime.pair import ModelPair
 from . import seams
 from .hook import JobTrack, build_round, recording_generator_class
 from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
@@ -35,7 +36,7 @@ from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate
 from ..policy.chooser import Policy
-from ..runtime.gpu_split import GpuSplit, device_count
+from .split import GpuSplit, device_count
 from ..policy.costs import CostTable, cached_costs, cost_key, device_name
 
 MIN_CAPABILITY = (8, 0)
@@ -115,6 +116,12 @@ class Exl3Backend(Backend):
     """Backend over exllamav3 models; `generate_many` runs several jobs in one generator."""
 
     name = "exllamav3"
+    caps = Capabilities(batching=True, gpu_only=True, precision="float16", levers=Exl3Options, placement=True,
+                        cache_tokens=True, width_multiple=128, engine="ExLlamaV3")
+
+    @classmethod
+    def installed(cls) -> bool:
+        return seams.version() is not None
     clock = staticmethod(time.perf_counter)
     draft_classes: tuple[type, type] | None = None    # the drafter levers' module classes (None: exllamav3's)
 
@@ -145,24 +152,16 @@ class Exl3Backend(Backend):
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, block_size: int | None = None,
                   cache_tokens: int = 32768, max_concurrency: int = 32, options: Exl3Options | None = None,
-                  split: GpuSplit | None = None, max_chunk: int | None = None) -> Exl3Backend:
+                  split: GpuSplit | None = None, max_chunk: int | None = None,
+                  pair: ModelPair | None = None) -> Exl3Backend:
         """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU(s):
-        the target on GPU 0, or placed by `split` (runtime/gpu_split.py), the drafter on split.draft_device.
+        the target on GPU 0, or placed by `split` (exl3/split.py), the drafter on split.draft_device.
         `max_chunk` (a multiple of 256): the longest forward this backend will run, when below exllamav3's 2048;
         the target loads measuring that much (less transient memory) and the Generator prefills no more at once."""
-        from ..dflash import DFlashConfig
-
-        target, draft = Path(target), Path(draft) if draft is not None else None
+        pair = pair or ModelPair.read(target, draft)
+        target, draft, info = pair.target, pair.draft, pair.info
         split = split or GpuSplit()
-        info = TargetInfo.read(target)
-        dconf = None
-        if draft is not None:
-            dconf = DFlashConfig.from_dir(draft)
-            try:
-                dconf.validate_against(info.config)
-            except ToolkitError as e:
-                raise ToolkitError(f"drafter {draft} does not fit target {target}: {e}") from None
-        native = dconf.block_size if dconf else 1
+        native = pair.block_size
         if block_size is not None and not 2 <= block_size <= max(native, 2):
             raise ToolkitError(f"block_size must be between 2 and the drafter's {native}, got {block_size}")
         gpu = check_cuda()
@@ -202,6 +201,14 @@ class Exl3Backend(Backend):
         for m in (self.draft, self.model):
             if m is not None:
                 m.unload()
+
+    @classmethod
+    def load(cls, pair: ModelPair, *, cache_tokens: int = 32768, max_concurrency: int = 32, options=None,
+             split: GpuSplit | None = None, max_chunk: int | None = None, **host) -> Exl3Backend:
+        """The factory's entry: the common load arguments (`host`: the torch backend's device and dtype, which
+        exllamav3 does not take: it runs on the GPU(s) in fp16)."""
+        return cls.from_dirs(pair.target, pair.draft, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
+                             options=options, split=split, max_chunk=max_chunk, pair=pair)
 
     def set_options(self, options: Exl3Options | None) -> None:
         """Use these options from the next generate on (None: ADOPTED); the Generator is rebuilt and the

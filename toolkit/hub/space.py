@@ -26,7 +26,8 @@ from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_dir, claim, copy_tree, tree_files
 from ..core.kinds import DFLASH, HF, check_role
 from ..core.refs import parse_ref
-from ..runtime.gpu_split import GpuSplit, check_for_backend
+from ..exl3.split import GpuSplit, check_for_backend
+from ..runtime.registry import BACKENDS, capabilities
 from .names import is_hub_ref
 from .wheels import EXLLAMAV3_VERSION, pick_wheel
 
@@ -247,9 +248,9 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     check_models(target, draft)
     if not plain_title(title):
         raise OptionError("title", f"{title!r} is not a one-line title that the Space's README front matter can hold")
-    if backend not in ("auto", "torch", "exllamav3"):
-        raise ToolkitError(f"backend must be auto, torch or exllamav3, got {backend!r}")
-    if backend == "exllamav3" and hardware.startswith(("cpu", "zero")):
+    if backend not in ("auto", *BACKENDS):
+        raise ToolkitError(f"backend must be auto, {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "auto" and capabilities(backend).gpu_only and hardware.startswith(("cpu", "zero")):
         raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/app.md)")
     split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
     check_split(split, hardware, backend)

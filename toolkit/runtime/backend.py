@@ -102,6 +102,20 @@ def encode_chat(tokenizer, prompt, system: str | None = None, thinking: bool | N
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in msgs))
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, read by consumers instead of its name."""
+
+    batching: bool = False           # generate_many decodes several jobs together in one engine
+    gpu_only: bool = False           # runs on a CUDA GPU only (no --device)
+    precision: str = "float32"       # the dtype it computes in by default
+    levers: type | None = None       # its options dataclass (Exl3Options) when it has levers
+    placement: bool = False          # takes a GPU split (--gpu-split, --tensor-parallel, --draft-device)
+    cache_tokens: bool = False       # sizes a paged cache (--cache-tokens)
+    width_multiple: int = 1          # model widths it needs a multiple of (a smaller model is padded to them)
+    engine: str = "PyTorch"          # the engine in words, for pages
+
+
 class Backend(ABC):
     """A target plus an optional DFlash drafter that turns prompts into a stream of `Round`s.
 
@@ -111,6 +125,12 @@ class Backend(ABC):
     """
 
     name: str
+    caps: Capabilities = Capabilities()
+
+    @classmethod
+    def installed(cls) -> bool:
+        """Whether what this backend needs is installed here (a GPU is checked when it loads)."""
+        return True
     block_size: int                 # the drafter's native block size (1 without a drafter)
     max_context: int                # longest prompt + generation the target takes
     eos_ids: tuple[int, ...]        # stop ids when GenSettings.stop_ids is None

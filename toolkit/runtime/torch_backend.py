@@ -26,9 +26,10 @@ import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
 from ..dflash.loading import check_finite_model
-from ..core.errors import ToolkitError
+from ..core.errors import OptionError, ToolkitError
 from ..core.target import TargetInfo
-from .backend import Backend, GenSettings
+from .backend import Backend, Capabilities, GenSettings
+from .pair import ModelPair
 from .events import Round
 from .loop import decode
 from ..policy.chooser import Policy
@@ -274,6 +275,7 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
+    caps = Capabilities()
 
     def __init__(self, target, tokenizer, drafter: DFlashDraft | None = None, costs: CostTable | None = None,
                  folders: Sequence[str | Path] = ()):
@@ -288,15 +290,27 @@ class TorchBackend(Backend):
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, device: str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> "TorchBackend":
-        """Load a local target folder (transformers) and drafter folder (upstream layout), checked against each other."""
-        info = TargetInfo.read(target, "target")
-        drafter = None
-        if draft is not None:
-            DFlashConfig.from_dir(draft).validate_against(info.config)
-            drafter = load_drafter(draft, dtype=dtype, device=device)
-        folders = (target, draft) if draft is not None else ()
-        return cls(load_hf_model(target, device, dtype), load_hf_tokenizer(target), drafter, folders=folders)
+                  dtype: torch.dtype = torch.float32, pair: ModelPair | None = None) -> "TorchBackend":
+        """Load a local target folder (transformers) and drafter folder (upstream layout), checked against each
+        other (`pair`: already read and checked)."""
+        pair = pair or ModelPair.read(target, draft)
+        drafter = load_drafter(pair.draft, dtype=dtype, device=device) if pair.draft is not None else None
+        folders = pair.folders if pair.draft is not None else ()
+        return cls(load_hf_model(pair.target, device, dtype), load_hf_tokenizer(pair.target), drafter, folders=folders)
+
+    @classmethod
+    def load(cls, pair: ModelPair, *, device: str = "cpu", dtype=None, options=None, split=None,
+             max_chunk: int | None = None, **engine) -> "TorchBackend":
+        """The factory's entry: the common load arguments, refusing those of an engine with levers or placement
+        (never ignoring them); cache sizing (`engine`) has no meaning here."""
+        if options is not None and options.tag != "stock":
+            raise ToolkitError(f"generator options ({options.tag}) need a backend with levers (--backend exllamav3)")
+        if max_chunk is not None:
+            raise ToolkitError("max_chunk is an exllamav3 load option; the torch backend takes none")
+        if split is not None and not split.default:
+            raise OptionError("gpu_split" if split.gpu_split else "tensor_parallel" if split.tensor_parallel
+                              else "draft_device", f"needs --backend exllamav3 (got {split.tag})")
+        return cls.from_dirs(pair.target, pair.draft, device=device, dtype=dtype or torch.float32, pair=pair)
 
     def cost_table(self) -> CostTable:
         """ms per round for each verify width on this target, drafter and device: timed once, cached on disk."""

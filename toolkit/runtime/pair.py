@@ -1,0 +1,49 @@
+"""A model pair as one load sees it: the target's facts and the drafter's config, read and checked against each
+other once, then handed to the backend (and to whoever reports on the load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import ToolkitError
+from ..core.target import TargetInfo
+from ..dflash import DFlashConfig
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """A target folder and an optional DFlash drafter folder that fits it."""
+
+    target: Path
+    draft: Path | None
+    info: TargetInfo
+    draft_config: DFlashConfig | None
+
+    @classmethod
+    def read(cls, target: str | Path, draft: str | Path | None = None) -> ModelPair:
+        """Read both folders' configs once and check the drafter against the target (one-line errors)."""
+        target, draft = Path(target), Path(draft) if draft is not None else None
+        info = TargetInfo.read(target, "target")
+        dconf = None
+        if draft is not None:
+            dconf = DFlashConfig.from_dir(draft)
+            try:
+                dconf.validate_against(info.config)
+            except ToolkitError as e:
+                raise ToolkitError(f"drafter {draft} does not fit target {target}: {e}") from None
+        return cls(target, draft, info, dconf)
+
+    @property
+    def block_size(self) -> int:
+        """The drafter's native block (1 without a drafter)."""
+        return self.draft_config.block_size if self.draft_config is not None else 1
+
+    @property
+    def folders(self) -> tuple[Path, ...]:
+        return (self.target, self.draft) if self.draft is not None else (self.target,)
+
+    @property
+    def synthetic(self) -> bool:
+        """Whether the target was written by toolkit.synth (random weights: acceptance means nothing)."""
+        return bool((self.info.config.get("quantization_config") or {}).get("synthetic"))

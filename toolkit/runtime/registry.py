@@ -1,0 +1,35 @@
+"""The backends the toolkit knows, by name, and what each can do. A backend is named here by where its class
+lives and imported only when chosen, so this package imports no engine; consumers read `capabilities(name)`
+instead of comparing names."""
+
+from __future__ import annotations
+
+import importlib
+
+from ..core.errors import ToolkitError
+from .backend import Backend, Capabilities
+
+BACKENDS = {"torch": "toolkit.runtime.torch_backend:TorchBackend", "exllamav3": "toolkit.exl3.backend:Exl3Backend"}
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend called `name` (one-line error naming the choices otherwise)."""
+    if name not in BACKENDS:
+        raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    module, _, cls = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def capabilities(name: str) -> Capabilities:
+    """What the backend called `name` can do (its class's `caps`)."""
+    return backend_class(name).caps
+
+
+def gpu_backend() -> str:
+    """The backend that runs on a GPU only (the app's and the Space's choice where there is one)."""
+    return next(n for n in BACKENDS if capabilities(n).gpu_only)
+
+
+def cpu_backend() -> str:
+    """The backend that also runs on a CPU (the fallback)."""
+    return next(n for n in BACKENDS if not capabilities(n).gpu_only)
