@@ -166,7 +166,7 @@ def gen(budget_s: float, batch: int, quick: bool, target: Path | None, pool_file
         return run.finish()
     import torch
 
-    from toolkit.runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from toolkit.runtime.hf import load_hf_model, load_hf_tokenizer
     from toolkit.train.batchgen import generate_into
     from toolkit.train.data import read_pool, split
     from toolkit.train.prepare import group, store_meta
@@ -293,7 +293,7 @@ def compare(target: Path, drafters: list[Path], heldout: Path, tokens: int, devi
 
     from toolkit.core.folders import atomic_file, claim_file
     from toolkit.dflash import DFlashConfig, load_drafter
-    from toolkit.runtime.torch_backend import load_hf_tokenizer
+    from toolkit.runtime.hf import load_hf_tokenizer
     from toolkit.train.prepare import heldout_answers, read_heldout, store_meta
     from toolkit.train.tf_tau import eval_set, tf_tau
     from toolkit.train.trainer import load_target

@@ -76,7 +76,8 @@ def test_a_run_decoded_as_plain_ar_says_why_in_one_sentence(capsys, pair, monkey
     from toolkit import generate as gen
     from toolkit.dflash import load_drafter
     from toolkit.policy.costs import CostTable
-    from toolkit.runtime.torch_backend import TorchBackend, load_hf_model, load_hf_tokenizer
+    from toolkit.runtime.hf import load_hf_model, load_hf_tokenizer
+    from toolkit.runtime.torch_backend import TorchBackend
 
     losing = CostTable({1: {0: 10.0, **{w: 20.0 + 11 * w for w in range(1, 16)}}})    # no acceptance pays for a draft
     be = TorchBackend(load_hf_model(pair[0]), load_hf_tokenizer(pair[0]), load_drafter(pair[1]), costs=losing)

@@ -134,7 +134,7 @@ def edit_tensors(folder, fn):
 
 
 def load_target(folder):
-    from toolkit.runtime.torch_backend import load_hf_model
+    from toolkit.runtime.hf import load_hf_model
 
     return load_hf_model(folder, what="--target")
 

@@ -112,7 +112,9 @@ def test_no_probe_comes_early_in_an_answer():
     p = Policy.auto(B, linear(10, 40, 1))
     g = p.gap(1)
     assert g == math.ceil((5.5 - 1) / PROBE_BUDGET) == 150        # nothing seen yet: 1 token a round
-    for _ in range(6):                                            # 360 AR rounds in all: the gap is long past
+    first = list(decode(Scripted(lambda n: 0), [1, 2], 60, Sampler(), set(), policy=p))[1:]
+    assert [i for i, r in enumerate(first) if r.drafted] == [MIN_GAP]     # a fresh policy learns from one proposal
+    for _ in range(5):                                            # 360 AR rounds in all: the gap is long past
         rounds = list(decode(Scripted(lambda n: 0), [1, 2], 60, Sampler(), set(), policy=p))
         assert not any(r.drafted for r in rounds)                 # but each answer is shorter than g rounds
     rounds = list(decode(Scripted(lambda n: 0), [1, 2], 400, Sampler(), set(), policy=p))[1:]
@@ -137,7 +139,8 @@ def test_a_new_answer_starts_from_the_long_run_rates_and_unlearns_within_a_few_r
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5_moe"])
 def test_tap_hooks_capture_what_output_hidden_states_gives(models, arch):
     from toolkit.dflash import load_drafter
-    from toolkit.runtime.torch_backend import TapHooks, TorchSteps, load_hf_model
+    from toolkit.runtime.hf import load_hf_model
+    from toolkit.runtime.torch_backend import TapHooks, TorchSteps
 
     target_dir, draft_dir = models[arch]
     target, drafter = load_hf_model(target_dir), load_drafter(draft_dir)

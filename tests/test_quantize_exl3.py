@@ -324,7 +324,7 @@ def test_swapped_drafters_measure_as_fresh_loads(tmp_path, pair, exl3, monkeypat
     one AR baseline of that load) are what a load of the target with that drafter alone measures."""
     from test_quantize_pipeline import HELD
     from toolkit.runtime.backend import encode_chat
-    from toolkit.runtime.torch_backend import load_hf_tokenizer
+    from toolkit.runtime.hf import load_hf_tokenizer
 
     fakes.install(monkeypatch)
     engine = fakes.install_engine(monkeypatch, pair[0])

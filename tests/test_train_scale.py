@@ -72,7 +72,7 @@ def test_grouped_decode_attention_is_repeat_kv_attention(random_target):
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from toolkit.runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from toolkit.runtime.hf import load_hf_model, load_hf_tokenizer
     from toolkit.train.batchgen import grouped_decode
 
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def data(random_target, pair):
     assert len(held) == 4 and blocked and not {p.text for p in train} & {i.text for i in pool if i.group in blocked}
     assert all(not i.extra for i in pool if i.text in {p.text for p in held})
     train = [p for p in train if p.category == "code"] + [p for p in train if p.category == "chat"][:40]
-    from toolkit.runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from toolkit.runtime.hf import load_hf_model, load_hf_tokenizer
 
     m, tok = load_hf_model(target, "cpu", torch.float32), load_hf_tokenizer(target)
     from toolkit.train.prepare import group, store_meta

@@ -185,7 +185,7 @@ class Exl3Backend(Backend):
                 where = "" if split.default else f" ({split.tag})"
                 raise ToolkitError(f"exllamav3 cannot load {target} / {draft}{where}: {why}") from None
             raise
-        from ..runtime.torch_backend import load_hf_tokenizer
+        from ..runtime.hf import load_hf_tokenizer
 
         folders = (target, draft) if draft is not None else (target,)
         return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,

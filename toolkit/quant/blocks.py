@@ -28,7 +28,7 @@ class Prompt:
 
 def load_target(path: Path, device: str = "cpu"):
     """A transformers target and its tokenizer; float32 unless it is large and on a GPU."""
-    from ..runtime.torch_backend import load_hf_model, load_hf_tokenizer
+    from ..runtime.hf import load_hf_model, load_hf_tokenizer
 
     tok = load_hf_tokenizer(path, "--target")
     model = load_hf_model(path, device, torch.float32 if device == "cpu" else torch.bfloat16, "--target")

@@ -119,7 +119,7 @@ def prepare(run: Run) -> None:
         raise ToolkitError("calibration: the recipe has no [calibration] prompts (or pass --no-calibrate)")
     if not (run.calibrating or run.check):
         return
-    from ..runtime.torch_backend import load_hf_tokenizer
+    from ..runtime.hf import load_hf_tokenizer
 
     run.tokenizer = load_hf_tokenizer(run.target_dir, "--target")      # fetched with the config (source.CONFIG_FILES)
     run.cal_ids = encode(run, r.calibration_prompts) if run.calibrating else []

@@ -25,10 +25,10 @@ from typing import Iterator, Sequence
 import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
-from ..dflash.loading import check_finite_model
 from ..core.errors import OptionError, ToolkitError
 from ..core.target import TargetInfo
 from .backend import Backend, Capabilities, GenSettings
+from .hf import load_hf_model, load_hf_tokenizer  # noqa: F401  (the backend's loaders)
 from .pair import ModelPair
 from .events import Round
 from .loop import decode
@@ -183,49 +183,6 @@ class TorchSteps:
         self.pos += n
         self._keep(taps)
         self._pending = self._snapshot = None
-
-
-def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: str = "--target"):
-    """A transformers causal LM from a local folder, on `device`, in eval mode with its weights frozen.
-
-    Strict: an EXL3 checkpoint or a DFlash drafter is refused by its kind, every safetensors header is checked
-    against its file (truncation), and any tensor transformers' loading report lists as missing, unexpected or
-    misshaped is one line naming it: never a model running on randomly initialised weights."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    from ..core.kinds import HF, check_loading, require
-    from ..core.tensorfiles import check_folder
-
-    require(folder, HF, what)
-    check_folder(folder, what)
-    try:
-        model, report = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True,
-                                                            ignore_mismatched_sizes=True)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ToolkitError(f"{what}: cannot load {folder} with transformers ({reason})") from None
-    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    check_loading(report, folder, what, tied)
-    check_finite_model(model, f"{what}: {folder}")
-    try:
-        model = model.to(device).eval()
-    except (RuntimeError, AssertionError, ValueError) as e:       # no CUDA build, no such GPU, a bad device string
-        raise ToolkitError(f"--device {device}: cannot place the model there ({str(e).splitlines()[0]})") from None
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-def load_hf_tokenizer(folder: str | Path, what: str = "--target"):
-    """The folder's transformers tokenizer; a folder without one, or a broken one, is one line."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ToolkitError(f"{what}: cannot load the tokenizer of {folder} ({reason})") from None
 
 
 def measure_steps(steps, prompt_ids: list[int], block_size: int, widths: Iterable[int], reps: int = 5,

@@ -29,7 +29,7 @@ from ..core.folders import read_config
 from ..core.target import text_config
 from ..dflash import DFlashConfig, DFlashDraft, load_drafter, save_drafter
 from ..dflash.shapes import drafter_config, spread_taps
-from ..runtime.torch_backend import load_hf_model, load_hf_tokenizer
+from ..runtime.hf import load_hf_model, load_hf_tokenizer
 from . import curve as curves
 from .config import DATA, MEASURE, OPT, RUN, SHAPE, TrainConfig  # noqa: F401  (the options live apart)
 from .data import CATEGORIES
