@@ -52,7 +52,7 @@ def heldout_jsonl(src: Path, dst: Path) -> Path:
 
 def run_pair(run: Run, a) -> None:
     from toolkit.assets.padding import pad
-    from toolkit.bench import bench
+    from toolkit.bench import BenchOptions, bench
 
     missing = [p for p in (a.target, a.draft) if not (p / "config.json").is_file()]
     if missing:
@@ -73,10 +73,10 @@ def run_pair(run: Run, a) -> None:
     prompts = heldout_jsonl(a.draft / "heldout.json", a.work / "heldout.jsonl")
 
     def measure() -> dict:
-        r = bench(str(pt), str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=a.block_sizes,
+        r = bench(BenchOptions(target=str(pt), draft=str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=a.block_sizes,
                   concurrency=a.concurrency, max_new_tokens=a.max_new_tokens, limit=a.limit, reps=a.reps,
                   out=str(run.path.parent / "pair"), quiet=True, **({"levers": a.levers} if a.levers else {}),
-                  minutes=max(0.5, (run.left() - 150) / 60))     # loading (~25-90 s) comes first: a margin
+                  minutes=max(0.5, (run.left() - 150) / 60)))     # loading (~25-90 s) comes first: a margin
         keep = ("block_size", "concurrency", "lever", "tok_s", "speedup", "lossless", "tau", "round_ms", "t_ar_ms",
                 "width_histogram", "spread", "tok_s_reps", "auto_over_best_fixed")
         return {"ar": [{k: c[k] for k in ("concurrency", "tok_s", "round_ms", "spread")} for c in r["ar"]],

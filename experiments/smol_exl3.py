@@ -39,7 +39,7 @@ def tau_only(res: dict) -> dict:
 
 def measure(run: Run, target: Path, draft: Path) -> None:
     from toolkit.assets.padding import pad
-    from toolkit.bench import bench
+    from toolkit.bench import BenchOptions, bench
     from toolkit.core.errors import ToolkitError
     from toolkit.eval_tau import eval_tau
     from toolkit.quant import quantize
@@ -53,8 +53,8 @@ def measure(run: Run, target: Path, draft: Path) -> None:
     prompts = heldout_jsonl(held, WORK / "heldout.jsonl")
 
     def run_bench() -> dict:
-        r = bench(str(pt), str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=[8, 16], concurrency=[1, 8],
-                  max_new_tokens=128, limit=16, out=str(out / "bench"), quiet=True)
+        r = bench(BenchOptions(target=str(pt), draft=str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=[8, 16], concurrency=[1, 8],
+                  max_new_tokens=128, limit=16, out=str(out / "bench"), quiet=True))
         return {"ar": r["ar"], "cells": [{k: c[k] for k in ("block_size", "concurrency", "tau", "tok_s", "ar_tok_s", "speedup", "lossless")
                                           if k in c} for c in r["cells"]]}
 

@@ -153,3 +153,17 @@ def test_target_module_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1])
     assert out.stdout.strip() == "False"
+
+
+def test_a_load_reads_the_target_config_once(monkeypatch):
+    """The pair is read and checked once per load and handed down (transformers reads its own copy)."""
+    from toolkit.assets.pairs import tiny_pair
+    from toolkit.core import target as target_mod
+    from toolkit.runtime.factory import load_backend
+
+    reads = []
+    real = target_mod.TargetInfo.read.__func__
+    monkeypatch.setattr(target_mod.TargetInfo, "read", classmethod(lambda cls, *a, **k: reads.append(a[0]) or real(cls, *a, **k)))
+    t, d = tiny_pair()
+    load_backend("torch", t, d).close()
+    assert [str(p) for p in reads].count(str(t)) == 1

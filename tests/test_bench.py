@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.assets.prompts import BUILTIN, load_prompts
-from toolkit.bench import bench, job_list, main, run_jobs
+from toolkit.bench import BenchOptions, bench, job_list, main, run_jobs
 from toolkit.core.errors import ToolkitError
 from toolkit.runtime.backend import Backend, GenSettings
 from toolkit.runtime.events import Round, tokens_of
@@ -19,8 +19,8 @@ from toolkit.runtime.events import Round, tokens_of
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out"
-    r = bench(backend="torch", block_sizes=[4, 64], concurrency=[1, 2], max_new_tokens=10, limit=3,
-              out=str(out), warmup=False, quiet=True)
+    r = bench(BenchOptions(backend="torch", block_sizes=[4, 64], concurrency=[1, 2], max_new_tokens=10, limit=3,
+              out=str(out), warmup=False, quiet=True))
     return r, out
 
 
@@ -267,8 +267,8 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
 def test_timing_only_keeps_costs_and_drops_auto_tau_and_losslessness(tmp_path):
     from toolkit.benchmark.grid import is_synthetic
 
-    r = bench(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=6, limit=1, reps=2,
-              out=str(tmp_path / "o"), warmup=False, quiet=True, timing_only=True)
+    r = bench(BenchOptions(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=6, limit=1, reps=2,
+              out=str(tmp_path / "o"), warmup=False, quiet=True, timing_only=True))
     assert r["timing_only"] is True and r["block_sizes"] == [4]
     (c,) = r["cells"]
     assert c["tau"] is None and c["lossless"] is None and c["accept_per_position"] == [] and c["round_ms"] > 0
@@ -281,19 +281,19 @@ def test_timing_only_keeps_costs_and_drops_auto_tau_and_losslessness(tmp_path):
 
 def test_bad_block_sizes_and_levers_are_one_line(tmp_path):
     with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \[1\]"):
-        bench(block_sizes=[1], out=str(tmp_path / "x"))
+        bench(BenchOptions(block_sizes=[1], out=str(tmp_path / "x")))
     with pytest.raises(ToolkitError, match="--levers are exllamav3 generator options"):
-        bench(levers=["graph_draft_swa=off"], out=str(tmp_path / "x"))
+        bench(BenchOptions(levers=["graph_draft_swa=off"], out=str(tmp_path / "x")))
     with pytest.raises(ToolkitError, match="--reps must be >= 1"):
-        bench(reps=0, out=str(tmp_path / "x"))
+        bench(BenchOptions(reps=0, out=str(tmp_path / "x")))
     with pytest.raises(ToolkitError, match=r"--block-sizes must be integers >= 2 or auto, got \['auto', 'x'\]"):
         main(["--block-sizes", "auto", "x"])
     assert not (tmp_path / "x").exists()
 
 
 def test_minutes_stops_after_the_last_repetition_that_fits(tmp_path, capsys):
-    r = bench(backend="torch", block_sizes=[4], concurrency=[1], max_new_tokens=6, limit=1, reps=500, minutes=1e-4,
-              out=str(tmp_path / "o"), warmup=False, quiet=True)
+    r = bench(BenchOptions(backend="torch", block_sizes=[4], concurrency=[1], max_new_tokens=6, limit=1, reps=500, minutes=1e-4,
+              out=str(tmp_path / "o"), warmup=False, quiet=True))
     assert r["reps"] == 1 and r["reps_planned"] == 500          # the first repetition always runs, then the budget ends
     assert all(c["reps"] == 1 for c in r["ar"] + r["cells"])
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["reps"] == 1
@@ -301,11 +301,11 @@ def test_minutes_stops_after_the_last_repetition_that_fits(tmp_path, capsys):
 
     print_table(r)
     assert "1 repetition(s) (of 500: --minutes ran out)" in capsys.readouterr().out
-    full = bench(backend="torch", block_sizes=[4], concurrency=[1], max_new_tokens=6, limit=1, reps=2, minutes=10,
-                 out=str(tmp_path / "p"), warmup=False, quiet=True)
+    full = bench(BenchOptions(backend="torch", block_sizes=[4], concurrency=[1], max_new_tokens=6, limit=1, reps=2, minutes=10,
+                 out=str(tmp_path / "p"), warmup=False, quiet=True))
     assert full["reps"] == full["reps_planned"] == 2
     with pytest.raises(ToolkitError, match="--minutes must be > 0"):
-        bench(minutes=0, out=str(tmp_path / "q"))
+        bench(BenchOptions(minutes=0, out=str(tmp_path / "q")))
 
 
 def test_limit_takes_prompts_round_robin_over_categories():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from toolkit.bench import bench, main
+from toolkit.bench import BenchOptions, bench, main
 from toolkit.policy.costs import CostTable
 
 
@@ -23,8 +23,8 @@ def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:
 
 def test_auto_cells_record_their_cost_curves_on_the_torch_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path / "costs"))
-    r = bench(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=8, limit=2,
-              out=str(tmp_path / "o"), warmup=False, quiet=True)
+    r = bench(BenchOptions(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=8, limit=2,
+              out=str(tmp_path / "o"), warmup=False, quiet=True))
     saved = json.loads((tmp_path / "o" / "bench.json").read_text())
     auto, fixed = saved["cells"]
     assert auto["block_size"] == "auto" and "costs" not in fixed

@@ -118,8 +118,14 @@ def test_drafting_run_reports_the_median_ratio_and_its_spread(monkeypatch, capsy
     ratios = sorted(s / a for s, a in zip(res["tok_s_reps"], res["ar_tok_s_reps"]))
     assert res["speedup"] == pytest.approx(ratios[1])                  # the median of the paired ratios
     assert "over 3 lockstep runs" in capsys.readouterr().err and res["lockstep"]      # the torch backend on a CPU
+    from toolkit.runtime.backend import Capabilities
+
+    gpu_be = FakeBackend(answer_len=40)
+    gpu_be.caps = Capabilities(batching=True, gpu_only=True)                  # an engine that runs on a GPU only
+    monkeypatch.setattr(gen, "load", lambda *a, **k: gpu_be)
     gpu = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=2, backend="exllamav3")
     assert gpu["lockstep"] is False and "over 2 alternating runs" in capsys.readouterr().err
+    monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(answer_len=40))
     one = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=1)
     assert one["speedup_spread"] is None and "no spread measured" in capsys.readouterr().err
     with pytest.raises(gen.ToolkitError, match="reps"):

@@ -82,3 +82,29 @@ def test_tests_import_experiments_only_in_the_smoke_test():
             if any(n.split(".")[0] == "experiments" for n in names):
                 users.add(p.name)
     assert users <= {"test_experiments.py"}, users
+
+
+def test_runtime_imports_no_engine_and_no_consumer_compares_backend_names():
+    g = graph()
+    runtime = [m for m in g if m.startswith("toolkit.runtime")]
+    assert not [(m, i) for m in runtime for i in g[m] if i.startswith("toolkit.exl3")]
+    names = ("exllamav3", "torch")
+    compared = []
+    for p in PKG.rglob("*.py"):
+        rel = str(p.relative_to(PKG))
+        if rel.startswith("exl3/") or rel == "runtime/registry.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Constant) and s.value in names for s in sides):
+                    compared.append(f"{rel}:{node.lineno}")
+    assert compared == [], "consumers read Backend.caps (runtime/registry.py) instead of comparing backend names"
+
+
+def test_bench_takes_its_options_object():
+    import inspect
+
+    from toolkit.bench import bench
+
+    assert len(inspect.signature(bench).parameters) <= 6

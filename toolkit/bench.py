@@ -218,90 +218,67 @@ def check_inputs(block_sizes, concurrency, limit, reps, **numbers) -> list:
     return blocks
 
 
-def bench(
-    target: str | None = None,
-    draft: str | None = None,
-    backend: str = "torch",
-    prompts: str | None = None,
-    block_sizes: list = ("auto", 8, 16),
-    concurrency: list[int] = (1, 4, 16, 32),
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    seed: int = 0,
-    limit: int | None = None,
-    out: str = "bench-out",
-    force: bool = False,
-    device: str | None = None,
-    cache_tokens: int | None = None,
-    warmup: bool = True,
-    raw: bool = False,
-    quiet: bool = False,
-    reps: int = 1,
-    levers: list[str] = (),
-    project_tau: list[str] = (),
-    timing_only: bool | None = None,
-    gpu_split: str | None = None,
-    tensor_parallel: bool = False,
-    draft_device: int = 0,
-    minutes: float | None = None,
-) -> dict:
-    """Run the grid; returns the bench.json dict (also written, with bench.png, into `out`)."""
+def bench(o: BenchOptions) -> dict:
+    """Run the grid of `o` (the command's options); returns the bench.json dict (also written, with bench.png,
+    into `o.out`)."""
+    target, draft, timing_only, cache_tokens = o.target, o.draft, o.timing_only, o.cache_tokens
     if target is None and draft is None:
         from .assets.pairs import tiny_pair
 
         target, draft = (str(p) for p in tiny_pair())
     if target is None or draft is None:
         raise ToolkitError("--target and --draft go together (the benchmark compares a drafter against AR)")
-    blocks = check_inputs(block_sizes, concurrency, limit, reps, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed, device=device, cache_tokens=cache_tokens, draft_device=draft_device, minutes=minutes)
-    lever_opts = [parse_lever(x, ADOPTED) for x in levers]
-    if lever_opts and capabilities(backend).levers is None:
+    blocks = check_inputs(o.block_sizes, o.concurrency, o.limit, o.reps, max_new_tokens=o.max_new_tokens,
+                          temperature=o.temperature, seed=o.seed, device=o.device, cache_tokens=cache_tokens,
+                          draft_device=o.draft_device, minutes=o.minutes)
+    lever_opts = [parse_lever(x, ADOPTED) for x in o.levers]
+    if lever_opts and capabilities(o.backend).levers is None:
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
-    taus = parse_taus(project_tau)
-    split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
-    check_for_backend(backend, split)
+    taus = parse_taus(o.project_tau)
+    split = GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device)
+    check_for_backend(o.backend, split)
     try:
-        settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        settings = GenSettings(max_new_tokens=o.max_new_tokens, temperature=o.temperature, seed=o.seed)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
     synthetic = is_synthetic(target, draft)
     timing_only = synthetic or bool(timing_only)   # synthetic weights: acceptance means nothing
-    claim(out, "bench", force)                     # --out checked before any model is loaded
-    items = load_prompts(prompts)
-    if limit:
-        items = mixed(items, limit)
-    concs = sorted(set(concurrency))
-    per_job = -(-(PROMPT_BUDGET + max_new_tokens + 17) // 256) * 256
+    claim(o.out, "bench", o.force)                 # --out checked before any model is loaded
+    items = load_prompts(o.prompts)
+    if o.limit:
+        items = mixed(items, o.limit)
+    concs = sorted(set(o.concurrency))
+    per_job = -(-(PROMPT_BUDGET + o.max_new_tokens + 17) // 256) * 256
     cache_tokens = cache_tokens or max(concs) * per_job
-    be = load_backend(backend, target, draft, device=device or "cpu", cache_tokens=cache_tokens, max_concurrency=max(concs),
-                      split=split)
+    be = load_backend(o.backend, target, draft, device=o.device or "cpu", cache_tokens=cache_tokens,
+                      max_concurrency=max(concs), split=split)
     try:
         if be.block_size < 2:
             raise ToolkitError(f"{draft}: no drafter loaded, nothing to compare with AR")
         blocks = cut_blocks(blocks, be.block_size, timing_only)
-        ids = [be.raw_encode(p.text) if raw else be.encode(p.text) for p in items]
+        ids = [be.raw_encode(p.text) if o.raw else be.encode(p.text) for p in items]
         cells = grid_cells(blocks, concs, lever_opts)
-        deadline = time.time() + minutes * 60 if minutes else None      # from here: loading is not counted
-        ar_cells, spec_cells = run_grid(be, ids, settings, cells, reps, warmup, timing_only, quiet, deadline)
+        deadline = time.time() + o.minutes * 60 if o.minutes else None      # from here: loading is not counted
+        ar_cells, spec_cells = run_grid(be, ids, settings, cells, o.reps, o.warmup, timing_only, o.quiet, deadline)
     finally:
         be.close()
     mark_ratios(ar_cells, spec_cells)
     result = {
         "backend": be.name, "target": str(target), "draft": str(draft), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(backend, device), "prompts": prompts or "builtin", "num_prompts": len(items),
-        "categories": sorted({p.category for p in items}), "max_new_tokens": max_new_tokens, "temperature": temperature,
-        "seed": seed, "raw": raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
+        "device": device_name(o.backend, o.device), "prompts": o.prompts or "builtin", "num_prompts": len(items),
+        "categories": sorted({p.category for p in items}), "max_new_tokens": o.max_new_tokens, "temperature": o.temperature,
+        "seed": o.seed, "raw": o.raw, "native_block_size": be.block_size, "block_sizes": blocks, "concurrency": concs,
         "cache_tokens": cache_tokens if be.caps.cache_tokens else None, "ar": ar_cells, "cells": spec_cells,
-        "best": best_per_concurrency(ar_cells, [c for c in spec_cells if c["speedup"] is not None]), "reps": ar_cells[0]["reps"], "reps_planned": reps, "levers": [label for label, _ in lever_opts],
+        "best": best_per_concurrency(ar_cells, [c for c in spec_cells if c["speedup"] is not None]), "reps": ar_cells[0]["reps"], "reps_planned": o.reps, "levers": [label for label, _ in lever_opts],
         "timing_only": timing_only, "synthetic": synthetic, "gpu_split": split.tag,
     }
     if taus:
         result["projection"] = {"assumption": ASSUMPTION, "taus": [{"name": n, "tau": t, "block_size": B} for n, t, B in taus],
                                 "rows": project_cells(ar_cells, spec_cells, taus)}
-    write_outputs(result, Path(out))
-    if not quiet:
+    write_outputs(result, Path(o.out))
+    if not o.quiet:
         print_table(result)
-        print(f"wrote {Path(out) / 'bench.json'} and {Path(out) / 'bench.png'}", file=sys.stderr)
+        print(f"wrote {Path(o.out) / 'bench.json'} and {Path(o.out) / 'bench.png'}", file=sys.stderr)
     return result
 
 
@@ -382,7 +359,7 @@ class BenchOptions:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(bench, BenchOptions, argv, "python -m toolkit.bench", __doc__.split("\n\n")[0],
+    run(lambda **kw: bench(BenchOptions(**kw)), BenchOptions, argv, "python -m toolkit.bench", __doc__.split("\n\n")[0],
         "Example (CPU, tiny pair): python -m toolkit.bench --concurrency 1 4 --max-new-tokens 32", output_policy=True)
 
 

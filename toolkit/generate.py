@@ -135,7 +135,7 @@ def generate(
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
     be.retime_costs = retime_costs
-    paired = backend == "torch" and (device or "cpu") == "cpu"     # a CPU: load moves a run more than drafting does
+    paired = not be.caps.gpu_only and (device or "cpu") == "cpu"  # a CPU: load moves a run more than drafting does
     try:
         result, s = run(be, prompt, settings, compare_ar, system, raw, reps, paired)
     finally:

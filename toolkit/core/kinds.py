@@ -28,11 +28,12 @@ def kind_of(info: TargetInfo) -> str:
     return f"an HF model ({info.architecture or info.model_type or 'no architectures in config.json'})"
 
 
-def require(folder: str | Path, want: str, what: str) -> TargetInfo:
-    """Read `folder`'s config and refuse it unless it is an unquantized model of kind `want` (HF or DFLASH).
+def require(folder: str | Path, want: str, what: str, info: TargetInfo | None = None) -> TargetInfo:
+    """Read `folder`'s config (unless `info` is it) and refuse it unless it is an unquantized model of kind `want`
+    (HF or DFLASH).
 
     `what` starts the error line (e.g. "--target"); the line names the kind found and what the flag needs."""
-    info = TargetInfo.read(folder, what.lstrip("-") or None)
+    info = info or TargetInfo.read(folder, what.lstrip("-") or None)
     if info.exl3:
         need = "the unquantized drafter" if want == DFLASH else "an unquantized HF model (EXL3 runs on --backend exllamav3)"
         raise ToolkitError(f"{what}: {folder} is {kind_of(info)}; the torch backend needs {need}")

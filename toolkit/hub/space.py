@@ -27,7 +27,7 @@ from ..core.folders import atomic_dir, claim, copy_tree, tree_files
 from ..core.kinds import DFLASH, HF, check_role
 from ..core.refs import parse_ref
 from ..exl3.split import GpuSplit, check_for_backend
-from ..runtime.registry import BACKENDS, capabilities
+from ..runtime.registry import BACKENDS, capabilities, cpu_backend, gpu_backend
 from .names import is_hub_ref
 from .wheels import EXLLAMAV3_VERSION, pick_wheel
 
@@ -51,7 +51,7 @@ def requirements(hardware: str, backend: str = "auto", python: str = PYTHON_VERS
     """What the Space installs: the app's dependencies; on GPU hardware (not ZeroGPU, not --backend torch) the
     prebuilt exllamav3 wheel with torch pinned to its build, or with `exllamav3_jit` the PyPI exllamav3 that
     compiles its extension on the Space; spaces on ZeroGPU."""
-    if hardware.startswith(("cpu", "zero")) or backend == "torch":
+    if hardware.startswith(("cpu", "zero")) or on_cpu_backend(backend):
         if exllamav3_jit:
             raise ToolkitError(f"--exllamav3-jit: {hardware} with backend {backend} installs no exllamav3")
         extra = ["spaces"] if hardware.startswith("zero") else []   # ZeroGPU runs the torch backend (docs/app.md)
@@ -140,16 +140,22 @@ def check_split(split: GpuSplit, hardware: str, backend: str) -> None:
     """A Space's GPU split must fit its hardware and run on exllamav3 (one line naming the option otherwise)."""
     if split.default:
         return
-    if backend == "torch" or hardware.startswith(("cpu", "zero")):
-        check_for_backend("torch", split)
+    if on_cpu_backend(backend) or hardware.startswith(("cpu", "zero")):
+        check_for_backend(cpu_backend(), split)
     split.check_devices(gpus_of(hardware), f"hardware {hardware}")
+
+
+def on_cpu_backend(backend: str) -> bool:
+    """Whether `backend` (a registry name or "auto") is the one that also runs on a CPU."""
+    return backend != "auto" and not capabilities(backend).gpu_only
 
 
 def engine_of(hardware: str, backend: str) -> str:
     """The backend the Space runs, in words (what the page title says)."""
     if hardware.startswith("cpu"):
         return "PyTorch on the CPU"
-    return "PyTorch on the GPU" if backend == "torch" or hardware.startswith("zero") else "ExLlamaV3 on the GPU"
+    engine = capabilities(cpu_backend() if on_cpu_backend(backend) or hardware.startswith("zero") else gpu_backend()).engine
+    return f"{engine} on the GPU"
 
 
 def readme(hardware: str, target: str | None, draft: str | None, title: str, python: str, lines: list[str],
@@ -249,7 +255,7 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     if not plain_title(title):
         raise OptionError("title", f"{title!r} is not a one-line title that the Space's README front matter can hold")
     if backend not in ("auto", *BACKENDS):
-        raise ToolkitError(f"backend must be auto, {', '.join(BACKENDS)}, got {backend!r}")
+        raise ToolkitError(f"backend must be auto, {', '.join(list(BACKENDS)[:-1])} or {list(BACKENDS)[-1]}, got {backend!r}")
     if backend != "auto" and capabilities(backend).gpu_only and hardware.startswith(("cpu", "zero")):
         raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/app.md)")
     split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)

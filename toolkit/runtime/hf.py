@@ -10,7 +10,7 @@ from ..core.errors import ToolkitError
 from ..dflash.loading import check_finite_model
 
 
-def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: str = "--target"):
+def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: str = "--target", info=None):
     """A transformers causal LM from a local folder, on `device`, in eval mode with its weights frozen.
 
     Strict: an EXL3 checkpoint or a DFlash drafter is refused by its kind, every safetensors header is checked
@@ -22,7 +22,7 @@ def load_hf_model(folder: str | Path, device: str = "cpu", dtype="auto", what: s
     from ..core.kinds import HF, check_loading, require
     from ..core.tensorfiles import check_folder
 
-    require(folder, HF, what)
+    require(folder, HF, what, info)                 # `info`: the folder's TargetInfo, when already read
     check_folder(folder, what)
     try:
         model, report = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True,

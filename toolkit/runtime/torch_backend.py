@@ -253,7 +253,8 @@ class TorchBackend(Backend):
         pair = pair or ModelPair.read(target, draft)
         drafter = load_drafter(pair.draft, dtype=dtype, device=device) if pair.draft is not None else None
         folders = pair.folders if pair.draft is not None else ()
-        return cls(load_hf_model(pair.target, device, dtype), load_hf_tokenizer(pair.target), drafter, folders=folders)
+        model = load_hf_model(pair.target, device, dtype, info=pair.info)
+        return cls(model, load_hf_tokenizer(pair.target), drafter, folders=folders)
 
     @classmethod
     def load(cls, pair: ModelPair, *, device: str = "cpu", dtype=None, options=None, split=None,
