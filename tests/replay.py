@@ -185,9 +185,10 @@ Factory = Callable[[Costs, int], object]      # (costs, block size) -> a policy,
 
 def run_modes(lengths: dict, cost_data: dict, concurrency: list[int], modes: dict[str, int | Factory],
               reps: int = 10, seed: int = 0, host_ms: float = 0.05, policy_host_ms: float = 0.05,
-              spec_ar: float = 1.0, timed_noise: bool = False) -> dict[int, dict[str, list[float]]]:
+              spec_ar: float = 1.0, timed_noise: bool = False, fresh: bool = False) -> dict[int, dict[str, list[float]]]:
     """tok/ms of every mode (a fixed width or a policy factory) per concurrency and repetition, interleaved rep by
-    rep as the bench runs them (one policy per mode for every cell), each slot on common draws."""
+    rep as the bench runs them (one policy per mode for every cell; with `fresh` a new one per request, as every
+    `generate` run and app turn starts), each slot on common draws."""
     B, max_new, rows = lengths["block_size"], lengths["max_new_tokens"], lengths["prompts"]
     costs = Costs(cost_data, seed, timed_noise)
     made = {m: f if isinstance(f, int) else f(costs, B) for m, f in modes.items()}
@@ -202,7 +203,9 @@ def run_modes(lengths: dict, cost_data: dict, concurrency: list[int], modes: dic
                 costs.begin(slot)
                 host = host_ms + (0.0 if isinstance(mode, int) else policy_host_ms)
                 warm = [dict(r, answer=r["answer"][:8]) for r in waves[0]]                # the untimed warm-up wave
-                runs = [replay_request(req, max_new, mode, costs, B - 1, host, spec_ar=spec_ar) for req in [warm] + waves]
+                again = fresh and not isinstance(mode, int)
+                runs = [replay_request(req, max_new, modes[m](costs, B) if again else mode, costs, B - 1, host,
+                                       spec_ar=spec_ar) for req in [warm] + waves]
                 got[c][m].append(sum(t for t, _, _ in runs[1:]) / sum(ms for _, ms, _ in runs[1:]))
                 longest = max(longest, sum(n for _, _, n in runs))
             costs.advance(longest)

@@ -177,3 +177,14 @@ class NoBackoff(Policy):
 
 
 ROWS["-backoff"] = ("- probing soon after a width won, then backing off", variant(NoBackoff))
+
+
+class NoEarlyProbe(Policy):
+    """A fresh policy waits the budget's spacing for its first probe, as after any AR stretch."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.drafted = True
+
+
+ROWS["-early"] = ("- a fresh policy's first probe after MIN_GAP rounds", variant(NoEarlyProbe))

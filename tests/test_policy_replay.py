@@ -29,7 +29,9 @@ def cells() -> T.Cells:
 def test_auto_holds_the_targets_on_every_trace():
     for (name, c), cell in cells().items():
         over_best, over_ar = cell["auto"]
-        if name == "useless":
+        if name == "fresh":                    # a fresh policy per request (generate, the app): reported, own line
+            assert over_best >= 0.9 and over_ar >= 1.9, (name, c, cell["auto"])
+        elif name == "useless":
             assert over_ar >= 0.98, (name, c, cell["auto"])
         else:
             assert over_best >= 0.97, (name, c, cell["auto"], cell["best"])
