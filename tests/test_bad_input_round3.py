@@ -181,7 +181,7 @@ OUTPUTS = sorted((cmd, name) for cmd, roles in ROLES.items() for name, role in r
 
 
 def test_every_output_option_is_walked():
-    assert {c for c, _ in OUTPUTS} == {"bench", "demo", "eval_tau", "fixtures", "pad", "quantize", "space", "synth",
+    assert {c for c, _ in OUTPUTS} == {"bench", "demo", "eval_tau", "fixtures", "pad", "preview_run", "quantize", "space", "synth",
                                         "tiny_pair", "train_drafter"}
 
 

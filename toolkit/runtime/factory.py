@@ -12,7 +12,6 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from ..core.refs import fetch
 from .backend import Backend
-from .pair import ModelPair
 from .registry import BACKENDS, backend_class
 
 
@@ -36,6 +35,8 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
     target across GPUs, the drafter's device; None = all on GPU 0) and `max_chunk` (the longest forward the caller
     runs, a multiple of 256; None = exllamav3's 2048). A backend refuses what it cannot take, never ignores it.
     """
+    from .pair import ModelPair                   # imported on use: --help loads no torch
+
     cls = backend_class(name)
     target, draft = local(target, "target"), local(draft, "draft")
     for flag, p in (("--target", target), ("--draft", draft)):
