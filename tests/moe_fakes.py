@@ -34,6 +34,18 @@ def interpreted(module: str):
             os.environ["TRITON_INTERPRET"] = old
 
 
+def interpreted_fixture(module: str):
+    """A module-scoped, autouse fixture yielding `module` imported under TRITON_INTERPRET=1."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def interpreted_kernels():
+        with interpreted(module) as mod:
+            yield mod
+
+    return interpreted_kernels
+
+
 def routed(rows: int, seed: int, experts: int = EXPERTS, topk: int = TOPK):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, HID, generator=g).half()

@@ -21,10 +21,7 @@ KERNELS = "toolkit.moe.grouped_kernels"
 FORMATS = [(cb, K) for cb in ("mul1", "mcg", "3inst") for K in RATES if cb == "mul1" or K == int(K)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreted():
-    with fakes.interpreted(KERNELS) as mod:
-        yield mod
+interpreted = fakes.interpreted_fixture(KERNELS)
 
 
 @pytest.fixture(scope="module")

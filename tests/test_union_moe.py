@@ -16,10 +16,7 @@ from toolkit.moe.ref import MoeLayer, random_layer, random_linear, ref_moe  # no
 KERNELS = "toolkit.moe.union_kernels"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreted():
-    with fakes.interpreted(KERNELS) as mod:
-        yield mod
+interpreted = fakes.interpreted_fixture(KERNELS)
 
 
 @pytest.fixture(scope="module")

@@ -159,10 +159,3 @@ def from_env(env) -> GpuSplit:
     return GpuSplit(split, tp_raw in ("1", "true", "yes", "on"), dev)
 
 
-def check_for_backend(backend: str, split: GpuSplit | None) -> None:
-    """A backend that places nothing on GPUs takes no split: refuse one instead of ignoring it."""
-    from ..runtime.registry import capabilities
-
-    if split is not None and not split.default and not capabilities(backend).placement:
-        raise OptionError("gpu_split" if split.gpu_split else "tensor_parallel" if split.tensor_parallel
-                          else "draft_device", f"needs --backend exllamav3 (got {split.tag})")

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from ..core.refs import fetch
 from .backend import Backend
-from .registry import BACKENDS, backend_class
+from .registry import BACKENDS, backend_class, check_for_backend
 
 
 def local(model: str | Path | None, what: str) -> str | Path | None:
@@ -38,6 +38,7 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
     from .pair import ModelPair                   # imported on use: --help loads no torch
 
     cls = backend_class(name)
+    check_for_backend(name, split)
     target, draft = local(target, "target"), local(draft, "draft")
     for flag, p in (("--target", target), ("--draft", draft)):
         if p is not None and not Path(p).is_dir():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..core.errors import ToolkitError
+from ..core.errors import OptionError, ToolkitError
 from .backend import Backend, Capabilities
 
 BACKENDS = {"torch": "toolkit.runtime.torch_backend:TorchBackend", "exllamav3": "toolkit.exl3.backend:Exl3Backend"}
@@ -23,6 +23,14 @@ def backend_class(name: str) -> type[Backend]:
 def capabilities(name: str) -> Capabilities:
     """What the backend called `name` can do (its class's `caps`)."""
     return backend_class(name).caps
+
+
+def check_for_backend(backend: str, split) -> None:
+    """A backend that places nothing on GPUs takes no GPU split (an exl3.split.GpuSplit): refuse one instead of
+    ignoring it."""
+    if split is not None and not split.default and not capabilities(backend).placement:
+        raise OptionError("gpu_split" if split.gpu_split else "tensor_parallel" if split.tensor_parallel
+                          else "draft_device", f"needs --backend {gpu_backend()} (got {split.tag})")
 
 
 def gpu_backend() -> str:

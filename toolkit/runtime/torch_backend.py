@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
-from ..core.errors import OptionError, ToolkitError
+from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from .backend import Backend, Capabilities, GenSettings
 from .hf import load_hf_model, load_hf_tokenizer  # noqa: F401  (the backend's loaders)
@@ -265,9 +265,6 @@ class TorchBackend(Backend):
             raise ToolkitError(f"generator options ({options.tag}) need a backend with levers (--backend exllamav3)")
         if max_chunk is not None:
             raise ToolkitError("max_chunk is an exllamav3 load option; the torch backend takes none")
-        if split is not None and not split.default:
-            raise OptionError("gpu_split" if split.gpu_split else "tensor_parallel" if split.tensor_parallel
-                              else "draft_device", f"needs --backend exllamav3 (got {split.tag})")
         return cls.from_dirs(pair.target, pair.draft, device=device, dtype=dtype or torch.float32, pair=pair)
 
     def cost_table(self) -> CostTable:
