@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.policy.chooser import MIN_GAP
+
 CHROMIUM = "/usr/bin/chromium"
 TINY = os.environ.get("DFLASH_DEMO", "tiny").lower() == "tiny"
 PROMPT = "json.dumps" if TINY else "Write a Python function that returns the n-th Fibonacci number."
-SHORT = 6       # new tokens: fewer decode rounds than the policy waits before its first probe, so all plain AR
+SHORT = MIN_GAP + 1   # new tokens: the prefill's and MIN_GAP AR rounds', before a fresh policy's first probe: all plain AR
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
