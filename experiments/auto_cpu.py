@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return run.finish()
     run.step("cost_table", lambda: {str(w): round(t, 2) for w, t in be.cost_table().ms[1].items()})
     if a.poison is not None:
-        from toolkit.policy.costs import CostTable
+        from toolkit.costs.table import CostTable
 
         be.costs = CostTable({1: {w: t * (a.poison if w else 1.0) for w, t in be.costs.ms[1].items()}}, source="poisoned")
         run.results["poison"] = a.poison

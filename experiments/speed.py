@@ -81,7 +81,7 @@ def cell_summary(samples: dict) -> dict:
 
 def projection_rows(ar: dict[int, list[float]], sets: dict[str, dict[int, dict[int, list[float]]]], taus) -> list[dict]:
     """Projected speedups per setting, c and tau from the repetitions' medians (t_AR from the drafter-less Generator)."""
-    from toolkit.policy.costs import CostTable
+    from toolkit.costs.table import CostTable
     from toolkit.benchmark.projection import project, spread
 
     rows = []
@@ -242,7 +242,7 @@ def start_variant(be, name: str, prompts, st, w: int):
     """(step, close) of one variant at width w, past 4 warm rounds: exllamav3's own Generator, our recording
     subclass, or our whole policy path (decode_many with a policy forced to w)."""
     from toolkit.policy.chooser import Policy
-    from toolkit.policy.costs import CostTable
+    from toolkit.costs.table import CostTable
 
     if name == "policy":
         class Forced(Policy):

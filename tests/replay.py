@@ -33,7 +33,7 @@ from pathlib import Path
 from toolkit.benchmark.grid import job_list
 from toolkit.exl3.calibrate import calibration_widths
 from toolkit.policy.chooser import Policy
-from toolkit.policy.costs import CostTable
+from toolkit.costs.table import CostTable
 from toolkit.runtime.events import Round
 
 DATA = Path(__file__).parent / "data" / "replay"

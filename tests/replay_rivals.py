@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from tests import replay as R
 from toolkit.policy.chooser import DECAY, Policy
-from toolkit.policy.costs import RoundCosts
+from toolkit.policy.observed import RoundCosts
 
 
 class Exl3Window:

@@ -152,7 +152,7 @@ def test_the_page_says_what_the_policy_learnt():
 
 def test_a_real_auto_turn_shows_what_its_policy_learnt():
     from toolkit.assets.pairs import tiny_pair
-    from toolkit.policy.costs import CostTable
+    from toolkit.costs.table import CostTable
     from toolkit.runtime.torch_backend import TorchBackend
 
     be = TorchBackend.from_dirs(*tiny_pair())

@@ -140,7 +140,8 @@ COSTS = {"device": "cpu", "ms": {"1": {"0": 1.0, "1": 2.0, "4": 2.5, "15": 3.0},
 
 
 def use_cost_cache(folder: Path, obj) -> None:
-    from toolkit.policy.costs import CostTable, cached_costs
+    from toolkit.costs.cache import cached_costs
+    from toolkit.costs.table import CostTable
 
     (folder / "k.json").write_text(dump(obj))
     timed = CostTable({1: {0: 1.0, 1: 2.0}})

@@ -48,7 +48,9 @@ def refused(r: dict, *words: str) -> None:
 @pytest.mark.parametrize("edit", [["ms", "1", "0"], ["ms", "1", "1"], ["ms", "4"], ["ms", "1", "-3"],
                                   ["ms", "1", "99999999999999"]])
 def test_a_cost_cache_entry_out_of_range_is_timed_again(tmp_path, edit):
-    from toolkit.policy.costs import CostTable, RoundCosts, cached_costs
+    from toolkit.costs.cache import cached_costs
+    from toolkit.costs.table import CostTable
+    from toolkit.policy.observed import RoundCosts
 
     d = {"device": "cpu", "ms": {"1": {"0": 1.0, "1": 2.0}, "4": {"0": 2.0, "3": 3.0}}}
     node = d
@@ -209,7 +211,8 @@ def test_no_writer_follows_a_link(tmp_path):
     from toolkit.core.folders import MARKER, atomic_dir, atomic_file, atomic_write, claim, claim_file, mark
     from toolkit.dflash.loading import load_drafter, save_drafter
     from toolkit.hub.push import write_cards
-    from toolkit.policy.costs import CostTable, cached_costs
+    from toolkit.costs.cache import cached_costs
+    from toolkit.costs.table import CostTable
     from toolkit.quant.convert import write_text
     from toolkit.train.outputs import save_torch, write_curve
 

@@ -135,7 +135,7 @@ def test_factory_errors(tmp_path):
 
 
 def test_projection_from_a_scripted_cost_table():
-    from toolkit.policy.costs import CostTable
+    from toolkit.costs.table import CostTable
     from toolkit.benchmark.projection import alpha_for, expected_tokens, project
 
     table = CostTable({1: {0: 10.0, 1: 12.0, 2: 14.0, 3: 30.0}})

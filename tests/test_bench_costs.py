@@ -8,7 +8,7 @@ import json
 import pytest
 
 from toolkit.bench import BenchOptions, bench, main
-from toolkit.policy.costs import CostTable
+from toolkit.costs.table import CostTable
 
 
 def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:

@@ -75,7 +75,7 @@ def test_block_size_auto_is_the_default_and_reports_its_widths(capsys, tmp_path,
 def test_a_run_decoded_as_plain_ar_says_why_in_one_sentence(capsys, pair, monkeypatch):
     from toolkit import generate as gen
     from toolkit.dflash import load_drafter
-    from toolkit.policy.costs import CostTable
+    from toolkit.costs.table import CostTable
     from toolkit.runtime.hf import load_hf_model, load_hf_tokenizer
     from toolkit.runtime.torch_backend import TorchBackend
 

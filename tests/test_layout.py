@@ -1,5 +1,5 @@
 """The tree's rules: no import circles between toolkit's modules, no module over 400 lines, libraries never import
-a command (a module at toolkit's root), and tests import experiments/ only in the smoke test."""
+a command (a module at toolkit's root), tests import experiments/ only in the smoke test, and the policy stays small."""
 
 from __future__ import annotations
 
@@ -108,3 +108,15 @@ def test_bench_takes_its_options_object():
     from toolkit.bench import bench
 
     assert len(inspect.signature(bench).parameters) <= 6
+
+
+def test_the_policy_stays_small():
+    """policy/ is the rule a new engineer checks against its docstring: at most 250 lines, 3 classes, 10 knobs
+    (module constants; the timed table and its cache live in costs/)."""
+    files = list((PKG / "policy").glob("*.py"))
+    trees = [ast.parse(p.read_text()) for p in files]
+    lines = sum(len(p.read_text().splitlines()) for p in files)
+    classes = [n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)]
+    knobs = [t.id for tree in trees for n in tree.body if isinstance(n, ast.Assign)
+             for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()]
+    assert lines <= 250 and len(classes) <= 3 and len(knobs) <= 10, (lines, classes, knobs)

@@ -78,7 +78,7 @@ def check_auto(backend, prompt, n=32):
 
 def cheap_costs(block):
     """Verifying is nearly free: the policy drafts, at widths that follow the running acceptance."""
-    from toolkit.policy.costs import CostTable
+    from toolkit.costs.table import CostTable
 
     return CostTable({1: {0: 10.0, **{w: 10.2 + 0.2 * w for w in range(1, block)}}})      # every width timed
 

@@ -9,7 +9,8 @@ import torch
 from toolkit.runtime.events import Round, summarize, tokens_of
 from toolkit.runtime.loop import decode
 from toolkit.policy.chooser import MIN_GAP, PROBE_BUDGET, Policy
-from toolkit.policy.costs import COST_CACHE_ENV, CostTable, cached_costs, cost_dir, cost_key, interpolate
+from toolkit.costs.cache import COST_CACHE_ENV, cached_costs, cost_dir, cost_key
+from toolkit.costs.table import CostTable, interpolate
 from toolkit.runtime.torch_backend import measure_torch_costs
 from toolkit.runtime.sampling import Sampler
 

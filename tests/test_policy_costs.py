@@ -11,7 +11,8 @@ from toolkit.dflash import gather_taps
 from toolkit.runtime.events import Round, ar_verdict, tokens_of
 from toolkit.runtime.loop import decode
 from toolkit.policy.chooser import CARRY, MIN_GAP, PROBE_BUDGET, Policy
-from toolkit.policy.costs import MIN_SEEN, CostTable
+from toolkit.costs.table import CostTable
+from toolkit.policy.observed import MIN_SEEN
 from toolkit.runtime.sampling import Sampler
 
 B = 16

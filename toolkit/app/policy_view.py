@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 
-from ..policy.costs import CostTable
+from ..costs.table import CostTable
 from ..runtime.backend import Backend, GenSettings
 
 

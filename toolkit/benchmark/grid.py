@@ -26,7 +26,7 @@ from ..core.target import read_optional
 from ..runtime import trace
 from ..runtime.backend import Backend, GenSettings
 from ..runtime.events import Round, summarize, tokens_of
-from ..policy.costs import CostTable
+from ..costs.table import CostTable, as_ms
 from .projection import project, spread
 
 
@@ -119,7 +119,7 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
                 paths[cell] = engine
             pol = be.auto_policy(st) if st.auto else None
             if pol is not None:
-                costs[cell] = pol.report()
+                costs[cell] = cost_report(pol)
                 emitted = be.calibration_report()
                 if emitted:                       # exllamav3, timed in this process: tokens a job emitted per round
                     costs[cell]["calibration_tokens"] = emitted
@@ -137,6 +137,21 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
             stats["engine"] = paths[c]
     pair_auto(out)
     return list(ar_cells.values()), out
+
+
+def cost_report(pol) -> dict:
+    """An auto policy's cost curves (bench.json): {"start", "learned": {c: {w: ms}} for w = 0..B-1, interpolated
+    between the table's widths; "observed": {c: {w: {ms, rounds}}}; "source"}, and its plain AR requests."""
+    rc, b = pol.costs, pol.block_size
+    cs = sorted(set(rc.table.ms) | {j for j, _ in rc.seen})
+    out = {"source": rc.table.source,
+           "start": {c: as_ms(rc.table.curve(b, c)) for c in cs},
+           "learned": {c: as_ms(CostTable({c: rc.curve(c)}).curve(b, c)) for c in cs},
+           "observed": {c: {w: {"ms": round(rc.curve(c)[w], 3), "rounds": len(d)}
+                            for (j, w), d in sorted(rc.seen.items()) if j == c} for c in cs}}
+    if pol.plain_served:
+        out["plain_ar_requests"] = pol.plain_served
+    return out
 
 
 def pair_auto(cells: list[dict]) -> None:

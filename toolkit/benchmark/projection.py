@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..core.errors import ToolkitError
-from ..policy.costs import CostTable
+from ..costs.table import CostTable
 
 # Qwen3.6-35B-A3B + its DFlash drafters, published tau (SGLang, c=1): name -> (tau, block size B)
 PUBLISHED = {"DF-16": (7.63, 16), "DF-8": (5.74, 8)}

@@ -37,7 +37,8 @@ from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate
 from ..policy.chooser import Policy
 from .split import GpuSplit, device_count
-from ..policy.costs import CostTable, cached_costs, cost_key, device_name
+from ..costs.cache import cached_costs, cost_key, device_name
+from ..costs.table import CostTable
 
 MIN_CAPABILITY = (8, 0)
 LOAD_CHUNK = 2048       # exllamav3 1.6.5 Model.load's default max_chunk_size

@@ -4,7 +4,7 @@
 fixed widths, interleaved width by width so drift spreads evenly, and keeps the low quartile per width (host
 jitter only adds to a round), after `CALIBRATION_WARM` untimed passes: every (c, w) shape has run eagerly and had
 its CUDA graph captured, so the table times replayed rounds, as decoding sees them. The backend runs it once per
-concurrency at first use and caches the table per model pair, GPU, options and concurrency (policy/costs.py).
+concurrency at first use and caches the table per model pair, GPU, options and concurrency (costs/cache.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The drafting policy: each round's verify width, the one with the most expected tokens per ms.
 
 - A round of `jobs` jobs verifying w drafts emits E(w) = 1 + a_1 + ... + a_w tokens per job and costs t(w) ms
-  (costs.py); w = 0 is an AR round. The policy verifies argmax E(w) / t(w) over the widths its cost table timed.
+  (observed.py); w = 0 is an AR round. The policy verifies argmax E(w) / t(w) over the widths its cost table timed.
 - a_i = P(L >= i), L a proposal's full-width accepted length: the drafter proposes all B-1 ids whatever w is, and
   the target's later tokens show L. A request starts from the long-run rates (every proposal so far; 0 before
   any), weighing CARRY proposals. Each resolved proposal then weighs 1 and fades the older ones by
@@ -28,7 +28,8 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from .costs import CostTable, RoundCosts
+from ..costs.table import CostTable
+from .observed import RoundCosts
 
 CARRY = 2.0              # proposals a request's starting rates weigh
 DECAY = 0.93             # older proposals fade by DECAY ** jobs per resolved one
@@ -206,10 +207,3 @@ class Policy:
             state[0], state[1] = PLAIN_RUNS[min(state[1], len(PLAIN_RUNS) - 1)], state[1] + 1
         else:
             state[0] = state[1] = 0
-
-    def report(self) -> dict:
-        """The cost curves the policy started from and decides by (bench.json), and its plain requests."""
-        out = self.costs.report(self.block_size) if self.costs is not None else {}
-        if self.plain_served:
-            out["plain_ar_requests"] = self.plain_served
-        return out

@@ -33,7 +33,8 @@ from .pair import ModelPair
 from .events import Round
 from .loop import decode
 from ..policy.chooser import Policy
-from ..policy.costs import CostTable, cached_costs, cost_key, device_name
+from ..costs.cache import cached_costs, cost_key, device_name
+from ..costs.table import CostTable
 from .sampling import Sampler
 
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
