@@ -5,11 +5,12 @@
 - a_i = P(L >= i), L a proposal's full-width accepted length: the drafter proposes all B-1 ids whatever w is, and
   the target's later tokens show L. A request starts from the long-run rates (every proposal so far; 0 before
   any), weighing CARRY proposals. Each resolved proposal then weighs 1 and fades the older ones by
-  DECAY ** jobs (a batch follows its present jobs); a job's AR round moves the rates toward the long-run ones.
+  DECAY ** jobs (a batch follows its present jobs).
 - While AR wins nothing is proposed, so one round probes at full width: after MIN_GAP AR rounds while nothing
-  was ever drafted and full acceptance would pay (a fresh policy knows nothing), then after `gap` AR rounds: MIN_GAP after a
-  width that won, doubling after each probe, at most (and from a job's start, so a short answer never pays a
-  whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET of them.
+  was ever drafted and full acceptance would pay (a fresh policy knows nothing), then after `gap` AR rounds:
+  MIN_GAP after a width that won, doubling after each probe, at most (and from a job's start, so a short answer
+  never pays a whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET
+  of them.
 - A batching engine asks `plain(jobs)` before a request: after a request at whose end no width beats AR by
   PLAIN_MARGIN at the long-run rates, the next 1, 4, then 16 requests of as many jobs decode without the drafter
   (its K/V upkeep makes AR rounds of a speculative engine dearer than plain steps).
