@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from experiments.harness import Run, device_name, env_float
+from experiments.moe_decode import check_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ROOT / "quantize" / "shapes" / "qwen3.6-35b-a3b.json"
@@ -100,53 +100,7 @@ def why_not(moe) -> list[str]:
     return [] if lever.applies(moe, {}) else [f"{n}={getattr(moe, n, None)!r}"[:80] for n in names]
 
 
-# -- 2. decode ------------------------------------------------------------------------------------------------
-
-
-def random_exl3(codebook: str, K: float, gen):
-    import torch
-    from exllamav3.modules.quant.exl3 import LinearEXL3
-
-    from toolkit.moe.ref import tile_words
-
-    trellis = torch.randint(-32768, 32768, (16, 16, tile_words(K)), dtype=torch.int16, generator=gen).cuda()
-    sign = lambda n: ((torch.randint(0, 2, (n,), generator=gen) * 2 - 1).half()).cuda()
-    marker = torch.tensor(1, dtype=torch.int32).cuda()
-    return LinearEXL3(None, 256, 256, suh=sign(256), svh=sign(256), trellis=trellis,
-                      mcg=marker if codebook == "mcg" else None, mul1=marker if codebook == "mul1" else None)
-
-
-def check_decode(moe) -> dict:
-    import torch
-
-    from toolkit.moe import grouped as gm
-    from toolkit.moe.ref import RATES, dense_weight
-
-    gen = torch.Generator().manual_seed(0)
-    out, bad = {}, 0
-    for cb in ("mul1", "mcg", "3inst"):
-        for K in RATES:
-            if K != int(K) and cb != "mul1":
-                continue
-            lin = random_exl3(cb, K, gen)
-            ref = lin.get_inner_weight_tensor().view(torch.int16)
-            row = {}
-            for name, asm in (("ptx", True), ("portable", False)):
-                try:
-                    row[name] = int((gm.decode_inner(lin, asm=asm).view(torch.int16) != ref).sum())
-                    bad += row[name]
-                except Exception as e:                     # a compile failure is a result here, not the end of the run
-                    row[name] = f"{type(e).__name__}: {e}"[:300]
-                    bad += 1
-            row["dense_max_abs"] = float((dense_weight(lin).cuda() - lin.get_weight_tensor().double()).abs().max())
-            out[f"{cb}-{K}"] = row
-    own = {}
-    for e in range(4):
-        for name, ms in (("gate", moe.gates), ("up", moe.ups), ("down", moe.downs)):
-            lin = ms[e].inner
-            own[f"{name}{e}"] = int((gm.decode_inner(lin).view(torch.int16) != lin.get_inner_weight_tensor().view(torch.int16)).sum())
-            bad += own[f"{name}{e}"]
-    return {"mismatched_weights_total": bad, "formats": out, "layer_experts": own}
+# -- 2. decode: check_decode, in experiments/moe_decode.py ----------------------------------------------------
 
 
 # -- 3. agreement ---------------------------------------------------------------------------------------------

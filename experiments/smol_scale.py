@@ -46,7 +46,8 @@ Device, call 4 (optional), carry [".device"]:
     source .device/on-device.sh && python3 -m experiments.smol_exl3 --draft /tmp/smol-scale/draft   (exllamav3)
 Here, afterwards:   python -m experiments.smol_device install FILES_AT   (the drafter into toolkit/data/smollm2_dflash)
 
-SMOL_QUICK=1 (--quick) runs each step tiny on the CPU (with --target and --pool), as tests/test_experiments.py does.
+SMOL_QUICK=1 (--quick) runs each step tiny on the CPU (with --target and --pool), as
+tests/test_experiments_models.py does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A scripted Backend for the app tests: known text, a fixed acceptance pattern, optional faults and delays.
 
 The 'target' always continues with the same word sequence, so greedy speculative text equals AR text by
-construction of the rounds (drafts agree with that sequence for `accepted` positions, then diverge).
+construction of the rounds (drafts agree with that sequence for `accepted` positions, then diverge). AutoFake
+scripts the widths of block_size "auto"; run() takes one turn through the app's handler.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from toolkit.runtime.events import Round
 WORDS = ("speculative decoding drafts a block of tokens and the target checks them all in one forward pass so "
          "most tokens cost far less than one target step each while the output stays exactly the same").split()
 EOS = 0
+OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]     # app outputs
 
 
 class FakeTokenizer:
@@ -89,3 +91,30 @@ class FakeBackend(Backend):
             n += len(out)
             k += 1
             yield Round(tuple(drafted), len(out) - 1, out[-1])
+
+
+class AutoFake(FakeBackend):
+    """The scripted backend under block_size "auto": widths per round follow a script, 0 being a plain AR round;
+    the drafter proposes B-1 ids whenever the width is > 0, as the torch backend's policy does."""
+
+    widths = (0, 0, 0, 5, 15, 0, 0, 3)
+
+    def generate(self, prompt_ids, settings, speculative=True):
+        if not (speculative and settings.auto):
+            yield from super().generate(prompt_ids, settings, speculative)
+            return
+        self.calls.append(("generate", speculative, settings))
+        yield Round((), 0, self.truth(0), prefill=True)
+        n, k = 1, 0
+        while n < settings.max_new_tokens and self.truth(n - 1) != EOS:
+            w = self.widths[k % len(self.widths)]
+            acc = min(2, w)
+            drafted = [self.truth(n + i) for i in range(acc)] + [self.wrong(self.truth(n + i)) for i in range(acc, w)]
+            out = [self.truth(n + i) for i in range(acc + 1)][: settings.max_new_tokens - n]
+            n, k = n + len(out), k + 1
+            yield Round(tuple(drafted), len(out) - 1, out[-1], proposed=self.block_size - 1 if w else 0)
+
+
+def run(handler, prompt="hello", block=16, max_new=40, temperature=0.0, system="", thinking=False):
+    """One turn through the app's handler: each update as a dict of the app's outputs (OUT)."""
+    return [dict(zip(OUT, o)) for o in handler.respond(prompt, [], block, max_new, temperature, 0, system, thinking)]

@@ -2,20 +2,18 @@
 
 Implements (model repos only): whoami-v2, repos/create, branch and tag create, refs, revision info, preupload,
 LFS batch + basic PUT upload, ndjson commit, tree listing and resolve (HEAD/GET); a revision is a branch, a tag
-or a commit sha. Files live on disk
-under `root/blobs`. Faults can be injected per endpoint: a status code, or a dropped connection.
+or a commit sha. Files live on disk under `root/blobs`. Faults can be injected per endpoint: a status code, or a
+dropped connection. tests/broken_server.py is a server that answers every request with HTTP 500.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import re
 import threading
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -391,30 +389,3 @@ def _make_handler(hub: HubServer):
             return 200, hub._blob(entry.sha256).read_bytes(), headers
 
     return Handler
-
-
-class _Broken(BaseHTTPRequestHandler):
-    """Every request answered with HTTP 500."""
-
-    def do_GET(self):
-        self.send_response(500)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    do_POST = do_HEAD = do_GET
-
-    def log_message(self, *a):
-        pass
-
-
-@contextlib.contextmanager
-def broken_server() -> Iterator[str]:
-    """`with broken_server() as url:` a server on 127.0.0.1 that answers every request with HTTP 500."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()

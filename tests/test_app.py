@@ -11,20 +11,13 @@ import gradio as gr
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_fakes import EOS, FakeBackend  # noqa: E402
+from app_fakes import OUT, AutoFake, FakeBackend, run  # noqa: E402
 
 from toolkit.app import render  # noqa: E402
 from toolkit.app.handlers import ChatHandler  # noqa: E402
 from toolkit.app.models import Hardware, Loaded, ModelSpec, choose_backend, gpu_wrap, load  # noqa: E402
 from toolkit.core.errors import ToolkitError  # noqa: E402
 from toolkit.runtime.events import Round  # noqa: E402
-
-OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]
-
-
-def run(handler, prompt="hello", block=16, max_new=40, temperature=0.0, system="", thinking=False):
-    return [dict(zip(OUT, o)) for o in handler.respond(prompt, [], block, max_new, temperature, 0, system, thinking)]
-
 
 def text_of(panel: str) -> str:
     """The visible text of a stream panel (popups dropped)."""
@@ -319,28 +312,6 @@ def test_a_failing_chat_template_is_a_message():
     outs = [dict(zip(OUT, o)) for o in h.respond("again", [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}], 16, 8, 0.0, 0, "", False)]
     assert len(outs) == 1 and "TypeError" in outs[0]["message"] and "keeps serving" in outs[0]["message"]
-
-
-class AutoFake(FakeBackend):
-    """The scripted backend under block_size "auto": widths per round follow a script, 0 being a plain AR round;
-    the drafter proposes B-1 ids whenever the width is > 0, as the torch backend's policy does."""
-
-    widths = (0, 0, 0, 5, 15, 0, 0, 3)
-
-    def generate(self, prompt_ids, settings, speculative=True):
-        if not (speculative and settings.auto):
-            yield from super().generate(prompt_ids, settings, speculative)
-            return
-        self.calls.append(("generate", speculative, settings))
-        yield Round((), 0, self.truth(0), prefill=True)
-        n, k = 1, 0
-        while n < settings.max_new_tokens and self.truth(n - 1) != EOS:
-            w = self.widths[k % len(self.widths)]
-            acc = min(2, w)
-            drafted = [self.truth(n + i) for i in range(acc)] + [self.wrong(self.truth(n + i)) for i in range(acc, w)]
-            out = [self.truth(n + i) for i in range(acc + 1)][: settings.max_new_tokens - n]
-            n, k = n + len(out), k + 1
-            yield Round(tuple(drafted), len(out) - 1, out[-1], proposed=self.block_size - 1 if w else 0)
 
 
 def test_auto_block_shows_the_width_of_every_round():

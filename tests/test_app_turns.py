@@ -13,8 +13,7 @@ import gradio as gr
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_fakes import FakeBackend  # noqa: E402
-from test_app import OUT, AutoFake, run  # noqa: E402
+from app_fakes import OUT, AutoFake, FakeBackend, run  # noqa: E402
 
 from toolkit.app.handlers import ChatHandler  # noqa: E402
 from toolkit.app.models import Loaded  # noqa: E402

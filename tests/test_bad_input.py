@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hubserver import broken_server
+from broken_server import broken_server
+from fuzz_harness import write_run
 from test_card import sample_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,17 +246,10 @@ def model_variants(root: Path) -> dict[str, Path]:
 
 
 def run_variants(root: Path) -> dict[str, Path]:
-    """A finished quantize run (report, plot, a folder per bitrate with its card) and broken copies of it."""
+    """A finished quantize run (report, plot, a folder per bitrate with its card, the upstream card) and broken
+    copies of it."""
     run = root / "run"
-    report = sample_report(0)
-    run.mkdir()
-    for r in report["results"]:
-        (run / r["folder"]).mkdir()
-        (run / r["folder"] / "config.json").write_text("{}")
-        (run / r["folder"] / "README.md").write_text("# card\n")
-    (run / "report.json").write_text(json.dumps(report))
-    (run / "report.md").write_text("# report\n")
-    (run / "tau_top1.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    write_run(run, sample_report(0))
     out = {"run": run}
 
     def variant(name: str, edit) -> None:

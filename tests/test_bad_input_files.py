@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from fuzz_harness import build_store, write_run
 from test_card import sample_report
-from test_fuzz import write_run
 from toolkit.core.errors import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,7 +252,6 @@ def use_prompts(folder: Path, obj) -> None:
 
 def use_store(name: str):
     def use(folder: Path, obj) -> None:
-        from test_fuzz import build_store
         from toolkit.train.store import AnswerStore
 
         (folder / "store").mkdir()

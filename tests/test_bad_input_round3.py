@@ -1,5 +1,5 @@
 """Bad input, round three: the cases a hostile user found, each as a test, and the mechanisms behind them.
-Commands run in-process under core.errors.run_cli with their heavy work stubbed (test_fuzz's STUBS): "reached"
+Commands run in-process under core.errors.run_cli with their heavy work stubbed (fuzz_harness's STUBS): "reached"
 means the checks passed and the work began, so a refusal that comes before it came before any model was loaded.
 """
 
@@ -19,9 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fuzz_harness import fill, inputs, main_of, make_case, run_case, signature, stubs, write_run  # noqa: F401
+from fuzz_options import ROLES, with_value
 from test_card import sample_report
-from test_fuzz import COMMANDS, ROLES, fill, inputs, main_of, make_case, run_case, signature, stubs, write_run  # noqa: F401
 from toolkit.core.errors import OptionError, ToolkitError
+from toolkit.costs.cache import cached_costs
+from toolkit.costs.table import CostTable
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "toolkit" / "data" / "tiny_pair"
@@ -48,8 +51,6 @@ def refused(r: dict, *words: str) -> None:
 @pytest.mark.parametrize("edit", [["ms", "1", "0"], ["ms", "1", "1"], ["ms", "4"], ["ms", "1", "-3"],
                                   ["ms", "1", "99999999999999"]])
 def test_a_cost_cache_entry_out_of_range_is_timed_again(tmp_path, edit):
-    from toolkit.costs.cache import cached_costs
-    from toolkit.costs.table import CostTable
     from toolkit.policy.observed import RoundCosts
 
     d = {"device": "cpu", "ms": {"1": {"0": 1.0, "1": 2.0}, "4": {"0": 2.0, "3": 3.0}}}
@@ -190,8 +191,6 @@ def test_every_output_option_is_walked():
 @pytest.mark.parametrize("cmd,name", OUTPUTS + [("eval_tau", "write_card")], ids=lambda x: str(x))
 def test_a_bad_output_place_fails_before_any_work(cmd, name, inputs, stubs, read_only, tmp_path, monkeypatch):
     """A read-only place (or a read-only drafter for --write-card) is one line, before any model is loaded."""
-    from test_fuzz import with_value
-
     names, _ = inputs
     make_case(tmp_path / "c")
     if name == "write_card":
@@ -211,8 +210,6 @@ def test_no_writer_follows_a_link(tmp_path):
     from toolkit.core.folders import MARKER, atomic_dir, atomic_file, atomic_write, claim, claim_file, mark
     from toolkit.dflash.loading import load_drafter, save_drafter
     from toolkit.hub.push import write_cards
-    from toolkit.costs.cache import cached_costs
-    from toolkit.costs.table import CostTable
     from toolkit.quant.convert import write_text
     from toolkit.train.outputs import save_torch, write_curve
 

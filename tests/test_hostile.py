@@ -21,8 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import test_quantize_fakes as quantize_fakes
 import toolkit.train.trainer as td
-from test_fuzz import COMMANDS, element_type, load
+from fuzz_options import COMMANDS, element_type, load
 from toolkit.core import files
 from toolkit.core.cli import check_options
 from toolkit.core.errors import OptionError, ToolkitError
@@ -238,7 +239,6 @@ def test_non_finite_weights_are_never_loaded_or_written(tmp_path, prompts):
 
 
 def test_quantize_never_converts_a_drafter_with_non_finite_weights(tmp_path, monkeypatch):
-    import test_quantize_fakes as quantize_fakes
     from toolkit.quant import quantize
 
     quantize_fakes.install(monkeypatch)
@@ -291,7 +291,6 @@ def test_a_full_disk_in_training_is_one_line_and_leaves_no_partial_file(tmpfs, p
 
 
 def test_a_full_disk_in_quantize_is_one_line_and_leaves_no_partial_file(tmpfs, tmp_path, monkeypatch, capsys):
-    import test_quantize_fakes as quantize_fakes
     from test_quantize_pipeline import write_recipe
     from toolkit.core.errors import run_cli
     from toolkit.quantize import main

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from policy_fakes import Scripted
 from toolkit.dflash import gather_taps
 from toolkit.runtime.events import Round, ar_verdict, tokens_of
 from toolkit.runtime.loop import decode
@@ -108,8 +109,6 @@ def test_probe_spacing_is_net_of_expected_tokens_and_follows_learnt_costs():
 
 
 def test_no_probe_comes_early_in_an_answer():
-    from test_policy import Scripted
-
     p = Policy.auto(B, linear(10, 40, 1))
     g = p.gap(1)
     assert g == math.ceil((5.5 - 1) / PROBE_BUDGET) == 150        # nothing seen yet: 1 token a round
@@ -124,8 +123,6 @@ def test_no_probe_comes_early_in_an_answer():
 
 
 def test_a_new_answer_starts_from_the_long_run_rates_and_unlearns_within_a_few_rounds():
-    from test_policy import Scripted
-
     p = Policy.auto(B, linear(10, 20, 0.5))                      # a full round costs 2.75 AR steps
     for _ in range(3):                                            # answers where the drafter is always right
         list(decode(Scripted(lambda n: B), [1], 200, Sampler(), set(), policy=p))

@@ -17,7 +17,8 @@ import pytest
 from huggingface_hub import HfApi, ModelCard, constants, snapshot_download
 from safetensors.numpy import save_file
 
-from hubserver import Fault, HubServer, broken_server
+from broken_server import broken_server
+from hubserver import Fault, HubServer
 from test_card import parse_table, sample_report
 from toolkit.hub.card import render_card
 from toolkit.core.errors import ToolkitError

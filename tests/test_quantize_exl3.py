@@ -281,12 +281,11 @@ def test_hub_refs_with_branches_and_their_shas(tmp_path, pair, hub, monkeypatch)
 
 
 def test_draft_widths_and_the_recommended_one():
-    from toolkit.quant.speed import best_width, widths_for
-
-    assert widths_for(16, []) == [3, 7, 15] and widths_for(4, [3, 7, 15]) == [3] and widths_for(16, [1, 20]) == [1, 15]
-    assert best_width({3: {"speedup": 1.2}, 7: {"speedup": 1.5}, 15: {"speedup": 1.5}}) == 7    # ties: the narrower
-    assert best_width({3: {"speedup": 0.8}, 7: {"speedup": 0.6}}) == 3                          # the best, even if < 1
-    assert best_width({3: {"speedup": None}}) is None
+    assert spd.widths_for(16, []) == [3, 7, 15] and spd.widths_for(4, [3, 7, 15]) == [3]
+    assert spd.widths_for(16, [1, 20]) == [1, 15]
+    assert spd.best_width({3: {"speedup": 1.2}, 7: {"speedup": 1.5}, 15: {"speedup": 1.5}}) == 7   # ties: the narrower
+    assert spd.best_width({3: {"speedup": 0.8}, 7: {"speedup": 0.6}}) == 3      # the best, even if < 1
+    assert spd.best_width({3: {"speedup": None}}) is None
 
 
 def test_recipe_draft_tokens(tmp_path):
@@ -300,11 +299,9 @@ def test_recipe_draft_tokens(tmp_path):
 
 
 def test_first_difference_says_where_an_output_left_ar():
-    from toolkit.quant.speed import first_difference
-
-    assert first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert first_difference([1, 2, 4, 5], [1, 2, 3, 5]) == 2
-    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([7], [1]) == 0
+    assert spd.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert spd.first_difference([1, 2, 4, 5], [1, 2, 3, 5]) == 2
+    assert spd.first_difference([1, 2], [1, 2, 3]) == 2 and spd.first_difference([7], [1]) == 0
 
 
 def test_report_says_where_outputs_left_ar(tmp_path, pair, exl3, monkeypatch):
