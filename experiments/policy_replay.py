@@ -14,7 +14,7 @@
     python -m experiments.policy_replay lengths --limit 8 --out /tmp/replay/lengths.json
     python -m experiments.policy_replay costs experiments/results/traces/pair_call4_trace.jsonl.gz \
         --bench experiments/results/traces/pair_call4_bench.json --out tests/data/replay/costs_h100_call4.json.gz
-    python -m experiments.policy_replay table --seeds 6 --reps 10
+    python -m experiments.policy_replay table --seeds 16 --reps 10
 
 The CPU drafter is the BF16 drafter in fp32, not the device's EXL3 6 bpw one, so the lengths are close to the
 device's, not equal; new shapes' CUDA graph captures are not modelled (every shape is warm).
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True, help="where to write (.json.gz)")
     r.add_argument("--force", action="store_true", help="replace --out if it exists (once the new one is complete)")
     t = sub.add_parser("table", help="auto, its rivals and its ablation on every committed trace, as markdown")
-    t.add_argument("--seeds", type=int, default=6, help="cost draws per scenario (default 6)")
+    t.add_argument("--seeds", type=int, default=16, help="cost draws per scenario (default 16)")
     t.add_argument("--reps", type=int, default=10, help="interleaved repetitions per draw (default 10)")
     a = p.parse_args(argv)
     try:

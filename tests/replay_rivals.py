@@ -182,9 +182,8 @@ ROWS["-backoff"] = ("- probing soon after a width won, then backing off", varian
 class NoEarlyProbe(Policy):
     """A fresh policy waits the budget's spacing for its first probe, as after any AR stretch."""
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.drafted = True
+    def could_pay(self, jobs):
+        return False
 
 
-ROWS["-early"] = ("- a fresh policy's first probe after MIN_GAP rounds", variant(NoEarlyProbe))
+ROWS["-early"] = ("- a fresh policy's probe on its first round", variant(NoEarlyProbe))

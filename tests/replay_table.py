@@ -2,14 +2,17 @@
 
 A scenario is a device trace (tests/data/replay/costs_h100_*.json.gz) at the concurrencies its bench ran, over the
 SmolLM2 pair's full-width lengths; `useless` replays call4's costs with a drafter that accepts nothing and AR rounds
-of the speculative engine 20 % dearer than plain steps; `fresh` replays call4 at c=1 with a new policy for every
-request, as every `generate` run and app turn starts. Every mode runs on common draws (tests/replay.py) beside AR
+of the speculative engine 20 % dearer than plain steps; `switch` 4 requests where the drafter accepts nothing, then
+4 where it works, `drop` the reverse (c=4); `fresh` replays call4 at c=1 with a new policy for every request (all 8
+prompts), as every `generate` run and app turn starts. Every mode runs on common draws (tests/replay.py) beside AR
 and every fixed width the calibration times; a cell is the mean over seeds of each mode's paired median ratio over
 the best of those fixed widths and over AR.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import statistics
 from collections.abc import Callable
 
@@ -19,28 +22,49 @@ LENGTHS = R.load(R.DATA / "lengths_smollm2.json.gz")
 FIRST4 = dict(LENGTHS, prompts=LENGTHS["prompts"][:4])      # the bench's --limit 4 runs
 USELESS = dict(FIRST4, prompts=[dict(p, lengths=[0] * len(p["lengths"])) for p in FIRST4["prompts"]])
 SWITCH = dict(FIRST4, prompts=USELESS["prompts"] + FIRST4["prompts"])    # useless on 4 requests, then good on 4
+DROP = dict(FIRST4, prompts=FIRST4["prompts"] + USELESS["prompts"])      # good on 4 requests, then useless on 4
 # name -> (lengths, costs file, concurrencies, noise in time, AR rounds of a speculative request over plain ones,
 # a fresh policy per request)
 SCENARIOS = {"call4": (FIRST4, "call4", [1, 4, 8], False, 1.0, False), "call6": (LENGTHS, "call6", [4, 8], False, 1.0, False),
              "call9": (LENGTHS, "call9", [4, 8], False, 1.0, False), "call10": (FIRST4, "call10", [1, 4, 8], False, 1.0, False),
              "call13": (FIRST4, "call13", [1], False, 1.0, False), "noisy": (FIRST4, "noisy", [1, 4, 8], True, 1.0, False),
              "useless": (USELESS, "call4", [1, 4, 8], False, 1.2, False), "switch": (SWITCH, "call4", [1], False, 1.0, False),
-             "fresh": (FIRST4, "call4", [1], False, 1.0, True)}
+             "drop": (DROP, "call4", [4], False, 1.0, False), "fresh": (LENGTHS, "call4", [1], False, 1.0, True)}
 FIXED = {"ar": 0, **{f"w{w}": w for w in (1, 3, 5, 7, 11, 15)}}     # the calibration's widths (timed, traced)
 COSTS = {name: R.load(R.DATA / f"costs_h100_{name}.json.gz") for name in {s[1] for s in SCENARIOS.values()}}
 
 Cells = dict[tuple[str, int], dict[str, tuple[float, float]]]
 
 
+_MODES: dict[str, int | R.Factory] = {}     # the modes of the running evaluate(), inherited by forked workers
+
+
+def draw(task: tuple[str, int, int]) -> dict:
+    """One scenario's ratios on one seed's cost draws (R.ratios)."""
+    name, seed, reps = task
+    lengths, costs, cs, noise, spec_ar, fresh = SCENARIOS[name]
+    return R.ratios(R.run_modes(lengths, COSTS[costs], cs, {**FIXED, **_MODES}, reps=reps, seed=seed,
+                                timed_noise=noise, spec_ar=spec_ar, fresh=fresh), [m for m in FIXED if m != "ar"])
+
+
 def evaluate(modes: dict[str, int | R.Factory], scenarios: list[str] | None = None, seeds: int = 4,
              reps: int = 8) -> Cells:
-    """{(scenario, c): {mode: (over the best fixed width, over AR)}, "best": the best fixed width}."""
+    """{(scenario, c): {mode: (over the best fixed width, over AR)}, "best": the best fixed width}. Seeds run in
+    forked workers, one per core (pure Python: the replay is CPU-bound and every draw is independent)."""
+    names = scenarios or list(SCENARIOS)
+    tasks = [(n, s, reps) for n in names for s in range(seeds)]
+    _MODES.clear()
+    _MODES.update(modes)
+    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, len(tasks))
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            done = pool.map(draw, tasks, chunksize=1)
+    else:
+        done = [draw(t) for t in tasks]
     out: Cells = {}
-    for name in scenarios or list(SCENARIOS):
-        lengths, costs, cs, noise, spec_ar, fresh = SCENARIOS[name]
-        runs = [R.ratios(R.run_modes(lengths, COSTS[costs], cs, {**FIXED, **modes}, reps=reps, seed=s,
-                                     timed_noise=noise, spec_ar=spec_ar, fresh=fresh), [m for m in FIXED if m != "ar"])
-                for s in range(seeds)]
+    for name in names:
+        _, _, cs, _, _, _ = SCENARIOS[name]
+        runs = [r for (n, _, _), r in zip(tasks, done) if n == name]
         for c in cs:
             cell = {m: (statistics.mean(r[c][m]["over_best"] for r in runs), statistics.mean(r[c][m]["over_ar"] for r in runs))
                     for m in modes}

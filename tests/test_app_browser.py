@@ -1,5 +1,5 @@
 """Real browser: Debian chromium driven by Playwright against the CPU app on the tiny pair: a short answer at the
-default block size auto that the policy decodes all as plain AR (no ratio shown), then one at a fixed B = 16 (a
+default block size auto, with a policy that never drafts (all plain AR: no ratio shown), then one at a fixed B = 16 (a
 lockstep ratio with its spread, coloured tokens, popups), at a desktop width and at a phone's; an auto answer with
 one drafted round (no verdict); a visitor's second turn, and another visitor's first, from the same policy state;
 Send during a turn (disabled; Enter keeps the prompt) and an empty Send (nothing changes).
@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.policy.chooser import MIN_GAP
+from toolkit.policy.chooser import Policy
 
 CHROMIUM = "/usr/bin/chromium"
 TINY = os.environ.get("DFLASH_DEMO", "tiny").lower() == "tiny"
 PROMPT = "json.dumps" if TINY else "Write a Python function that returns the n-th Fibonacci number."
-SHORT = MIN_GAP + 1   # new tokens: the prefill's and MIN_GAP AR rounds', before a fresh policy's first probe: all plain AR
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
@@ -78,14 +77,16 @@ def send(page, prompt: str, block: str | None = None, max_new: int | None = None
     return page.locator(".dfl-banner.done").inner_text()
 
 
-def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path):
+def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path, monkeypatch):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
     page.get_by_text("Demo on tiny models" if TINY else "SmolLM2").first.wait_for()
     assert "PyTorch (CPU)" in page.title() and "ExLlamaV3" not in page.title()     # the backend that runs
     assert "auto" in page.locator("#dfl-block input").input_value()                # the drafting policy is the default
 
-    banner = send(page, PROMPT, max_new=SHORT)                                    # auto, short: all plain AR
+    monkeypatch.setattr(Policy, "width", lambda self, jobs=1: 0)                  # auto, a policy that never drafts
+    banner = send(page, PROMPT, max_new=6)
+    monkeypatch.undo()
     assert "block auto: all" in banner and "rounds plain AR" in banner
     assert "No speedup to report" in banner and "×" not in banner and "faster" not in banner
     page.get_by_text("Every round: its block").click()
@@ -129,8 +130,6 @@ def test_browser_narrow_screen_keeps_the_plot_titles(url, browser):
 
 def test_browser_one_drafted_round_gives_no_verdict(url, browser, monkeypatch):
     """An auto answer whose policy drafted one round (a probe) decoded as AR: no faster or slower, no ratio."""
-    from toolkit.policy.chooser import Policy
-
     def one_probe(self, jobs=1):
         self._rounds_seen = getattr(self, "_rounds_seen", 0) + 1
         return self.block_size - 1 if self._rounds_seen == 3 else 0

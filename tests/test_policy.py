@@ -51,9 +51,11 @@ def test_width_follows_acceptance_and_costs(L, costs, want):
     assert p.best() == want and p.width() == want
 
 
-def test_expensive_drafter_falls_back_to_ar_from_the_prior():
-    p = Policy.auto(B, linear(10, 100, 1))
+def test_expensive_drafter_falls_back_to_ar_after_one_proposal():
+    p = Policy.auto(B, linear(10, 100, 1))         # a full block costs 10 AR steps: only near-full acceptance pays
     p.start(0, 0)
+    assert p.best() == 0 and p.width() == B - 1    # nothing known: AR wins, but a fresh policy probes once
+    learn(p, 4)
     assert p.width() == 0
 
 
@@ -140,7 +142,7 @@ def test_probes_cost_at_most_the_budget_of_ar_time():
     assert g == math.ceil((5.5 - p.expected_tokens()[-1]) / PROBE_BUDGET) and 145 <= g <= 150   # the prior faded
     at = probes(rounds)
     gaps = [b - a - 1 for a, b in zip([-1] + at, at)]
-    assert gaps[0] == MIN_GAP                                # a fresh policy learns from a proposal at once ...
+    assert gaps[0] == 0                                      # a fresh policy learns from a proposal at once ...
     assert g == 150 and set(gaps[1:]) == {g}                 # ... then (55 - 10) / 10 AR steps beyond, 3 % of AR time
     assert all(len(rounds[i].drafted) == B - 1 for i in at)
     t = costs.curve(B)
@@ -162,11 +164,15 @@ def test_probing_sees_acceptance_come_back():
     assert len(rounds[-2].drafted) == B - 1
 
 
-def test_a_fresh_policy_drafts_within_its_first_rounds():
+def test_a_fresh_policy_drafts_from_its_first_round():
     p = Policy.auto(B, linear(10, 14, 0.2))        # drafting pays once the drafter is known to be right
     rounds = run(p, lambda n: B, 60)[1:]
-    first = next(i for i, r in enumerate(rounds) if r.drafted)
-    assert first == MIN_GAP and all(r.drafted for r in rounds[first + 1:first + 10])
+    assert all(r.drafted for r in rounds[:10])      # the first round probes; its proposal shows the drafter right
+
+
+def test_a_fresh_policy_does_not_probe_where_no_width_could_pay():
+    p = Policy.auto(B, linear(10, 200, 1))          # even a fully accepted block costs more than its 16 AR steps
+    assert not any(r.drafted for r in run(p, lambda n: B, 60)[1:])
 
 
 # -- (d) cost cache ----------------------------------------------------------------------------------------------

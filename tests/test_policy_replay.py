@@ -23,14 +23,14 @@ from tests.replay_rivals import ROWS, Exl3Window
 
 @functools.cache
 def cells() -> T.Cells:
-    return T.evaluate(T.modes_of(ROWS), seeds=6, reps=10)
+    return T.evaluate(T.modes_of(ROWS), seeds=16, reps=10)
 
 
 def test_auto_holds_the_targets_on_every_trace():
     for (name, c), cell in cells().items():
         over_best, over_ar = cell["auto"]
-        if name == "fresh":                    # a fresh policy per request (generate, the app): reported, own line
-            assert over_best >= 0.9 and over_ar >= 1.9, (name, c, cell["auto"])
+        if name == "fresh":                    # a fresh policy per request (generate, the app): its own line
+            assert over_best >= 0.95 and over_best >= cell["exl3"][0], (name, c, cell["auto"], cell["exl3"])
         elif name == "useless":
             assert over_ar >= 0.98, (name, c, cell["auto"])
         else:

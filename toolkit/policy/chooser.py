@@ -6,11 +6,10 @@
   the target's later tokens show L. A request starts from the long-run rates (every proposal so far; 0 before
   any), weighing CARRY proposals. Each resolved proposal then weighs 1 and fades the older ones by
   DECAY ** jobs (a batch follows its present jobs).
-- While AR wins nothing is proposed, so one round probes at full width: after MIN_GAP AR rounds while nothing
-  was ever drafted and full acceptance would pay (a fresh policy knows nothing), then after `gap` AR rounds:
-  MIN_GAP after a width that won, doubling after each probe, at most (and from a job's start, so a short answer
-  never pays a whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET
-  of them.
+- While AR wins nothing is proposed, so one round probes at full width: at once while no proposal was ever resolved
+  and full acceptance would pay (a fresh policy knows nothing), then after `gap` AR rounds: MIN_GAP after a
+  width that won, doubling after each probe, at most (and from a job's start, so a short answer never pays a
+  whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET of them.
 - A batching engine asks `plain(jobs)` before a request: after a request at whose end no width beats AR by
   PLAIN_MARGIN at the long-run rates, the next 1, 4, then 16 requests of as many jobs decode without the drafter
   (its K/V upkeep makes AR rounds of a speculative engine dearer than plain steps).
@@ -57,7 +56,6 @@ class Policy:
         self.ar_rounds = self.request = 0           # AR rounds since drafting or a job's start; rounds of the request
         self.every, self.probing = 1 << 16, False   # the present spacing of probes, whether this round probes
         self.last_jobs, self.plain_served = 1, 0
-        self.drafted = False                        # whether any round drafted yet
         self.plain_left: dict[int, list[int]] = {}  # jobs -> [plain requests to serve, losing requests in a row]
 
     @classmethod
@@ -94,8 +92,8 @@ class Policy:
         if self.fixed_width is not None:
             return self.fixed_width
         w = self.best(jobs)
-        fresh = not self.drafted and self.could_pay(jobs)        # nothing drafted yet: learn from a proposal soon
-        self.probing = w == 0 and self.ar_rounds >= (MIN_GAP if fresh else min(self.every, self.gap(jobs)))
+        fresh = not self.count and self.could_pay(jobs)          # no proposal seen yet: learn from one now
+        self.probing = w == 0 and (fresh or self.ar_rounds >= min(self.every, self.gap(jobs)))
         return max(self.scores(jobs)) if self.probing else w
 
     def observe(self, items: Sequence[tuple[Hashable, Sequence[int], Any]], ms: float | None = None) -> None:
@@ -112,7 +110,6 @@ class Policy:
             self.costs.observe(self.last_jobs, width, ms)
         self.request += 1
         self.ar_rounds = 0 if width else self.ar_rounds + 1
-        self.drafted = self.drafted or width > 0
         if width:                                   # probes back off; a width that won brings the next one close
             self.every = min(2 * self.every, 1 << 16) if self.probing else MIN_GAP
 
