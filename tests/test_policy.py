@@ -197,6 +197,23 @@ def test_cost_cache_round_trip_and_corrupt_file(tmp_path, monkeypatch):
     assert len(calls) == 6
 
 
+def test_a_cached_table_that_no_longer_holds_is_timed_again(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return CostTable({1: {0: 10.0, 15: 30.0}})
+
+    cached_costs("k", measure, tmp_path)
+    same = cached_costs("k", measure, tmp_path, check=lambda: {0: 12.0, 15: 22.0})      # within x1.5: kept
+    assert same.source.startswith("cached") and len(calls) == 1
+    slower = cached_costs("k", measure, tmp_path, check=lambda: {0: 27.0, 15: 30.0})   # the AR step 2.7x dearer now
+    assert len(calls) == 2 and slower.source == "timed now (the cached AR step took 10 ms, now 27 ms)"
+    off = cached_costs("k", measure, tmp_path, check=lambda: {0: 10.0, 15: 150.0})     # drafting 5x dearer
+    assert len(calls) == 3 and "15-draft round took 30 ms, now 150 ms" in off.source
+    assert cached_costs("k", measure, tmp_path, check=lambda: {7: 1.0}).source.startswith("cached")  # no common width
+
+
 def test_cost_key_follows_configs_device_dtype_and_block(pair):
     t, d = pair
     k = cost_key([t, d], "cpu", torch.float32, 16)

@@ -90,9 +90,16 @@ def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pa
     assert set(be.policies) == {True, False} and be.policies[False] is not greedy
     assert greedy.costs.learn                                 # a timed table is corrected by the rounds
 
-    other = fresh_backend(pair_backend, pair)              # a second backend reads the cache instead of timing
-    monkeypatch.setattr("toolkit.runtime.torch_backend.measure_torch_costs", lambda *a, **k: pytest.fail("re-measured"))
-    assert other.cost_table() == be.costs
+    other = fresh_backend(pair_backend, pair)              # a second backend reads the cache instead of timing:
+    checked = []                                           # it times only AR and the widest width, as they were
+
+    def check_only(*a, widths=None, **k):
+        assert tuple(widths) == (0, B - 1), "re-measured"
+        checked.append(widths)
+        return CostTable({1: {w: be.costs.ms[1][w] for w in widths}})
+
+    monkeypatch.setattr("toolkit.runtime.torch_backend.measure_torch_costs", check_only)
+    assert other.cost_table() == be.costs and len(checked) == 1
 
 
 def test_auto_through_generate_is_lossless_with_variable_widths(pair, pair_backend, tmp_path, monkeypatch):

@@ -15,6 +15,8 @@ from ..core.folders import atomic_file, cache_root
 from .table import CostTable
 
 COST_CACHE_ENV = "DFLASH_COST_CACHE"   # a folder that replaces ~/.cache/dflash-toolkit/costs
+STALE = 1.5        # a cached width's ms over (or under) today's by more than this: the table is timed again
+NOISE_MS = 2.0     # unless they differ by less than this (sub-ms rounds of tiny models time noisily)
 
 
 def device_name(device) -> str:
@@ -45,21 +47,36 @@ def cost_dir() -> Path:
 
 
 def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path | None = None,
-                 refresh: bool = False) -> CostTable:
-    """The table cached under `key`, or a fresh `measure()` saved there; a broken or foreign file is re-timed."""
+                 refresh: bool = False, check: Callable[[], dict[int, float]] | None = None) -> CostTable:
+    """The table cached under `key`, or a fresh `measure()` saved there; a broken or foreign file is re-timed, and
+    so is one that `check()` (a few widths at c=1, timed now) finds off by more than STALE (the machine's load or
+    settings changed since: the policy corrects the widths it runs, never one it stopped running)."""
     path = Path(folder or cost_dir()) / f"{key}.json"
+    why = ""
     if path.is_file() and not refresh:
         try:
             d = read_json(path, "cost cache", limit=1 << 20)
             ms = number_table(d.get("ms"), (Num(1, 4096, "jobs", whole=True), Num(0, 4096, "drafts", whole=True)),
                               Num(0, 1e9, "ms", above=True), str(path), "ms")   # out of range: re-timed below
-            return CostTable.from_json({**d, "ms": ms}, f"cached {path}")
+            table = CostTable.from_json({**d, "ms": ms}, f"cached {path}")
+            why = stale(table, check()) if check is not None else ""
+            if not why:
+                return table
         except (ToolkitError, ValueError, KeyError, TypeError, AttributeError):
             pass                                 # broken or foreign: time it again and overwrite
     table = measure()
-    table.source = "timed now"
+    table.source = f"timed now ({why})" if why else "timed now"
     try:
         atomic_file(path, json.dumps(table.to_json(), indent=1))
     except (OSError, ToolkitError):
         pass                                     # a read-only or full cache only costs a re-timing next time
     return table
+
+
+def stale(table: CostTable, now: dict[int, float]) -> str:
+    """Why a cached table no longer holds against widths timed now at c=1 ("" when it does)."""
+    cached = table.ms.get(1, {})
+    for w, t in sorted(now.items()):
+        if w in cached and not 1 / STALE <= cached[w] / t <= STALE and abs(cached[w] - t) >= NOISE_MS:
+            return f"the cached {'AR step' if w == 0 else f'{w}-draft round'} took {cached[w]:.3g} ms, now {t:.3g} ms"
+    return ""

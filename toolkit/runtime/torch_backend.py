@@ -273,12 +273,16 @@ class TorchBackend(Backend):
         if self.costs is None:
             B = self.block_size
             widths = sorted({0, 1, 2, 3, B - 1} | {1 << k for k in range(B.bit_length()) if 1 << k < B})
-            measure = lambda: measure_torch_costs(self.target, self.drafter, B, reps=3, widths=widths, stat=min)  # noqa: E731
-            if self.folders:
+
+            def timed(ws: Iterable[int]) -> CostTable:
+                return measure_torch_costs(self.target, self.drafter, B, reps=3, widths=ws, stat=min)
+
+            if self.folders:                       # a cached table is checked against AR and the widest width now
                 key = cost_key(self.folders, self.target.device, self.target.dtype, B)
-                self.costs = cached_costs(key, measure, refresh=self.retime_costs)
+                self.costs = cached_costs(key, lambda: timed(widths), refresh=self.retime_costs,
+                                          check=lambda: timed((0, B - 1)).ms[1])
             else:
-                self.costs = measure()
+                self.costs = timed(widths)
         return self.costs
 
     def policy(self, greedy: bool) -> Policy:
