@@ -1,4 +1,5 @@
-"""For the policy tests: a scripted target and drafter (Scripted), a policy whose widths follow a script (Forced)."""
+"""For the policy and loop tests: a scripted target and drafter (Scripted), a policy whose widths follow a script
+(Forced)."""
 
 import torch
 

@@ -1,45 +1,17 @@
 """Round bookkeeping of the shared loop, with a scripted target and a scripted drafter."""
 
 import pytest
-import torch
 
+from policy_fakes import Scripted, truth
 from toolkit.runtime.events import Round, summarize, tokens_of
 from toolkit.runtime.loop import accepted_prefix, clip, decode
 from toolkit.runtime.sampling import Sampler
 
-V = 50
-TRUTH = [(7 * i + 3) % V for i in range(400)]   # the target's greedy continuation, position by position
-
-
-class Scripted:
-    """Target: one-hot logits on TRUTH. Drafter: right for the first `good` ids of each block, then wrong."""
-
-    def __init__(self, good: int):
-        self.good, self.n, self.calls = good, 0, []
-
-    def onehot(self, ids):
-        x = torch.full((len(ids), V), -1e9)
-        x[torch.arange(len(ids)), torch.tensor(ids)] = 0.0
-        return x
-
-    def prefill(self, prompt):
-        self.n = 0
-        return self.onehot([TRUTH[0]])[-1]
-
-    def draft_block(self, token, width):
-        right = TRUTH[self.n + 1 : self.n + 1 + width]
-        return [t if i < self.good else (t + 1) % V for i, t in enumerate(right)]
-
-    def verify(self, block):
-        self.calls.append(len(block))
-        return self.onehot(TRUTH[self.n + 1 : self.n + 1 + len(block)])
-
-    def accept(self, n):
-        self.n += n
+TRUTH = [truth(i) for i in range(400)]   # the target's greedy continuation, position by position
 
 
 def run(good, width, max_new=64, stop=()):
-    return list(decode(Scripted(good), [1, 2, 3], max_new, Sampler(), set(stop), width))
+    return list(decode(Scripted(lambda n: good), [1, 2, 3], max_new, Sampler(), set(stop), width))
 
 
 @pytest.mark.parametrize("B", [4, 8, 16])

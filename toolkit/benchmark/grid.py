@@ -144,10 +144,11 @@ def cost_report(pol) -> dict:
     between the table's widths; "observed": {c: {w: {ms, rounds}}}; "source"}, and its plain AR requests."""
     rc, b = pol.costs, pol.block_size
     cs = sorted(set(rc.table.ms) | {j for j, _ in rc.seen})
+    now = {c: rc.curve(c) for c in cs}
     out = {"source": rc.table.source,
            "start": {c: as_ms(rc.table.curve(b, c)) for c in cs},
-           "learned": {c: as_ms(CostTable({c: rc.curve(c)}).curve(b, c)) for c in cs},
-           "observed": {c: {w: {"ms": round(rc.curve(c)[w], 3), "rounds": len(d)}
+           "learned": {c: as_ms(CostTable({c: now[c]}).curve(b, c)) for c in cs},
+           "observed": {c: {w: {"ms": round(now[c][w], 3), "rounds": len(d)}
                             for (j, w), d in sorted(rc.seen.items()) if j == c} for c in cs}}
     if pol.plain_served:
         out["plain_ar_requests"] = pol.plain_served
