@@ -52,18 +52,18 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
     so is one that `check()` (a few widths at c=1, timed now) finds off by more than STALE (the machine's load or
     settings changed since: the policy corrects the widths it runs, never one it stopped running)."""
     path = Path(folder or cost_dir()) / f"{key}.json"
-    why = ""
+    cached = None
     if path.is_file() and not refresh:
         try:
             d = read_json(path, "cost cache", limit=1 << 20)
             ms = number_table(d.get("ms"), (Num(1, 4096, "jobs", whole=True), Num(0, 4096, "drafts", whole=True)),
                               Num(0, 1e9, "ms", above=True), str(path), "ms")   # out of range: re-timed below
-            table = CostTable.from_json({**d, "ms": ms}, f"cached {path}")
-            why = stale(table, check()) if check is not None else ""
-            if not why:
-                return table
+            cached = CostTable.from_json({**d, "ms": ms}, f"cached {path}")
         except (ToolkitError, ValueError, KeyError, TypeError, AttributeError):
             pass                                 # broken or foreign: time it again and overwrite
+    why = stale(cached, check()) if cached is not None and check is not None else ""
+    if cached is not None and not why:
+        return cached
     table = measure()
     table.source = f"timed now ({why})" if why else "timed now"
     try:
