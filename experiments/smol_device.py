@@ -1,14 +1,15 @@
 """Train and measure the SmolLM2-135M-Instruct DFlash drafter on one GPU, inside 9.5 minutes.
 
 Here (CPU, once):   python -m experiments.smol_device pack
-    writes .smol1/part1 (the GGUF's first 50 MiB), .smol/part2 (the rest), .smol/LICENSE, .smol/prompts.jsonl
-    (the ShareGPT + stdlib-code prompt pool) and .whl/gguf-*.whl (the device has no gguf and no network).
-Device, call 1:     carry [".smol1/part1"], command `mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/`
-                    (ignored files that a call does not carry are deleted from the device's checkout, but /tmp
-                    survives while the machine stays warm: issue call 2 within its 30 s idle window)
-Device, call 2:     carry [".smol/part2", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
-                    command `cp /tmp/parts/part1 .smol/ && python3 -m experiments.smol_device run`   (7.5 minutes on an H200)
-Or, call 2 `... && python3 -m experiments.smol_device stage`: only join and prepare the target into
+    splits the GGUF into parts that each fit one call beside the working tree (64 MiB in all): .smol1/part1,
+    .smol2/part2, ..., the last in .smol/ with .smol/LICENSE and .smol/prompts.jsonl (the ShareGPT + stdlib-code
+    prompt pool), and fetches .whl/gguf-*.whl (the device has no gguf and no network); it prints the parts.
+Device, call k:     carry [".smolK/partK"], command `mkdir -p /tmp/parts && cp .smolK/partK /tmp/parts/` for each
+                    part but the last (/tmp survives while the machine stays warm: issue the next call within its
+                    30 s idle window)
+Device, last call:  carry [".smol/partN", ".smol/LICENSE", ".smol/prompts.jsonl", ".whl/gguf-0.19.0-py3-none-any.whl"],
+                    command `cp /tmp/parts/part* .smol/ && python3 -m experiments.smol_device run`   (7.5 minutes on an H200)
+Or, the last call `... && python3 -m experiments.smol_device stage`: only join and prepare the target into
                     /tmp/smol-run/smollm2-135m-instruct for later calls on the same warm machine (no training).
 Here, afterwards:   python -m experiments.smol_device install FILES_AT   (merges the shards into toolkit/data/smollm2_dflash)
 
@@ -35,7 +36,17 @@ from experiments.harness import Run, device_name, download_wheels, env_float
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT_NEEDED = 5200                                          # ShareGPT prompts read into the pool (training + held out)
-SMOL, SMOL1, WHL = ROOT / ".smol", ROOT / ".smol1", ROOT / ".whl"   # .smol1: call 1's part, apart from call 2's
+SMOL, WHL = ROOT / ".smol", ROOT / ".whl"                  # .smol1, .smol2, ...: the earlier calls' parts
+CARRY_MIB = 64                                              # what one device call carries, the working tree included
+
+
+def tree_bytes() -> int:
+    """Bytes of the working tree that travels with every device call (tracked and untracked, not ignored)."""
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
 WORK = Path("/tmp/smol-run")
 
 
@@ -45,19 +56,24 @@ def pack() -> None:
     from toolkit.train.data import prompt_pool, write_pool
 
     SMOL.mkdir(exist_ok=True)
-    SMOL1.mkdir(exist_ok=True)
     src, lic = locate_source(None, None, SMOL / "src")
     assert sha256(src) == GGUF_SHA256
     data = src.read_bytes()
-    cut = 50 * 2**20                                       # call 1 carries 50 MiB and the tree (no .device), call 2 the rest
-    (SMOL1 / "part1").write_bytes(data[:cut])
-    (SMOL / "part2").write_bytes(data[cut:])
+    room = CARRY_MIB * 2**20 - tree_bytes() - 4 * 2**20    # what a call carries beside the tree (the last one: + prompts)
+    n = -(-len(data) // room)
+    cut = -(-len(data) // n)
+    for old in [*ROOT.glob(".smol[0-9]*/part*"), *SMOL.glob("part*")]:
+        old.unlink()
+    for i in range(n):
+        folder = SMOL if i == n - 1 else ROOT / f".smol{i + 1}"
+        folder.mkdir(exist_ok=True)
+        (folder / f"part{i + 1}").write_bytes(data[i * cut:(i + 1) * cut])
     (SMOL / "LICENSE").write_text(lic)
     shutil.rmtree(SMOL / "src", ignore_errors=True)
     pool = prompt_pool(None, None, chat_needed=CHAT_NEEDED)
     write_pool(SMOL / "prompts.jsonl", pool)
     download_wheels(WHL, ["gguf"])
-    for p in sorted([*SMOL1.iterdir(), *SMOL.iterdir(), *WHL.glob("gguf-*.whl")]):
+    for p in sorted([*ROOT.glob(".smol[0-9]*/part*"), *SMOL.iterdir(), *WHL.glob("gguf-*.whl")]):
         print(f"{p.relative_to(ROOT)}  {p.stat().st_size / 2**20:.1f} MiB")
     print(f"prompt pool: {len(pool)} prompts")
 
@@ -65,10 +81,9 @@ def pack() -> None:
 def join_gguf() -> dict:
     from toolkit.assets.smollm2 import GGUF_NAME, GGUF_SHA256, sha256
 
-    parts = [SMOL / "part1", SMOL / "part2"]
-    missing = [str(p) for p in parts if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"missing {missing}: carry .smol/part1 in one call and .smol/part2 in the next (same warm machine)")
+    parts = sorted(SMOL.glob("part*"), key=lambda p: int(p.name[4:]))
+    if not parts or len(parts) != int(parts[-1].name[4:]):
+        raise FileNotFoundError(f"parts {[p.name for p in parts]} in .smol: copy /tmp/parts/part* there first (see the docstring)")
     dst = WORK / "gguf" / GGUF_NAME
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst, "wb") as f:

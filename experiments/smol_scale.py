@@ -6,17 +6,16 @@ human turns and stdlib code tasks (toolkit/train/data.py scale_pool; the held-ou
 checkpoint by a teacher-forced tau on the held-out prompts (toolkit/train/*.py docstrings cite where each comes from).
 
 Here (CPU, once):   python -m experiments.smol_scale pack
-    writes .smol1/part1 (the GGUF's first 50 MiB), .smol/part2 (the rest), .smol/LICENSE, .whl/gguf-*.whl (through
-    experiments.smol_device pack) and .smol/scale_prompts.jsonl.gz (the 113k-prompt pool, ~5 MiB). A call carries
-    64 MiB with the tracked tree: move toolkit/data/smollm2_dflash (24.6 MB) out of the tree for calls 1 and 2 and
-    back afterwards (not through git's index), and leave .device out of them. Issue each call within 30 s of the
-    last: /tmp survives only on a warm machine.
+    writes the GGUF in parts that each fit one call beside the tree (.smol1/part1, ..., the last in .smol/),
+    .smol/LICENSE, .whl/gguf-*.whl (through experiments.smol_device pack) and .smol/scale_prompts.jsonl.gz (the
+    113k-prompt pool, ~5 MiB). Leave .device out of the part calls. Issue each call within 30 s of the last: /tmp
+    survives only on a warm machine.
 
-Device, call 1 (seconds), carry [".smol1/part1"]:
-    mkdir -p /tmp/parts && cp .smol1/part1 /tmp/parts/
-Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_prompts.jsonl.gz",
+Device, call k < N (seconds), carry [".smolK/partK"]:
+    mkdir -p /tmp/parts && cp .smolK/partK /tmp/parts/
+Device, call N (~9.5 min), carry [".smol/partN", ".smol/LICENSE", ".smol/scale_prompts.jsonl.gz",
                                   ".whl/gguf-0.19.0-py3-none-any.whl"]:
-    cp /tmp/parts/part1 .smol/ && PYTHONUNBUFFERED=1 python3 -m experiments.smol_scale gen
+    cp /tmp/parts/part* .smol/ && PYTHONUNBUFFERED=1 python3 -m experiments.smol_scale gen
     (joins and checks the GGUF, prepares the fp16 target in /tmp/smol-run, answers the pool into the answer store
     /tmp/smol-scale/data until its budget, ~223 answers/s: 100,352 answers in 488 s on 2026-12-03; then sends the
     store back as $OUT/store.tar.xz.NN parts when it fits. $OUT/gen.json has answers/s. With pending > 0, the same
@@ -25,8 +24,8 @@ Device, call 2 (~9.5 min), carry [".smol/part2", ".smol/LICENSE", ".smol/scale_p
   With a kept store (.smol/store is git-ignored: it lasts only on the machine that kept it; a fresh checkout has
   none, and then `gen --budget-s 200` in call 2 answers ~35k prompts, more than one call of training reads), call 2
   stages instead,
-  carry [".smol/part2", ".smol/LICENSE", ".whl/gguf-0.19.0-py3-none-any.whl", ".smol/store"]:
-    cp /tmp/parts/part1 .smol/ && mkdir -p /tmp/store-parts && cp .smol/store/store.tar.xz.* /tmp/store-parts/ &&
+  carry [".smol/partN", ".smol/LICENSE", ".whl/gguf-0.19.0-py3-none-any.whl", ".smol/store"]:
+    cp /tmp/parts/part* .smol/ && mkdir -p /tmp/store-parts && cp .smol/store/store.tar.xz.* /tmp/store-parts/ &&
     python3 -m experiments.smol_device stage
   (`train` unpacks the store parts into /tmp/smol-scale/data) and call 3 continues the shipped drafter:
   `... smol_scale train --init toolkit/data/smollm2_dflash` (drafter back in the tree). 106 steps that way on 2026-12-03 raised the teacher-forced tau from 1.76 / 2.02 to 1.91 / 2.23.

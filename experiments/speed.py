@@ -23,7 +23,7 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
 
 Mode `pair`, the SmolLM2-135M pair with its shipped drafter (toolkit/data/smollm2_dflash), after the target was
-staged on the same warm machine (experiments/smol_device.py: call 1 carries .smol1/part1, call 2 runs
+staged on the same warm machine (experiments/smol_device.py: calls carry the GGUF parts, the last runs
 `python3 -m experiments.smol_device stage`), then within the 30 s idle window:
 
     source .device/on-device.sh && timeout 570 python -m experiments.speed pair                 (carry [".device"])
