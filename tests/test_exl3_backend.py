@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend, target_next  # noqa: F401  (re-exported)
+from exl3_fakes import Clock, FakeGenerator, V, ar_reference, make_backend, target_next, timed_backend  # noqa: F401  (re-exported)
 from stream_shape import assert_stream_shape
 
 from toolkit.core.errors import ToolkitError
@@ -20,6 +20,7 @@ from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import Round, tokens_of
 from toolkit.exl3.hook import JobTrack, build_round, recording_generator_class
 from toolkit.exl3.options import ADOPTED, Exl3Options, parse_lever
+from toolkit.exl3.calibrate import CALIBRATION_WARM, SPOT_REPS
 
 
 def test_module_imports_without_exllamav3_or_cuda():
@@ -205,11 +206,25 @@ def test_calibration_per_concurrency_is_timed_once_and_cached(timed, monkeypatch
     files = sorted(p.name for p in (tmp_path / "costs").glob("*.json"))
     assert len(files) == 2 and "-c1-" in files[0] and "-c4-" in files[1]
     again = make_backend(monkeypatch, tmp_path)                       # same models, GPU and options: read back
-    assert again.cost_table(4).ms[4] == pytest.approx(t4.ms[4]) and FakeGenerator.built == []
     again.clock = timed.clock
+    got = again.cost_table(4)
+    assert got.ms[4] == pytest.approx(t4.ms[4]) and got.source.startswith("cached")
+    assert set(FakeGenerator.built[0].widths) == {0, 7}                                # a spot check of AR and w=7:
+    assert FakeGenerator.built[0].widths.count(7) == CALIBRATION_WARM + SPOT_REPS      # warm passes, then timed ones
     again.set_options(Exl3Options())                                  # other options: timed on their own
     again.cost_table(4)
-    assert len(FakeGenerator.built) == 1 and len(list((tmp_path / "costs").glob("*.json"))) == 3
+    assert len(FakeGenerator.built) == 2 and len(list((tmp_path / "costs").glob("*.json"))) == 3
+
+
+def test_a_cached_table_that_no_longer_holds_is_timed_again(monkeypatch, tmp_path):
+    before = timed_backend(monkeypatch, tmp_path, lambda w, rows: 10.0 + 2.0 * w * rows)
+    assert before.cost_table(1).ms[1][7] == pytest.approx(24.0)
+    busy = timed_backend(monkeypatch, tmp_path, lambda w, rows: 30.0 + 2.0 * w * rows)   # the GPU is shared now
+    table = busy.cost_table(1)
+    assert table.ms[1][0] == pytest.approx(30.0) and table.ms[1][7] == pytest.approx(44.0)
+    assert table.source == "timed now (the cached AR step took 10 ms, now 30 ms)"
+    same = timed_backend(monkeypatch, tmp_path, lambda w, rows: 31.0 + 2.0 * w * rows)   # within x1.5: kept
+    assert same.cost_table(1).source.startswith("cached") and same.cost_table(1).ms[1][0] == pytest.approx(30.0)
 
 
 def test_auto_learns_acceptance_and_settles_on_the_best_width(timed):

@@ -49,7 +49,7 @@ def cost_dir() -> Path:
 def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path | None = None,
                  refresh: bool = False, check: Callable[[], dict[int, float]] | None = None) -> CostTable:
     """The table cached under `key`, or a fresh `measure()` saved there; a broken or foreign file is re-timed, and
-    so is one that `check()` (a few widths at c=1, timed now) finds off by more than STALE (the machine's load or
+    so is one that `check()` (a few widths timed now at the table's one concurrency, else at c=1) finds off by more than STALE (the machine's load or
     settings changed since: the policy corrects the widths it runs, never one it stopped running)."""
     path = Path(folder or cost_dir()) / f"{key}.json"
     cached = None
@@ -74,8 +74,9 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
 
 
 def stale(table: CostTable, now: dict[int, float]) -> str:
-    """Why a cached table no longer holds against widths timed now at c=1 ("" when it does)."""
-    cached = table.ms.get(1, {})
+    """Why a cached table no longer holds against widths timed now ("" when it does): at its one concurrency, or
+    at c=1 when it holds several."""
+    cached = next(iter(table.ms.values())) if len(table.ms) == 1 else table.ms.get(1, {})
     for w, t in sorted(now.items()):
         if w in cached and not 1 / STALE <= cached[w] / t <= STALE and abs(cached[w] - t) >= NOISE_MS:
             return f"the cached {'AR step' if w == 0 else f'{w}-draft round'} took {cached[w]:.3g} ms, now {t:.3g} ms"

@@ -34,7 +34,7 @@ from .hook import JobTrack, build_round, recording_generator_class
 from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
-from .calibrate import PAGE, TABLE_VERSION, calibrate
+from .calibrate import PAGE, TABLE_VERSION, calibrate, spot_check
 from ..policy.chooser import Policy
 from .split import GpuSplit, device_count
 from ..costs.cache import cached_costs, cost_key, device_name
@@ -284,7 +284,8 @@ class Exl3Backend(Backend):
                 self.calibration_tokens.setdefault(tag, {})[concurrency] = emitted
                 return CostTable({concurrency: ms}, device_name(self.device))
 
-            got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache, refresh=self.retime_costs)
+            got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache, refresh=self.retime_costs,
+                               check=lambda: spot_check(self, concurrency))
             ms = got.ms.get(concurrency) or next(iter(got.ms.values()))
             if table is None:
                 table = self.costs[tag] = CostTable({concurrency: ms}, got.device, got.source)

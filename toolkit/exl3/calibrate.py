@@ -21,6 +21,7 @@ CALIBRATION_WIDTHS = (0, 1, 3, 5, 7, 11, 15)
 CALIBRATION_REPS = 5
 CALIBRATION_WARM = 3               # untimed passes before timing: a new shape runs eagerly, then captures, then replays
 CALIBRATION_CONTEXT = 256
+SPOT_REPS = 3                      # rounds per width when a cached table is checked
 TABLE_VERSION = 3                  # of the cached tables' meaning (replayed rounds, their low quartile); in the cache key
 
 
@@ -126,3 +127,11 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     return ms
+
+
+def spot_check(be, concurrency: int) -> dict[int, float]:
+    """ms of the AR step and the widest round at `concurrency`, timed now (the least of a few rounds each): what a
+    cached cost table is checked against before it is trusted."""
+    ws = calibration_widths(be.block_size, (0, be.block_size - 1))
+    times = time_rounds(be, concurrency, ws, reps=SPOT_REPS, warm=CALIBRATION_WARM)
+    return {w: min(ts) for w, ts in times.items() if ts}
