@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAT_NEEDED = 5200                                          # ShareGPT prompts read into the pool (training + held out)
 SMOL, WHL = ROOT / ".smol", ROOT / ".whl"                  # .smol1, .smol2, ...: the earlier calls' parts
 CARRY_MIB = 64                                              # what one device call carries, the working tree included
+WORK = Path("/tmp/smol-run")
 
 
 def tree_bytes() -> int:
@@ -47,7 +48,6 @@ def tree_bytes() -> int:
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.split(b"\0")
     return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
-WORK = Path("/tmp/smol-run")
 
 
 def pack() -> None:
@@ -81,7 +81,7 @@ def pack() -> None:
 def join_gguf() -> dict:
     from toolkit.assets.smollm2 import GGUF_NAME, GGUF_SHA256, sha256
 
-    parts = sorted(SMOL.glob("part*"), key=lambda p: int(p.name[4:]))
+    parts = sorted(SMOL.glob("part[0-9]*"), key=lambda p: int(p.name[4:]))
     if not parts or len(parts) != int(parts[-1].name[4:]):
         raise FileNotFoundError(f"parts {[p.name for p in parts]} in .smol: copy /tmp/parts/part* there first (see the docstring)")
     dst = WORK / "gguf" / GGUF_NAME

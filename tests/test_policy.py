@@ -205,13 +205,13 @@ def test_a_cached_table_that_no_longer_holds_is_timed_again(tmp_path):
         return CostTable({1: {0: 10.0, 15: 30.0}})
 
     cached_costs("k", measure, tmp_path)
-    same = cached_costs("k", measure, tmp_path, check=lambda: {0: 12.0, 15: 22.0})      # within x1.5: kept
+    same = cached_costs("k", measure, tmp_path, check=lambda: {1: {0: 12.0, 15: 22.0}})      # within x1.5: kept
     assert same.source.startswith("cached") and len(calls) == 1
-    slower = cached_costs("k", measure, tmp_path, check=lambda: {0: 27.0, 15: 30.0})   # the AR step 2.7x dearer now
+    slower = cached_costs("k", measure, tmp_path, check=lambda: {1: {0: 27.0, 15: 30.0}})   # the AR step 2.7x dearer now
     assert len(calls) == 2 and slower.source == "timed now (the cached AR step took 10 ms, now 27 ms)"
-    off = cached_costs("k", measure, tmp_path, check=lambda: {0: 10.0, 15: 150.0})     # drafting 5x dearer
+    off = cached_costs("k", measure, tmp_path, check=lambda: {1: {0: 10.0, 15: 150.0}})     # drafting 5x dearer
     assert len(calls) == 3 and "15-draft round took 30 ms, now 150 ms" in off.source
-    assert cached_costs("k", measure, tmp_path, check=lambda: {7: 1.0}).source.startswith("cached")  # no common width
+    assert cached_costs("k", measure, tmp_path, check=lambda: {1: {7: 1.0}}).source.startswith("cached")  # no common width
 
 
 def test_cost_key_follows_configs_device_dtype_and_block(pair):

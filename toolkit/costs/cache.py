@@ -47,10 +47,10 @@ def cost_dir() -> Path:
 
 
 def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path | None = None,
-                 refresh: bool = False, check: Callable[[], dict[int, float]] | None = None) -> CostTable:
+                 refresh: bool = False, check: Callable[[], dict[int, dict[int, float]]] | None = None) -> CostTable:
     """The table cached under `key`, or a fresh `measure()` saved there; a broken or foreign file is re-timed, and
-    so is one that `check()` (a few widths timed now at the table's one concurrency, else at c=1) finds off by more than STALE (the machine's load or
-    settings changed since: the policy corrects the widths it runs, never one it stopped running)."""
+    so is one that `check()` ({concurrency: {width: ms}}, a few widths timed now) finds off by more than STALE (the
+    machine's load or settings changed since: the policy corrects the widths it runs, never one it stopped running)."""
     path = Path(folder or cost_dir()) / f"{key}.json"
     cached = None
     if path.is_file() and not refresh:
@@ -73,11 +73,11 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
     return table
 
 
-def stale(table: CostTable, now: dict[int, float]) -> str:
-    """Why a cached table no longer holds against widths timed now ("" when it does): at its one concurrency, or
-    at c=1 when it holds several."""
-    cached = next(iter(table.ms.values())) if len(table.ms) == 1 else table.ms.get(1, {})
-    for w, t in sorted(now.items()):
-        if w in cached and not 1 / STALE <= cached[w] / t <= STALE and abs(cached[w] - t) >= NOISE_MS:
-            return f"the cached {'AR step' if w == 0 else f'{w}-draft round'} took {cached[w]:.3g} ms, now {t:.3g} ms"
+def stale(table: CostTable, now: dict[int, dict[int, float]]) -> str:
+    """Why a cached table no longer holds against {concurrency: {width: ms}} timed now ("" when it does)."""
+    for c, pts in sorted(now.items()):
+        cached = table.ms.get(c, {})
+        for w, t in sorted(pts.items()):
+            if w in cached and not 1 / STALE <= cached[w] / t <= STALE and abs(cached[w] - t) >= NOISE_MS:
+                return f"the cached {'AR step' if w == 0 else f'{w}-draft round'} took {cached[w]:.3g} ms, now {t:.3g} ms"
     return ""

@@ -285,7 +285,7 @@ class Exl3Backend(Backend):
                 return CostTable({concurrency: ms}, device_name(self.device))
 
             got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache, refresh=self.retime_costs,
-                               check=lambda: spot_check(self, concurrency))
+                               check=lambda: {concurrency: spot_check(self, concurrency)})
             ms = got.ms.get(concurrency) or next(iter(got.ms.values()))
             if table is None:
                 table = self.costs[tag] = CostTable({concurrency: ms}, got.device, got.source)

@@ -132,6 +132,6 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
 def spot_check(be, concurrency: int) -> dict[int, float]:
     """ms of the AR step and the widest round at `concurrency`, timed now (the least of a few rounds each): what a
     cached cost table is checked against before it is trusted."""
-    ws = calibration_widths(be.block_size, (0, be.block_size - 1))
+    ws = calibration_widths(be.block_size, (be.block_size - 1,))
     times = time_rounds(be, concurrency, ws, reps=SPOT_REPS, warm=CALIBRATION_WARM)
     return {w: min(ts) for w, ts in times.items() if ts}

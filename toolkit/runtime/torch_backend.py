@@ -280,7 +280,7 @@ class TorchBackend(Backend):
             if self.folders:                       # a cached table is checked against AR and the widest width now
                 key = cost_key(self.folders, self.target.device, self.target.dtype, B)
                 self.costs = cached_costs(key, lambda: timed(widths), refresh=self.retime_costs,
-                                          check=lambda: timed((0, B - 1)).ms[1])
+                                          check=lambda: timed((0, B - 1)).ms)
             else:
                 self.costs = timed(widths)
         return self.costs
