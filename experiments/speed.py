@@ -151,8 +151,9 @@ def load_shape(a, routing: str = "random"):
                                  max_concurrency=max(a.concurrency))
 
 
-def time_shape(run: Run, be, a) -> dict:
-    """The interleaved repetitions: every (c, setting) timed once per repetition; partial results kept."""
+def time_shape(run: Run, be, a, key: str = "timing", share: float = 1.0) -> dict:
+    """The interleaved repetitions: every (c, setting) timed once per repetition; partial results kept under
+    run.results[key]. `share`: the part of the budget left (after --reserve-s) these repetitions may use."""
     from toolkit.exl3.options import Exl3Options, parse_lever
     from toolkit.exl3.calibrate import medians, time_rounds
 
@@ -160,7 +161,7 @@ def time_shape(run: Run, be, a) -> dict:
     ar: dict[int, list[float]] = {c: [] for c in a.concurrency}
     own_ar: dict[str, dict[int, list[float]]] = {t: {c: [] for c in a.concurrency} for t, _ in sets[1:]}
     per: dict[str, dict[int, dict[int, list[float]]]] = {t: {c: {w: [] for w in a.widths} for c in a.concurrency} for t, _ in sets}
-    out = run.results.setdefault("timing", {})
+    out = run.results.setdefault(key, {})
 
     def plain_ar(c: int) -> float:
         return medians(time_rounds(be, c, [0], reps=a.passes, context=a.context, speculative=False))[0]
@@ -182,7 +183,7 @@ def time_shape(run: Run, be, a) -> dict:
         return t_ar, t_round
 
     warm_up(run, out, a.warmup, lambda i: one_pass())
-    reps = Repetitions(run, a.reps, a.reserve_s)
+    reps = Repetitions(run, a.reps, a.reserve_s + (1 - share) * max(0.0, run.left() - a.reserve_s))
     for rep in reps:
         t_ar, t_round = one_pass()
         for c, ms in t_ar.items():
@@ -305,7 +306,7 @@ def run_shape(run: Run, a) -> None:
             return
         try:
             run.results[f"distinct_experts{key}"] = distinct_experts(be)
-            data = run.step(f"timing{key}", time_shape, run, be, a, keep=False)
+            data = run.step(f"timing{key}", time_shape, run, be, a, f"timing{key}", 1 / (len(a.routing) - i), keep=False)
             if i == 0:
                 run.step("profile", profile_host, be, a, need_s=20)
                 if a.budget:

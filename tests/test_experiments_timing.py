@@ -105,6 +105,9 @@ def test_speed_shape_interleaves_settings_keeps_partial_results_and_projects(mon
     assert saved["reps_done"] == 3 and saved["settings"] == ["stock", "graph_draft_swa"]
     assert len(saved["warmup_seconds"]) == 1                                # one untimed pass, not among the 3
     assert saved["round_ms"]["stock"]["4"]["7"]["median"] == pytest.approx(66.0) and be.options.tag == "stock"
+    time_shape(run, be, a, "timing_skewed", share=0.5)                      # a second routing keeps the first's
+    both = json.loads(run.path.read_text())
+    assert both["timing"]["reps_done"] == 3 and both["timing_skewed"]["reps_done"] == 3
     rows = projection_rows(data["ar"], data["sets"], [("x", 3.439, 4)])
     r = next(r for r in rows if r["setting"] == "stock" and r["concurrency"] == 1)
     # w = 0..3 cost 10, 12, 14, 16 ms (w = 2 interpolated); alpha 0.9: (1 + .9 + .81 + .729) / 16 ms is the best
