@@ -259,6 +259,19 @@ def test_auto_decodes_ar_where_speculation_cannot_win_and_probes_only_at_the_bud
     assert set(timed.costs[ADOPTED.tag].ms) == {8}
 
 
+def test_a_warm_up_whose_one_proposal_fails_does_not_send_the_next_answer_to_plain_ar(monkeypatch, tmp_path):
+    # the app's GPU demo once decoded every answer plain: the warm-up's one rejected proposal had taught the policy
+    # that drafting never pays, and each turn restored that state
+    be = timed_backend(monkeypatch, tmp_path, lambda w, rows: 32.0 if w == 0 else 38.0 + 0.1 * w)
+    monkeypatch.setattr(FakeGenerator, "good", staticmethod(lambda last, block: 0))
+    be.warm_up([1, 2, 3])
+    assert be.policies == {}                                    # the warm-up leaves the policies as it found them
+    assert be.cost_source() == "timed now"                      # what the app's start-up line reports
+    monkeypatch.setattr(FakeGenerator, "good", staticmethod(lambda last, block: 3))
+    rounds = list(be.generate([4, 9, 11], GenSettings(max_new_tokens=60)))
+    assert sum(1 for r in rounds if r.drafted) > len(rounds) // 2
+
+
 def test_options_rebuild_the_generator_and_levers_parse(fake_backend):
     p = endless_prompts(1, 20)[0]
     list(fake_backend.generate(p, GenSettings(max_new_tokens=10, block_size=8)))

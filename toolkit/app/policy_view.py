@@ -8,30 +8,20 @@ timed cost table itself is shared (it describes the machine, not a prompt).
 
 from __future__ import annotations
 
-import copy
-
 from ..costs.table import CostTable
-from ..runtime.backend import Backend, GenSettings
+from ..runtime.backend import Backend, GenSettings, copy_policies
 
 
 class PolicyStart:
     """The backend's auto policies as the start-up (calibration and warm-up) left them."""
 
     def __init__(self, backend: Backend | None):
-        self.saved = self._copy(getattr(backend, "policies", None))
-
-    @staticmethod
-    def _copy(policies: dict | None) -> dict | None:
-        if policies is None:
-            return None
-        tables = [getattr(getattr(p, "costs", None), "table", None) for p in policies.values()]
-        memo = {id(t): t for t in tables if t is not None}        # the timed table stays shared
-        return copy.deepcopy(policies, memo)
+        self.saved = copy_policies(getattr(backend, "policies", None))
 
     def restore(self, backend: Backend) -> None:
         """Give `backend` fresh copies of the saved policies (a policy made later starts fresh anyway)."""
         if self.saved is not None and hasattr(backend, "policies"):
-            backend.policies = self._copy(self.saved)
+            backend.policies = copy_policies(self.saved)
 
 
 def learnt(backend: Backend, settings: GenSettings) -> dict | None:

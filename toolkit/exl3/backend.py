@@ -1,19 +1,17 @@
 """The exllamav3 backend: an EXL3 (or unquantized) target and an EXL3 (or BF16) DFlash drafter on exllamav3 1.6.5.
 
-Decoding runs exllamav3's own Generator (paged cache, batched jobs, DFlash verification); the drafted ids of
-each round come from the capture in exl3_hook. The AR baseline is a Generator over the same target and the
-same cache with no drafter. exllamav3 is imported only when a backend is built, so this module imports on
-any machine.
+Decoding runs exllamav3's own Generator (paged cache, batched jobs, DFlash verification); the drafted ids of each
+round come from the capture in hook.py. The AR baseline is a Generator over the same target and cache with no
+drafter. exllamav3 is imported only when a backend is built, so this module imports on any machine.
 
 The drafting policy (block_size "auto", the default; toolkit/policy) maps onto exllamav3's knobs as follows:
 - before each iterate() the recording Generator's `num_draft_tokens` is set to the width the policy picks for the
   current number of jobs (one width for all: exllamav3 verifies a rectangle; 0 is a plain decode step). The
-  drafter's block is computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. One
-  speculative Generator (built for B-1) serves every width; one without drafter is the AR baseline.
+  drafter's block is computed whole, so the hook keeps all B-1 proposals for hindsight acceptance. One speculative
+  Generator (built for B-1) serves every width; one without drafter is the AR baseline.
 - a request runs on the AR baseline's Generator when the policy says drafting stopped paying (Policy.plain).
-- t_round(w, c) is timed on the loaded model at first use of each concurrency c (calibrate.py) and cached per
-  model pair, GPU and options: the policy's prior, corrected by the iterate() times it observes, over the widths
-  the calibration ran (their CUDA graphs exist).
+- t_round(w, c) is timed on the loaded model at first use of each concurrency c (calibrate.py) and cached per model
+  pair, GPU and options: the policy's prior, corrected by the iterate() times it observes, over the timed widths.
 - the levers (options.py) change what a round costs, never the width or the output.
 """
 
@@ -134,8 +132,7 @@ class Exl3Backend(Backend):
         self.exl, self.model, self.cache, self.tokenizer_exl = exl, model, cache, tokenizer
         self.tokenizer, self.draft, self.draft_cache = hf_tokenizer, draft, draft_cache
         self.block_size, self.max_context, self.eos_ids = native_block, max_context, eos_ids
-        self.max_concurrency = max_concurrency
-        self.cache_tokens = cache.max_num_tokens
+        self.max_concurrency, self.cache_tokens = max_concurrency, cache.max_num_tokens
         self.folders, self.vocab_size, self.device = tuple(folders), vocab_size, device
         self.cost_cache, self._moe_class = cost_cache, moe_class
         self.split = split or GpuSplit()
@@ -306,6 +303,9 @@ class Exl3Backend(Backend):
 
     def auto_policy(self, settings: GenSettings) -> Policy | None:
         return self.policies.get((settings.temperature <= 0, self.options.tag))
+
+    def cost_source(self) -> str | None:
+        return getattr(self.costs.get(self.options.tag), "source", None)    # timed by prepare(), before any policy
 
     def calibration_report(self) -> dict | None:
         return self.calibration_tokens.get(self.options.tag)

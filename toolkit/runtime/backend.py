@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Generator, Iterator
 
 from ..core.errors import OptionError, ToolkitError
 from .events import Round
+
+
+def copy_policies(policies: dict | None) -> dict | None:
+    """A deep copy of a backend's auto policies that shares their timed cost tables (those describe the machine)."""
+    if policies is None:
+        return None
+    tables = [getattr(getattr(p, "costs", None), "table", None) for p in policies.values()]
+    return copy.deepcopy(policies, {id(t): t for t in tables if t is not None})
 
 
 @dataclass
@@ -176,13 +185,17 @@ class Backend(ABC):
     def warm_up(self, prompt_ids: list[int], settings: GenSettings | None = None,
                 modes: tuple[bool, ...] = (True, False)) -> None:
         """prepare(), then a 4-token decode in each mode (speculative, AR): lazy initialisation and the first slow
-        forwards happen here, not in the first measured run."""
+        forwards happen here, not in the first measured run. The auto policies are left as they were: one proposal
+        of a 4-token decode says little of the drafter, and could send the next request to plain AR."""
         settings = settings or GenSettings()
         self.prepare(settings)
+        saved = copy_policies(getattr(self, "policies", None))
         short = replace(settings, max_new_tokens=min(4, settings.max_new_tokens))
         for speculative in modes:
             for _ in self.generate(prompt_ids, short, speculative=speculative):
                 pass
+        if saved is not None:
+            self.policies = saved
 
     def close(self) -> None:
         """Free what the backend holds (GPU memory); nothing to do by default."""
