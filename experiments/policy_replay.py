@@ -115,19 +115,22 @@ def lengths(out: Path, limit: int = 4, max_new_tokens: int = 96, target: Path | 
 
 def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = False) -> dict:
     """The pair bench's round costs in the replay's form (tests/replay.py): per (jobs, width) up to `keep` traced
-    decoding rounds of the 96-token cells, the cost per emitted token beyond one per job (least squares over the
-    fixed-width cells), the B=8 cells' prefill ms per concurrency, and the calibration table `auto` started from."""
+    decoding rounds of the timed cells (the bench's --max-new-tokens, not its short warm-up wave), the cost per
+    emitted token beyond one per job (least squares over the fixed-width cells), the B=8 cells' prefill ms per
+    concurrency, and the calibration table `auto` started from."""
     import gzip
     import random
 
     if out.exists() and not force:
         raise ValueError(f"{out} exists (pass --force to replace it)")
+    run = json.loads(bench.read_text())
+    timed = f"/n{run['max_new_tokens']}"
     by: dict[tuple[int, int], list[float]] = defaultdict(list)
     order: list[tuple[int, int, float]] = []
     groups: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     prefill: dict[int, list[float]] = defaultdict(list)
     for r in read_trace(trace):
-        if "/n96" not in r["cell"] or r["ms"] >= 100 and r["jobs"]:
+        if not r["cell"].endswith(timed) or r["ms"] >= 100 and r["jobs"]:
             continue
         if r["jobs"] and r["emitted"] >= r["jobs"]:
             by[(r["jobs"], r["w"])].append(r["ms"])
@@ -138,7 +141,7 @@ def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = Fal
             prefill[int(r["cell"].split("/")[1][1:])].append(r["ms"])
     med = {k: statistics.median(v) for k, v in by.items()}
     rng = random.Random(0)
-    cell = next(c for c in json.loads(bench.read_text())["cells"] if c["block_size"] == "auto" and "costs" in c)
+    cell = next(c for c in run["cells"] if c["block_size"] == "auto" and "costs" in c)
     res = {"trace": trace.name,
            "rounds": {f"{j},{w}": [round(x, 4) for x in (v if len(v) <= keep else rng.sample(v, keep))]
                       for (j, w), v in sorted(by.items())},

@@ -225,3 +225,24 @@ def test_round_budget_charges_each_kernel_to_one_part():
     out = budget.split(NS(events=lambda: events), rounds=2, wall_ms=2.5)
     assert (out["moe"], out["linears"], out["attention"], out["other"]) == (1.5, 0.25, 0.15, 0.1)
     assert out["gpu_busy"] == 2.0 and out["host_gaps"] == 0.5 and out["charged_share"] == 1.0
+
+
+def test_replay_costs_read_the_timed_cells_of_any_answer_length(tmp_path):
+    import gzip
+
+    from experiments.policy_replay import costs
+
+    rows = [{"cell": "8/c1/n8", "t": 0.0, "w": 7, "rows": 1, "jobs": 1, "ms": 99.0, "emitted": 3}]     # warm-up wave
+    rows += [{"cell": "8/c1/n128", "t": 1.0, "w": 0, "rows": 0, "jobs": 0, "ms": 40.0, "emitted": 0}]  # prefill
+    rows += [{"cell": c, "t": 2.0 + i, "w": w, "rows": 1, "jobs": 1, "ms": ms, "emitted": e}
+             for i, (c, w, ms, e) in enumerate([("ar/c1/n128", 0, 10.0, 1), ("8/c1/n128", 7, 20.0, 3),
+                                                 ("8/c1/n128", 7, 22.0, 5), ("auto/c1/n128", 3, 15.0, 2)])]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"max_new_tokens": 128, "cells": [
+        {"block_size": "auto", "costs": {"start": {"1": {"0": 10.0, "3": 14.0, "7": 21.0}}}}]}))
+    res = costs(trace, bench, tmp_path / "costs.json.gz")
+    assert res["rounds"] == {"1,0": [10.0], "1,3": [15.0], "1,7": [20.0, 22.0]}       # not the 8-token wave's
+    assert res["prefill_ms"] == {1: 40.0} and res["per_token_ms"] == pytest.approx(1.0)
+    assert json.loads(gzip.decompress((tmp_path / "costs.json.gz").read_bytes()))["start"]["1"]["7"] == 21.0
