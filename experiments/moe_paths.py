@@ -5,6 +5,12 @@ One call (about 4-6 minutes; results to $OUT/moe_paths.json after every step):
 
     source .device/on-device.sh && timeout 480 python -m experiments.moe_paths            (carry [".device"])
 
+Where a step stalls, run it alone: SIGABRT makes Python print every thread's stack, and EXL3_DEBUG_AUTOTUNE makes
+exllamav3 name (and synchronise) each launch of its kernel tuner:
+
+    PYTHONFAULTHANDLER=1 EXL3_DEBUG_AUTOTUNE=1 timeout -s ABRT 80 python -m experiments.moe_paths \
+        --steps agreement --check-rows 1 2 8 16
+
 1. synthesise (toolkit.synthetic, on the GPU) a one-layer cut of the Qwen3.6-35B-A3B target at 4.0 bpw (256
    experts, hidden 2048, expert width 512, 8 routed and a gated shared expert) into /tmp/moe_paths (kept on a
    warm machine) and load it with exllamav3; its BlockSparseMLP is the layer under test;
@@ -38,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ROOT / "quantize" / "shapes" / "qwen3.6-35b-a3b.json"
 WORK = Path("/tmp/moe_paths")
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}     # bytes/s, from the device name
+STEPS = ("decode", "agreement", "dense", "timing", "profile")
 LAYERS = 40                       # MoE layers of the target: a round is 40 calls
 
 
@@ -162,12 +169,14 @@ def check_agreement(moe, rows_list) -> dict:
     for rows in rows_list:
         x = hidden_rows(moe, rows, seed=rows)
         sel, w = route(moe, x)
+        print(f"agreement: {rows} rows", flush=True)           # a stalled kernel is then named by its row count
         stock = BlockSparseMLP.forward(moe, x, {}).clone().float().view(rows, -1)
         ref = dense_reference(moe, x, sel, w)
         diff = lambda a, b: float((a - b).abs().max())
         row = {"stock_vs_dense": diff(stock, ref), "scale": float(ref.abs().max()),
                "distinct_experts": int(sel.unique().numel())}
         for name, f in wraps.items():
+            print(f"agreement: {rows} rows, {name}", flush=True)
             y = f(x, {}).float().view(rows, -1)
             row[f"{name}_vs_stock"], row[f"{name}_vs_dense"] = diff(y, stock), diff(y, ref)
             if name == "union":                    # the second call captures a graph, the third replays it
@@ -330,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-rows", type=int, nargs="*", default=[1, 8, 16], help="rows per call profiled")
     ap.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10)")
     ap.add_argument("--calls", type=int, default=20, help="calls per timed window (default 20)")
-    ap.add_argument("--skip-decode", action="store_true", help="skip the grouped decode's bit-exactness check")
+    ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                    help="which of steps 2-6 to run, in this order (default all; a run that stalls in one step can "
+                         "measure the others in a call of their own)")
     ap.add_argument("--budget-s", type=float, default=env_float("MOE_PATHS_BUDGET_S", 450),
                     help="start no step that does not fit in what is left of it (default 450)")
     a = ap.parse_args(argv)
@@ -348,12 +359,18 @@ def main(argv: list[str] | None = None) -> int:
         model, moe, info = loaded
         run.results["layer"] = info
         run.results["why_not"] = why_not(moe)
-        if not a.skip_decode:
-            run.step("decode", check_decode, moe, need_s=90)
-        run.step("agreement", check_agreement, moe, a.check_rows, need_s=40)
-        dense = run.step("dense", dense_rate, moe, a.rows, a.calls, need_s=20)
-        run.step("timing", time_layer, run, moe, a.rows, a.reps, a.calls, dense, need_s=90)
-        run.step("profile", profile, moe, a.profile_rows, need_s=20)
+        dense = None
+        for name in a.steps:
+            if name == "decode":
+                run.step("decode", check_decode, moe, need_s=90)
+            elif name == "agreement":
+                run.step("agreement", check_agreement, moe, a.check_rows, need_s=40)
+            elif name == "dense":
+                dense = run.step("dense", dense_rate, moe, a.rows, a.calls, need_s=20)
+            elif name == "timing":
+                run.step("timing", time_layer, run, moe, a.rows, a.reps, a.calls, dense, need_s=90)
+            else:
+                run.step("profile", profile, moe, a.profile_rows, need_s=20)
     return run.finish()
 
 
