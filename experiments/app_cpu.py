@@ -33,7 +33,7 @@ def compare(be, pair: str, block: str, reps: int, max_new: int) -> dict:
     from toolkit.app.models import Loaded
     from toolkit.app.policy_view import PolicyStart
 
-    be.warm_up(be.encode("Hello"))                     # the app's start-up, then its policy state is kept
+    be.warm_up(be.encode("Hello"))                     # the app's start-up; every turn starts from what it left
     handler = ChatHandler(Loaded(be, backend_name="torch", device="cpu", policy_start=PolicyStart(be)))
     mode = "auto" if block == "auto" else f"fixed{block}"
     out = {}

@@ -4,8 +4,8 @@ Each comparison runs two decoders of the same prompt in lockstep, one round of e
 of a shared machine falls on both alike; the result is tokens/s of the mode over tokens/s of plain AR on the
 same answer (greedy, identical tokens checked). Modes:
 - `auto`: `TorchBackend.generate` with block_size "auto" (the drafting policy, its cost table timed once and
-  cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as the app's
-  first turn does, else one policy learns over all answers as a running app's does;
+  cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as every app
+  turn does, else one policy learns over all answers as a long-running server's does;
 - `fixedN`: every round verifies N-1 drafts.
 Runs on a CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1` (`--poison 0.2`:
 from a cached table whose drafting costs read 5x too cheap); writes
@@ -49,8 +49,7 @@ def decoder(be, mode: str, ids: list[int], max_new: int, cold: bool):
     if mode == "auto":
         if cold:
             be.policies.clear()
-            for _ in be.generate(be.encode("Hello"), GenSettings(max_new_tokens=4)):   # the app's warm-up
-                pass
+            be.warm_up(be.encode("Hello"), modes=(True,))                   # the app's warm-up (it learns nothing)
         return be.generate(ids, s)
     if mode.startswith("fixed") and mode[5:].isdigit():
         return be.generate(ids, GenSettings(max_new_tokens=max_new, block_size=int(mode[5:])))
