@@ -201,8 +201,13 @@ def test_calibration_per_concurrency_is_timed_once_and_cached(timed, monkeypatch
     t1 = timed.cost_table(1)
     assert t1.ms[1] == pytest.approx({w: 10.0 + 2.0 * w for w in (0, 1, 3, 5, 7)})     # widths clipped to B-1 = 7
     assert timed._gen.num_remaining_jobs() == 0                                        # the dummy jobs are gone
+    shapes = []
+    iterate = FakeGenerator.iterate
+    monkeypatch.setattr(FakeGenerator, "iterate", lambda g: shapes.append((len(g.active_jobs), g.window)) or iterate(g))
     t4 = timed.cost_table(4)
     assert set(t4.ms) == {1, 4} and t4.ms[4] == pytest.approx({w: 10.0 + 8.0 * w for w in (0, 1, 3, 5, 7)})
+    assert {(j, w) for j in (1, 2, 3, 4) for w in (0, 1, 3, 5, 7)} <= set(shapes)     # the batches' tails warmed too
+    monkeypatch.setattr(FakeGenerator, "iterate", iterate)
     files = sorted(p.name for p in (tmp_path / "costs").glob("*.json"))
     assert len(files) == 2 and "-c1-" in files[0] and "-c4-" in files[1]
     again = make_backend(monkeypatch, tmp_path)                       # same models, GPU and options: read back

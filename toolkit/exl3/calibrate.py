@@ -3,8 +3,10 @@
 `calibrate` times steady-state iterate() rounds of `c` dummy jobs (prompts of `context` ids, no stop tokens) at
 fixed widths, interleaved width by width so drift spreads evenly, and keeps the low quartile per width (host
 jitter only adds to a round), after `CALIBRATION_WARM` untimed passes: every (c, w) shape has run eagerly and had
-its CUDA graph captured, so the table times replayed rounds, as decoding sees them. The backend runs it once per
-concurrency at first use and caches the table per model pair, GPU, options and concurrency (costs/cache.py).
+its CUDA graph captured, so the table times replayed rounds, as decoding sees them. Then the smaller batches a
+request's last jobs leave run once at every width, so that their first-use kernel tuning happens here too. The
+backend runs it once per concurrency at first use and caches the table per model pair, GPU, options and
+concurrency (costs/cache.py).
 """
 
 from __future__ import annotations
@@ -126,7 +128,20 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
     ms = {w: low_quartile(ts) for w, ts in times.items()}
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
+    warm_tails(be, concurrency, ws, context)
     return ms
+
+
+def warm_tails(be, concurrency: int, widths: Sequence[int], context: int = CALIBRATION_CONTEXT) -> None:
+    """One untimed round of 1..c-1 jobs at every width: the shapes a batch meets as its jobs finish. exllamav3
+    tunes its kernels for each new row count on first use (over a second on an H100 for some), which would
+    otherwise land in the middle of a request."""
+    trace.emit("cell", label=f"calibrate/c{concurrency}/tails")
+    try:
+        for jobs in range(1, concurrency):
+            time_rounds(be, jobs, widths, reps=1, warm=1, context=context)
+    finally:
+        trace.emit("cell_end")
 
 
 def spot_check(be, concurrency: int) -> dict[int, float]:
