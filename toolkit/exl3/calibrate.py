@@ -4,7 +4,7 @@
 fixed widths, interleaved width by width so drift spreads evenly, and keeps the low quartile per width (host
 jitter only adds to a round), after `CALIBRATION_WARM` untimed passes: every (c, w) shape has run eagerly and had
 its CUDA graph captured, so the table times replayed rounds, as decoding sees them. Then the smaller batches a
-request's last jobs leave run once at every width, so that their first-use kernel tuning happens here too. The
+request's last jobs leave run once at every width, so that their first-use work happens here too. The
 backend runs it once per concurrency at first use and caches the table per model pair, GPU, options and
 concurrency (costs/cache.py).
 """
@@ -133,9 +133,9 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
 
 
 def warm_tails(be, concurrency: int, widths: Sequence[int], context: int = CALIBRATION_CONTEXT) -> None:
-    """One untimed round of 1..c-1 jobs at every width: the shapes a batch meets as its jobs finish. exllamav3
-    tunes its GEMM kernels for each new row count on first use; a first round at such a shape took 1.35 s on an
-    H100, which would otherwise land in the middle of a request."""
+    """One untimed round of 1..c-1 jobs at every width: the shapes a batch meets as its jobs finish. exllamav3 does
+    first-use work per new batch shape (kernel tuning, compilation); a first round at one such shape took 1.35 s
+    on an H100, which would otherwise land in the middle of a request."""
     trace.emit("cell", label=f"calibrate/c{concurrency}/tails")
     try:
         for jobs in range(1, concurrency):
