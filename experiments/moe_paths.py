@@ -161,6 +161,18 @@ def wrap(moe, *paths: str):
 PATHS = {"stock": (), "grouped": ("grouped",), "union": ("union",)}
 
 
+def synced(label: str, fn):
+    """fn() then a device sync, its label printed before and after: a stalled kernel is named by the last line."""
+    import torch
+
+    print(f"agreement: {label} ...", end=" ", flush=True)
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    print(f"ok ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return out
+
+
 def check_agreement(moe, rows_list) -> dict:
     from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
 
@@ -168,19 +180,18 @@ def check_agreement(moe, rows_list) -> dict:
     out = {}
     for rows in rows_list:
         x = hidden_rows(moe, rows, seed=rows)
-        sel, w = route(moe, x)
-        print(f"agreement: {rows} rows", flush=True)           # a stalled kernel is then named by its row count
-        stock = BlockSparseMLP.forward(moe, x, {}).clone().float().view(rows, -1)
-        ref = dense_reference(moe, x, sel, w)
+        sel, w = synced(f"{rows} rows, route", lambda: route(moe, x))
+        stock = synced(f"{rows} rows, stock", lambda: BlockSparseMLP.forward(moe, x, {}).clone().float().view(rows, -1))
+        ref = synced(f"{rows} rows, dense reference", lambda: dense_reference(moe, x, sel, w))
         diff = lambda a, b: float((a - b).abs().max())
         row = {"stock_vs_dense": diff(stock, ref), "scale": float(ref.abs().max()),
                "distinct_experts": int(sel.unique().numel())}
         for name, f in wraps.items():
-            print(f"agreement: {rows} rows, {name}", flush=True)
-            y = f(x, {}).float().view(rows, -1)
+            y = synced(f"{rows} rows, {name}", lambda: f(x, {}).float().view(rows, -1))
             row[f"{name}_vs_stock"], row[f"{name}_vs_dense"] = diff(y, stock), diff(y, ref)
             if name == "union":                    # the second call captures a graph, the third replays it
-                again = [f(x, {}).float().view(rows, -1) for _ in range(2)]
+                again = [synced(f"{rows} rows, union graph {i}", lambda: f(x, {}).float().view(rows, -1))
+                         for i in ("capture", "replay")]
                 row["union_graphs_vs_eager"] = max(diff(z, y) for z in again)
         out[rows] = row
     out["paths"] = {name: dict(f.calls) for name, f in wraps.items()}
