@@ -6,7 +6,9 @@ matrix against matrices in flight) or, when a shape or an SM count is forced, ta
 matrix while the slots outnumber the SMs). This times one eager union forward per variant at each row count on
 the one-layer cut of the target that experiments/moe_paths.py synthesises (reused when present), interleaved,
 beside the bytes-over-bandwidth bound of the experts the call touches, and checks each variant's output against
-the tuned one. Every call is synchronised and named on stdout first, so a stall names its variant.
+the tuned one. Every call is synchronised and named on stdout first, so a stall names its variant. The timing is
+of eager forwards, Triton's host launches included: at 1-16 rows on an H100 those bind (about 0.27 ms a call at
+any row count), so rank the kernels with `moe_paths --steps profile` instead.
 
     source .device/on-device.sh && timeout 300 python -m experiments.union_launch     (carry [".device"])
 
