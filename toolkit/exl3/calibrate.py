@@ -53,9 +53,10 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
 
     speculative=False times the plain AR generator (no drafter; widths ignored, one list under 0). With full=True
     the rounds capture the drafter's whole block as the policy's rounds do. One untimed round per width first
-    (`warm` passes), then `reps` passes over the widths; a pass stops early if a job runs out of tokens. `emitted`,
-    when given, gets the mean tokens each job emitted in every timed round, per width (a round that accepts more
-    than decoding does also does more per-token work: the table can rise with w where decoding rounds do not).
+    (`warm` passes), then `reps` passes over the widths (0: warm-up only); a pass stops early if a job runs out of
+    tokens. `emitted`, when given, gets the mean tokens each job emitted in every timed round, per width (a round
+    that accepts more than decoding does also does more per-token work: the table can rise with w where decoding
+    rounds do not).
     """
     widths = [0] if not speculative else list(widths)
     B = be.block_size
@@ -103,7 +104,7 @@ def time_rounds(be, concurrency: int, widths: Sequence[int], reps: int = CALIBRA
         if gen.num_remaining_jobs():
             gen.clear_queue()
     missing = [w for w, ts in times.items() if not ts]
-    if missing:
+    if reps and missing:
         raise ToolkitError(f"timing {concurrency} jobs: no round measured at width {missing[0]} "
                            f"(the cache of {be.cache_tokens} tokens is too small; raise cache_tokens)")
     return times
@@ -139,7 +140,7 @@ def warm_tails(be, concurrency: int, widths: Sequence[int], context: int = CALIB
     trace.emit("cell", label=f"calibrate/c{concurrency}/tails")
     try:
         for jobs in range(1, concurrency):
-            time_rounds(be, jobs, widths, reps=1, warm=1, context=context)
+            time_rounds(be, jobs, widths, reps=0, warm=1, context=context)
     finally:
         trace.emit("cell_end")
 
