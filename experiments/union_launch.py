@@ -56,8 +56,8 @@ def measure(moe, rows_list, reps: int, calls: int, run: Run) -> dict:
         for name, (shape, sms) in VARIANTS.items():
             f = (lambda m: lambda: union_forward(x, sel, w, tables, m))(launcher(mgemm, shape, sms))
             try:
-                y = synced(f"{rows} rows, {name} (first call)", f)
-                synced(f"{rows} rows, {name} (second call)", f)
+                y = synced(f"{rows} rows, {name} (first call)", f, "launch")
+                synced(f"{rows} rows, {name} (second call)", f, "launch")
             except Exception as e:                      # a shape exllamav3 refuses here
                 cell[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 continue
