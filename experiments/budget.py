@@ -76,14 +76,67 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
 
 
 def split(prof, rounds: int, wall_ms: float) -> dict:
-    """ms per round of each part, GPU busy and host gaps, from a finished profiler."""
+    """ms per round of each part, GPU busy and host gaps, from a finished profiler.
+
+    Each labelled range also shows on the GPU timeline (kineto's GPU user annotations, spanning the kernels
+    launched inside it): a kernel goes to the ranges around its start. exllamav3's kernels come from its
+    extension, not from torch ops, so the profiler links them to no CPU event; the CPU-side link (each op's
+    kernels, charged through its parents) is the fallback where a profiler records no GPU annotations."""
     from torch.autograd import DeviceType
 
-    parts = {p: 0.0 for p in PARTS}
-    spans, charged = [], 0.0
+    spans, marks = [], {}
     for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA:
-            spans.append((ev.time_range.start, ev.time_range.end))
+        if ev.device_type != DeviceType.CUDA:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        if ev.name.startswith(PREFIX):
+            marks.setdefault(ev.name[len(PREFIX):], []).append(span)
+        elif not getattr(ev, "is_user_annotation", False):
+            spans.append(span)
+    parts = charge_spans(spans, marks) if marks else charge_ops(prof.events())
+    charged = sum(parts.values())
+    busy = busy_us(spans) / 1e3 / rounds
+    out = {p: round(v / 1e3 / rounds, 3) for p, v in parts.items()}
+    out.update(gpu_busy=round(busy, 3), wall=round(wall_ms, 3), host_gaps=round(max(0.0, wall_ms - busy), 3),
+               kernels_per_round=round(len(spans) / rounds, 1),
+               charged_share=round(charged / 1e3 / rounds / busy, 3) if busy else None,
+               charged_by="gpu ranges" if marks else "cpu links")
+    return out
+
+
+NESTING = ("moe", "drafter", "lm_head", "linears", "attention")     # charge() order: owners first, then innermost
+
+
+def charge_spans(kernels: list[tuple[float, float]], marks: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """us per part of GPU kernels [(start, end)], each charged by the labelled GPU ranges around its start."""
+    import bisect
+
+    merged = {}
+    for part, spans in marks.items():
+        runs = []
+        for s, e in sorted(spans):
+            if runs and s <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], e)
+            else:
+                runs.append([s, e])
+        merged[part] = ([r[0] for r in runs], [r[1] for r in runs])
+
+    def inside(part: str, t: float) -> bool:
+        starts, ends = merged[part]
+        i = bisect.bisect_right(starts, t) - 1
+        return i >= 0 and t < ends[i]
+
+    parts = {p: 0.0 for p in PARTS}
+    for s, e in kernels:
+        chain = [p for p in NESTING if p in merged and inside(p, s)]
+        parts[charge(chain)] += e - s
+    return parts
+
+
+def charge_ops(events) -> dict[str, float]:
+    """us per part of the kernels the profiler links to CPU ops, each charged through the op's labelled parents."""
+    parts = {p: 0.0 for p in PARTS}
+    for ev in events:
         kernels = getattr(ev, "kernels", None) or []
         if not kernels:
             continue
@@ -92,14 +145,8 @@ def split(prof, rounds: int, wall_ms: float) -> dict:
             if p.name.startswith(PREFIX):
                 chain.append(p.name[len(PREFIX):])
             p = p.cpu_parent
-        us = sum(k.duration for k in kernels)
-        parts[charge(chain)] += us
-        charged += us
-    busy = busy_us(spans) / 1e3 / rounds
-    out = {p: round(v / 1e3 / rounds, 3) for p, v in parts.items()}
-    out.update(gpu_busy=round(busy, 3), wall=round(wall_ms, 3), host_gaps=round(max(0.0, wall_ms - busy), 3),
-               kernels_per_round=round(len(spans) / rounds, 1), charged_share=round(charged / 1e3 / rounds / busy, 3) if busy else None)
-    return out
+        parts[charge(chain)] += sum(k.duration for k in kernels)
+    return parts
 
 
 def round_budget(be, concurrency: int, width: int | None, rounds: int = 16, context: int = 1024) -> dict:

@@ -220,11 +220,35 @@ def test_round_budget_charges_each_kernel_to_one_part():
     lin = cpu("budget:linears", attn)
     events = [moe, cpu("launch", moe, [2000]), cpu("launch", cpu("budget:linears", moe), [1000]), attn,
               cpu("launch", lin, [500]), cpu("launch", attn, [300]), cpu("launch", None, [200])]
-    events += [NS(device_type=DeviceType.CUDA, time_range=NS(start=s, end=e), kernels=[]) for s, e in
+    events += [NS(name="k", device_type=DeviceType.CUDA, time_range=NS(start=s, end=e), kernels=[]) for s, e in
                ((0, 3000), (3000, 3800), (3800, 4000))]
-    out = budget.split(NS(events=lambda: events), rounds=2, wall_ms=2.5)
+    out = budget.split(NS(events=lambda: events), rounds=2, wall_ms=2.5)     # no GPU annotations: the CPU links
     assert (out["moe"], out["linears"], out["attention"], out["other"]) == (1.5, 0.25, 0.15, 0.1)
     assert out["gpu_busy"] == 2.0 and out["host_gaps"] == 0.5 and out["charged_share"] == 1.0
+
+
+def test_round_budget_charges_extension_kernels_by_the_gpu_ranges_around_them():
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from experiments import budget
+
+    def gpu(name, s, e, note=False):
+        return NS(name=name, device_type=DeviceType.CUDA, time_range=NS(start=s, end=e), kernels=[],
+                  is_user_annotation=note)
+
+    # an attention range holding a projection (linears) and its own kernel, an MoE range holding a linear, a
+    # drafter range, and one kernel outside every range; the ranges cover gaps and never count as busy
+    events = [gpu("budget:attention", 0, 1000, True), gpu("budget:linears", 0, 400, True), gpu("gemm", 0, 400),
+              gpu("attn", 500, 1000), gpu("budget:moe", 1000, 3200, True), gpu("budget:linears", 1000, 1500, True),
+              gpu("gemm", 1000, 1500), gpu("mgemm", 1600, 3200), gpu("budget:drafter", 3200, 4200, True),
+              gpu("draft", 3300, 4200), gpu("norm", 4200, 4400), gpu("other:timed", 0, 4400, True),
+              NS(name="cudaLaunchKernel", device_type=DeviceType.CPU, time_range=NS(start=0, end=1), kernels=[])]
+    out = budget.split(NS(events=lambda: events), rounds=2, wall_ms=2.5)
+    assert (out["linears"], out["attention"], out["moe"], out["drafter"], out["other"]) == (0.2, 0.25, 1.05, 0.45, 0.1)
+    assert out["gpu_busy"] == 2.05 and out["host_gaps"] == 0.45 and out["charged_share"] == 1.0
+    assert out["kernels_per_round"] == 3.0
 
 
 def test_replay_costs_read_the_timed_cells_of_any_answer_length(tmp_path):

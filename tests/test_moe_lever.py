@@ -64,6 +64,18 @@ def test_grouped_takes_verify_rows_and_leaves_the_rest_stock(layer):
     assert lever.set_paths([moe], FakeMoE, {"grouped": False, "union": False}) == 1 and "forward" not in vars(moe)
 
 
+def test_a_path_turned_off_and_on_again_keeps_what_it_built(layer):
+    moe, wrap = wrapped(layer, grouped=True)
+    check(moe, layer, 12, 17)
+    tables = dict(wrap.tables)
+    lever.set_paths([moe], FakeMoE, {"grouped": False, "union": False})
+    assert moe.forward(routed(12, seed=3)[0], {}) == "stock"            # exllamav3's own while off
+    lever.set_paths([moe], FakeMoE, {"grouped": True, "union": False})
+    assert vars(moe)["forward"] is wrap and wrap.tables == tables       # no rebuild: tables and graphs kept
+    check(moe, layer, 12, 18)
+    assert wrap.calls == {"union": 0, "grouped": 2, "stock": 0}
+
+
 def test_both_on_union_first(layer):
     moe, wrap = wrapped(layer, union=True, grouped=True)
     check(moe, layer, 10, 5)

@@ -55,14 +55,17 @@ def set_draft_levers(draft, options, before, classes: tuple[type, ...] | None = 
 
 def set_forward_wrap(model, module_class: type, wrap: type, on: bool) -> int:
     """Install (on) or remove `wrap(module)` as the instance forward of every `module_class` module of `model`
-    (removing restores the class's own); returns how many such modules there are."""
-    n = 0
+    (removing restores the class's own); returns how many such modules there are. A removed wrap stays on the
+    module and comes back when turned on again, with what it built (the MoE paths' tables and CUDA graphs)."""
+    n, kept = 0, f"_kept_{wrap.__name__}"
     for m in model:
         if not isinstance(m, module_class):
             continue
         has = isinstance(vars(m).get("forward"), wrap)
         if on and not has:
-            m.forward = wrap(m)
+            if not isinstance(vars(m).get(kept), wrap):
+                setattr(m, kept, wrap(m))
+            m.forward = getattr(m, kept)
         elif not on and has:
             del m.forward
         n += 1
