@@ -284,9 +284,9 @@ def test_options_rebuild_the_generator_and_levers_parse(fake_backend):
     fake_backend.set_options(Exl3Options())
     assert fake_backend._gen is None and fake_backend.options.tag == "stock"
     fake_backend.set_options(None)                                     # the defaults again
-    assert fake_backend.options == ADOPTED and ADOPTED.tag == "graph_draft_swa,grouped_moe"
-    assert parse_lever("graph_draft_swa=off+grouped_moe=off", ADOPTED)[1] == Exl3Options()
-    assert parse_lever("graph-draft-swa+grouped-moe")[1] == ADOPTED
+    assert fake_backend.options == ADOPTED and ADOPTED.tag == "graph_draft_swa,grouped_moe,union_moe"
+    assert parse_lever("graph_draft_swa=off+grouped_moe=off+union_moe=off", ADOPTED)[1] == Exl3Options()
+    assert parse_lever("graph-draft-swa+grouped-moe+union-moe")[1] == ADOPTED
     with pytest.raises(ToolkitError, match="unknown lever 'chunked_verify'"):
         parse_lever("chunked_verify")
     with pytest.raises(ToolkitError, match="lever graph_draft_swa: bad value 'x'"):
@@ -342,7 +342,7 @@ def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkey
 
     moe = FakeMoE()
     be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
-    assert isinstance(vars(moe)["forward"], MoeForward) and be.options.tag == "graph_draft_swa,grouped_moe"
+    assert isinstance(vars(moe)["forward"], MoeForward) and be.options.tag == "graph_draft_swa,grouped_moe,union_moe"
     assert be.engine_report() == {"moe_paths": {"union": 0, "grouped": 0, "stock": 0}}     # on by default
     be.set_options(Exl3Options(graph_draft_swa=True))
     assert "forward" not in vars(moe) and be.engine_report() is None

@@ -81,12 +81,12 @@ def test_levers_parse_on_and_off():
     assert parse_lever("graph_draft_swa") == ("graph_draft_swa", Exl3Options(graph_draft_swa=True))
     with pytest.raises(ToolkitError, match="unknown lever 'bogus'"):
         parse_lever("graph_draft_swa+bogus")
-    assert parse_lever("graph_draft_swa=off", ADOPTED) == ("graph_draft_swa=off", Exl3Options(grouped_moe=True))
+    assert parse_lever("graph_draft_swa=off", ADOPTED) == ("graph_draft_swa=off", Exl3Options(grouped_moe=True, union_moe=True))
     with pytest.raises(ToolkitError, match="lever graph_draft_swa: bad value 'maybe'"):
         parse_lever("graph_draft_swa=maybe")
 
 
 def test_the_backend_defaults_to_the_adopted_levers(monkeypatch, tmp_path):
     be = make_backend(monkeypatch, tmp_path)
-    assert be.options == ADOPTED and ADOPTED.graph_draft_swa and ADOPTED.tag == "graph_draft_swa,grouped_moe"
+    assert be.options == ADOPTED and ADOPTED.graph_draft_swa and ADOPTED.tag == "graph_draft_swa,grouped_moe,union_moe"
     assert make_backend(monkeypatch, tmp_path, options=Exl3Options()).options.tag == "stock"

@@ -4,12 +4,17 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
 
 - `graph_draft_swa`: the DFlash drafter's sliding-window layers run through exllamav3's graph-captured decode
   attention (draft_levers.py). Measured 1.0-1.5 ms cheaper per round at c=1 on the real shape, lossless.
-- `grouped_moe`: the target's EXL3 MoE layers take an expert-grouped Triton forward for 9-64 rows per call
-  (grouped_moe.py), so each touched expert's weights are decoded once per block of its rows; exllamav3's own
-  path elsewhere (up to 8 rows, where its fused kernels win). On the real shape: verify rounds 7-24 % cheaper at
-  16-64 rows, the policy's projected speedup at c=4 1.15x -> 1.27x; the speculative output equal to the stock
-  path's on a trained MoE fixture. Without Triton it stays off. The bench JSON says how many MoE calls took
-  which path.
+- `union_moe`: the target's EXL3 MoE calls of 4-16 rows (a c=1 verify round, an AR step of 4-16 requests)
+  decode each expert they touch once for all of their rows, through exllamav3's own multi-matrix GEMM, replayed
+  from a CUDA graph per (layer, rows) (toolkit/moe/union.py). On the real shape (H100): c=1 w=7 rounds 15.8 ->
+  12.3 ms, AR steps at c=4 / c=8 1.24x / 1.34x faster; greedy output equal to the stock path's on a trained MoE
+  fixture. The first start on a new machine spends a minute or two in exllamav3's GEMM tuner (cached on disk).
+- `grouped_moe`: MoE calls of 17-64 rows take an expert-grouped Triton forward (grouped_moe.py), each touched
+  expert's weights decoded once per block of its rows. On the real shape: verify rounds 7-24 % cheaper at 16-64
+  rows; the speculative output equal to the stock path's on a trained MoE fixture.
+
+Elsewhere (1-3 rows, past 64, calibration passes) exllamav3's own MoE forward runs. Without Triton both MoE
+levers stay off; the bench JSON says how many MoE calls took which path.
 
 `python -m toolkit.bench --levers grouped_moe=off` measures a lever against exllamav3's own behaviour.
 Levers measured and not adopted are listed with their numbers on docs/results.md.
@@ -42,7 +47,7 @@ class Exl3Options:
 
 
 # The toolkit's defaults on exllamav3 (generate, bench, eval_tau and the app use them unless told otherwise).
-ADOPTED = Exl3Options(graph_draft_swa=True, grouped_moe=True)
+ADOPTED = Exl3Options(graph_draft_swa=True, grouped_moe=True, union_moe=True)
 
 LEVERS = {"graph_draft_swa": True, "grouped_moe": True, "union_moe": True}   # lever -> the value `--levers NAME` uses when none is given
 
