@@ -246,7 +246,7 @@ def test_bench_auto_levers_reps_and_projection_on_exllamav3(monkeypatch, tmp_pat
             assert set(c["width_histogram"]) == {"3"}
         if c["block_size"] == "auto":
             assert set(map(int, c["width_histogram"])) <= set(range(8))
-    assert r["cells"][-1]["options"] == "grouped_moe"                    # that lever off, the other adopted one on
+    assert r["cells"][-1]["options"] == "grouped_moe,union_moe"          # that lever off, the other adopted ones on
     rows = r["projection"]["rows"]
     assert {x["setting"] for x in rows} == {"stock", "graph_draft_swa=off"}
     assert {x["name"] for x in rows} == {"DF-8", "tau 3@8"}                      # DF-16 needs w = 15: not measured
