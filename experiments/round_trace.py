@@ -6,7 +6,9 @@ dearer rounds at the same width, or time between rounds).
     python -m experiments.round_trace experiments/results/traces/trace_call10_trace.jsonl.gz     (on the CPU)
 
 prints, per bench cell, its rounds and tokens, the summed iterate() ms, the host time between iterates, tokens
-per ms over both, and per width the rounds, median ms and tokens per round of its one-job rounds.
+per ms over both, its slow rounds (>= 1.4x the median of their shape, decoding jobs and width, over the whole
+trace: how much of a card's slow stretches the cell met), and per width the rounds, median ms and tokens per round
+of its one-job rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+SLOW = 1.4              # a round this many times its shape's median is a slow one
 
 class RoundTrace:
     """Listens to toolkit.runtime.trace while installed (`install`, `remove`): `rows` holds one dict per iterate()
@@ -59,12 +62,18 @@ class RoundTrace:
 
 def summarize(rows: list[dict]) -> dict:
     """Per cell: rounds, tokens, the summed iterate() ms, the host ms between its consecutive iterates (median per
-    round and sum), tokens per ms over both, and per width (rounds, median ms, tokens per round) of its rounds with
+    round and sum), tokens per ms over both, its slow rounds, and per width (rounds, median ms, tokens per round) of its rounds with
     one decoding job (rows == 1, jobs == 1), where auto and the fixed widths compare directly."""
+    shapes: dict = {}
+    for r in rows:
+        if r["rows"]:
+            shapes.setdefault((r["rows"], r["w"]), []).append(r["ms"])
+    median = {k: statistics.median(v) for k, v in shapes.items()}
     out: dict = {}
     for i, r in enumerate(rows):
-        c = out.setdefault(r["cell"], {"rounds": 0, "tokens": 0, "iterate_ms": 0.0, "gaps": [], "one_job": {}})
+        c = out.setdefault(r["cell"], {"rounds": 0, "tokens": 0, "iterate_ms": 0.0, "slow": 0, "gaps": [], "one_job": {}})
         c["rounds"] += 1
+        c["slow"] += bool(r["rows"]) and r["ms"] >= SLOW * median[r["rows"], r["w"]]
         c["tokens"] += r["emitted"]
         c["iterate_ms"] += r["ms"]
         nxt = rows[i + 1] if i + 1 < len(rows) else None
@@ -93,13 +102,13 @@ def read(path: Path) -> list[dict]:
 
 def table(cells: dict) -> str:
     """Markdown: one row per cell, then its one-job widths as "w: rounds x median ms, tokens/round"."""
-    lines = ["| cell | rounds | tokens | iterate ms | gap ms (median) | gaps ms | tokens/ms | one-job rounds by width |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| cell | rounds | tokens | iterate ms | gap ms (median) | gaps ms | tokens/ms | slow rounds | one-job rounds by width |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, c in cells.items():
         widths = "; ".join(f"w={w}: {x['rounds']} x {x['median_ms']:.2f} ms, {x['tokens_per_round']:.2f}"
                            for w, x in c["one_job"].items())
         lines.append(f"| {name} | {c['rounds']} | {c['tokens']} | {c['iterate_ms']:.0f} | {c['gap_ms']:.3f} | "
-                     f"{c['gaps_ms']:.0f} | {c['tokens_per_ms']:.4f} | {widths} |")
+                     f"{c['gaps_ms']:.0f} | {c['tokens_per_ms']:.4f} | {c['slow']} | {widths} |")
     return "\n".join(lines)
 
 

@@ -187,9 +187,11 @@ def test_round_trace_cli_renders_a_trace_and_refuses_other_files(tmp_path, capsy
     cells = summarize(rows)
     assert cells["8/c1/n96"]["gap_ms"] == pytest.approx(0.5) and cells["8/c1/n96"]["tokens_per_ms"] == pytest.approx(4 / 22.5, abs=1e-4)
     assert cells["8/c1/n96"]["one_job"] == {7: {"rounds": 2, "median_ms": 11.0, "tokens_per_round": 2.0}}
+    slow = summarize(rows + [dict(rows[0], cell="16/c1/n96", ms=10.0), dict(rows[0], cell="16/c1/n96", ms=16.0)])
+    assert slow["16/c1/n96"]["slow"] == 1 and slow["8/c1/n96"]["slow"] == 0     # 16 >= 1.4 x the w=7 median (11)
     assert main([str(trace), "--cells", "auto"]) == 0
     out = capsys.readouterr().out
-    assert "| auto/c1/n96 | 1 | 2 | 8 |" in out and "8/c1/n96" not in out
+    assert "| auto/c1/n96 | 1 | 2 | 8 |" in out and "| 0 | w=3: 1 x 8.00 ms" in out and "8/c1/n96" not in out
     packed = tmp_path / "trace.jsonl.gz"
     packed.write_bytes(gzip.compress(trace.read_bytes()))
     assert main([str(packed), "--cells", "auto"]) == 0 and capsys.readouterr().out == out
