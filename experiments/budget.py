@@ -65,14 +65,19 @@ def charge(chain: list[str]) -> str:
     return chain[0] if chain else "other"
 
 
-def busy_us(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, None
+def merged(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of time spans as sorted, disjoint [start, end] runs."""
+    runs: list[list[float]] = []
     for s, e in sorted(spans):
-        if end is None or s > end:
-            total, end = total + (e - s), e
-        elif e > end:
-            total, end = total + (e - end), e
-    return total
+        if runs and s <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], e)
+        else:
+            runs.append([s, e])
+    return runs
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in merged(spans))
 
 
 def split(prof, rounds: int, wall_ms: float) -> dict:
@@ -111,24 +116,16 @@ def charge_spans(kernels: list[tuple[float, float]], marks: dict[str, list[tuple
     """us per part of GPU kernels [(start, end)], each charged by the labelled GPU ranges around its start."""
     import bisect
 
-    merged = {}
-    for part, spans in marks.items():
-        runs = []
-        for s, e in sorted(spans):
-            if runs and s <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], e)
-            else:
-                runs.append([s, e])
-        merged[part] = ([r[0] for r in runs], [r[1] for r in runs])
+    runs = {part: merged(spans) for part, spans in marks.items()}
+    starts = {part: [r[0] for r in rs] for part, rs in runs.items()}
 
     def inside(part: str, t: float) -> bool:
-        starts, ends = merged[part]
-        i = bisect.bisect_right(starts, t) - 1
-        return i >= 0 and t < ends[i]
+        i = bisect.bisect_right(starts[part], t) - 1
+        return i >= 0 and t < runs[part][i][1]
 
     parts = {p: 0.0 for p in PARTS}
     for s, e in kernels:
-        chain = [p for p in NESTING if p in merged and inside(p, s)]
+        chain = [p for p in NESTING if p in runs and inside(p, s)]
         parts[charge(chain)] += e - s
     return parts
 

@@ -161,11 +161,11 @@ def wrap(moe, *paths: str):
 PATHS = {"stock": (), "grouped": ("grouped",), "union": ("union",)}
 
 
-def synced(label: str, fn, step: str = "agreement"):
+def synced(label: str, fn):
     """fn() then a device sync, its label printed before and after: a stalled kernel is named by the last line."""
     import torch
 
-    print(f"{step}: {label} ...", end=" ", flush=True)
+    print(f"agreement: {label} ...", end=" ", flush=True)
     t0 = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()

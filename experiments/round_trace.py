@@ -23,6 +23,7 @@ from pathlib import Path
 
 SLOW = 1.4              # a round this many times its shape's median is a slow one
 
+
 class RoundTrace:
     """Listens to toolkit.runtime.trace while installed (`install`, `remove`): `rows` holds one dict per iterate()
     of the recording Generator, labelled with the bench cell that ran it (a calibration's "calibrate/c<jobs>")."""
@@ -62,8 +63,8 @@ class RoundTrace:
 
 def summarize(rows: list[dict]) -> dict:
     """Per cell: rounds, tokens, the summed iterate() ms, the host ms between its consecutive iterates (median per
-    round and sum), tokens per ms over both, its slow rounds, and per width (rounds, median ms, tokens per round) of its rounds with
-    one decoding job (rows == 1, jobs == 1), where auto and the fixed widths compare directly."""
+    round and sum), tokens per ms over both, its slow rounds, and per width (rounds, median ms, tokens per round)
+    of its rounds with one decoding job (rows == 1, jobs == 1), where auto and the fixed widths compare directly."""
     shapes: dict = {}
     for r in rows:
         if r["rows"]:
@@ -71,7 +72,8 @@ def summarize(rows: list[dict]) -> dict:
     median = {k: statistics.median(v) for k, v in shapes.items()}
     out: dict = {}
     for i, r in enumerate(rows):
-        c = out.setdefault(r["cell"], {"rounds": 0, "tokens": 0, "iterate_ms": 0.0, "slow": 0, "gaps": [], "one_job": {}})
+        c = out.setdefault(r["cell"], {"rounds": 0, "tokens": 0, "iterate_ms": 0.0, "slow": 0, "gaps": [],
+                                       "one_job": {}})
         c["rounds"] += 1
         c["slow"] += bool(r["rows"]) and r["ms"] >= SLOW * median[r["rows"], r["w"]]
         c["tokens"] += r["emitted"]
@@ -102,8 +104,8 @@ def read(path: Path) -> list[dict]:
 
 def table(cells: dict) -> str:
     """Markdown: one row per cell, then its one-job widths as "w: rounds x median ms, tokens/round"."""
-    lines = ["| cell | rounds | tokens | iterate ms | gap ms (median) | gaps ms | tokens/ms | slow rounds | one-job rounds by width |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| cell | rounds | tokens | iterate ms | gap ms (median) | gaps ms | tokens/ms | slow rounds "
+             "| one-job rounds by width |", "|---|---|---|---|---|---|---|---|---|"]
     for name, c in cells.items():
         widths = "; ".join(f"w={w}: {x['rounds']} x {x['median_ms']:.2f} ms, {x['tokens_per_round']:.2f}"
                            for w, x in c["one_job"].items())

@@ -9,9 +9,9 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
   from a CUDA graph per (layer, rows) (toolkit/moe/union.py). On the real shape (H100): c=1 w=7 rounds 15.8 ->
   12.3 ms, AR steps at c=4 / c=8 1.24x / 1.34x faster; greedy output equal to the stock path's on a trained MoE
   fixture. The first start on a new machine spends a minute or two in exllamav3's GEMM tuner (cached on disk).
-- `grouped_moe`: MoE calls of 17-64 rows take an expert-grouped Triton forward (toolkit/moe/grouped.py), each touched
-  expert's weights decoded once per block of its rows. On the real shape: verify rounds 7-24 % cheaper at 16-64
-  rows; the speculative output equal to the stock path's on a trained MoE fixture.
+- `grouped_moe`: MoE calls of 17-64 rows take an expert-grouped Triton forward (toolkit/moe/grouped.py), each
+  touched expert's weights decoded once per block of its rows. On the real shape: verify rounds 7-24 % cheaper at
+  16-64 rows; the speculative output equal to the stock path's on a trained MoE fixture.
 
 Elsewhere (1-3 rows, past 64, calibration passes) exllamav3's own MoE forward runs. Without Triton both MoE
 levers stay off; the bench JSON says how many MoE calls took which path.
