@@ -188,7 +188,7 @@ def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
     from toolkit.benchmark import grid as benchgrid
     from toolkit.benchmark.grid import Cell, run_grid
 
-    calls, secs = [], iter([1.0, 2.0, 1.0, 4.0, 1.0, 8.0])
+    calls, secs = [], iter([1.0, 2.0, 4.0, 1.0, 1.0, 8.0])       # AR then B=4, B=4 then AR, AR then B=4
 
     def fake_cell(be, ids, conc, settings, speculative, warmup):
         calls.append((settings.block_size if speculative else None, conc))
@@ -198,7 +198,7 @@ def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
     monkeypatch.setattr(benchgrid, "run_cell", fake_cell)
     cells = [Cell(None, 1), Cell(4, 1)]
     ar, spec = run_grid(Sequential(), [[1]], GenSettings(max_new_tokens=4), cells, reps=3, warmup=False)
-    assert calls == [(None, 1), (4, 1)] * 3                                      # rep by rep, every cell each time
+    assert calls == [(None, 1), (4, 1), (4, 1), (None, 1), (None, 1), (4, 1)]    # rep by rep, the order rotating
     (a,), (s,) = ar, spec
     assert a["reps"] == s["reps"] == 3 and a["spread"]["tok_s"]["n"] == 3
     assert a["tok_s"] == 2.0 and s["tok_s"] == 3.0 / 4.0                        # medians of 2/1, 2/1, 2/1 and 3/2, 3/4, 3/8
@@ -206,11 +206,31 @@ def test_reps_interleave_every_cell_rep_by_rep(monkeypatch):
     assert s["lossless"] == 0.0 and s["width_histogram"] == {1: 3} and "t_ar_ms" in s["spread"]
 
 
+def test_cells_of_a_concurrency_interleave_wave_by_wave(monkeypatch):
+    from toolkit.benchmark import grid as benchgrid
+    from toolkit.benchmark.grid import Cell, run_grid
+
+    calls = []
+
+    def fake_cell(be, ids, conc, settings, speculative, warmup):
+        calls.append((settings.block_size if speculative else "ar", ids[0][0], warmup))
+        return [[Round((), 0, 5, prefill=True), Round((), 0, 6)] for _ in ids], 1.0
+
+    monkeypatch.setattr(benchgrid, "run_cell", fake_cell)
+    cells = [Cell(None, 1), Cell(4, 1), Cell(None, 2), Cell(4, 2)]
+    ar, spec = run_grid(Sequential(), [[1], [2]], GenSettings(max_new_tokens=4), cells, reps=2, warmup=True)
+    assert calls[:6] == [("ar", 1, True), (4, 1, True), (4, 2, False), ("ar", 2, False),    # c=1: wave by wave
+                         ("ar", 1, True), (4, 1, True)]                                    # c=2: one wave of both
+    assert calls[6:8] == [(4, 1, True), ("ar", 1, True)]                                   # the next rep starts turned
+    assert [c["reps"] for c in ar + spec] == [2, 2, 2, 2]
+    assert all(c["tokens"] == 4 for c in ar + spec)                                        # both waves of every cell
+
+
 def test_auto_is_paired_rep_by_rep_with_the_best_fixed_block(monkeypatch):
     from toolkit.benchmark import grid as benchgrid
     from toolkit.benchmark.grid import Cell, run_grid
 
-    secs = iter([1.0, 1.0, 1.5, 1.2,  1.0, 2.0, 1.0, 1.5,  1.0, 1.2, 1.25, 1.0])    # AR, auto, B=4, B=8 per rep
+    secs = iter([1.0, 1.0, 1.5, 1.2,  2.0, 1.0, 1.5, 1.0,  1.25, 1.0, 1.0, 1.2])    # AR, auto, B=4, B=8 rotating
 
     def fake_cell(be, ids, conc, settings, speculative, warmup):
         drafted = (ids[0][0] + 1,) if speculative else ()

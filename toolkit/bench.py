@@ -337,7 +337,7 @@ class BenchOptions:
     warmup: bool = option(True, "an untimed warm-up wave before each cell; --no-warmup skips it")
     raw: bool = option(False, "tokenize prompts as is, without the chat template")
     quiet: bool = option(False, "no progress bar or table")
-    reps: int = option(1, "repetitions, interleaved cell by cell (default 1; >= 10 for reported runs)", lo=1)
+    reps: int = option(1, "repetitions; in each, the cells of a concurrency run wave by wave in turn (default 1; >= 10 for reported runs)", lo=1)
     levers: list[str] = option([], f"exllamav3 levers as extra cells against the toolkit's defaults ({ADOPTED.tag}; "
                                "NAME=off turns one off, '+' joins several): "
                                + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()), metavar="NAME[=VALUE]")

@@ -2,7 +2,9 @@
 repeated rep by rep so that drift spreads over every cell, and the statistics and projections of the result.
 
 A cell is one setting at one concurrency c: all its jobs run in waves of c (one after another on a backend that
-does not batch). Each repetition runs every cell once, in the same order; a cell reports the median and spread
+does not batch). Each repetition runs every cell once, the cells of a concurrency interleaved wave by wave (each
+wave in every cell before the next, their order rotating), so a slow stretch of the machine falls on every cell
+alike; a cell reports the median and spread
 of its tok/s, t_round (mean ms per decode round) and the t_AR of its concurrency over the repetitions, its tok/s
 per repetition, and tau / acceptance / losslessness pooled over them. An `auto` cell also records its policy's
 cost curves ("costs": the table it started from and the learned one after the cell's last repetition, ms per
@@ -56,7 +58,8 @@ def run_jobs(backend: Backend, prompts: list[list[int]], settings: GenSettings, 
 
 def run_cell(backend: Backend, ids: list[list[int]], conc: int, settings: GenSettings, speculative: bool,
              warmup: bool) -> tuple[list[list[Round]], float]:
-    """All jobs of one cell in waves of `conc`; the wall time excludes the optional warm-up wave."""
+    """Jobs `ids` in waves of `conc`; the wall time excludes the optional warm-up wave (the first 8 tokens of the
+    first wave)."""
     if warmup:
         run_jobs(backend, ids[:conc], GenSettings(**{**vars(settings), "max_new_tokens": min(8, settings.max_new_tokens)}), speculative)
     rounds: list[list[Round]] = []
@@ -106,24 +109,33 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     paths: dict[Cell, dict] = {}              # the engine's kernel paths after the cell's last run (cumulative)
     bar = tqdm(total=reps * len(cells), desc="bench", disable=quiet, file=sys.stderr)
     t0 = time.time()
+    groups = [[c for c in cells if c.concurrency == conc] for conc in dict.fromkeys(c.concurrency for c in cells)]
     for rep in range(reps):
         if deadline is not None and rep and time.time() + (time.time() - t0) / rep > deadline:
             break
-        for cell in cells:
-            be.set_options(cell.options)
-            st = GenSettings(**{**vars(settings), "block_size": cell.block})
-            runs[cell].append(run_cell(be, job_list(ids, cell.concurrency), cell.concurrency, st,
-                                       speculative=not cell.ar, warmup=warmup))
-            engine = be.engine_report()
-            if engine:
-                paths[cell] = engine
-            pol = be.auto_policy(st) if st.auto else None
-            if pol is not None:
-                costs[cell] = cost_report(pol)
-                emitted = be.calibration_report()
-                if emitted:                       # exllamav3, timed in this process: tokens a job emitted per round
-                    costs[cell]["calibration_tokens"] = emitted
-            bar.update()
+        for group in groups:
+            conc = group[0].concurrency
+            jobs = job_list(ids, conc)
+            done = {cell: ([], 0.0) for cell in group}
+            for k in range(0, len(jobs), conc):
+                turn = (rep + k // conc) % len(group)
+                for cell in group[turn:] + group[:turn]:          # wave by wave, the cells' order rotating
+                    be.set_options(cell.options)
+                    st = GenSettings(**{**vars(settings), "block_size": cell.block})
+                    r, s = run_cell(be, jobs[k:k + conc], conc, st, speculative=not cell.ar, warmup=warmup and not k)
+                    done[cell] = (done[cell][0] + r, done[cell][1] + s)
+                    engine = be.engine_report()
+                    if engine:
+                        paths[cell] = engine
+                    pol = be.auto_policy(st) if st.auto else None
+                    if pol is not None:
+                        costs[cell] = cost_report(pol)
+                        emitted = be.calibration_report()
+                        if emitted:                   # exllamav3, timed in this process: tokens a job emitted per round
+                            costs[cell]["calibration_tokens"] = emitted
+            for cell in group:
+                runs[cell].append(done[cell])
+                bar.update()
     bar.close()
     be.set_options(None)
     ar = {c.concurrency: c for c in cells if c.ar}
