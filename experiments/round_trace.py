@@ -1,5 +1,6 @@
 """Every iterate() of the exllamav3 backend's recording Generator, for `speed pair --trace`: which bench cell ran it,
-when it started, the width asked, the decoding jobs, its wall ms and the tokens it emitted. The pair bench's
+when it started, the width asked, the decoding jobs, its wall ms and the tokens it emitted; under an auto
+policy also what its choice saw (`rates`: the acceptance estimate a_1.., `curve`: ms per timed width). The pair bench's
 medians say that `auto` trails the best fixed width by 3 %; the trace says where (rounds at exploratory widths,
 dearer rounds at the same width, or time between rounds).
 
@@ -31,6 +32,7 @@ class RoundTrace:
     def __init__(self):
         self.rows: list[dict] = []
         self.cell, self.outer = "", ""
+        self.view: dict | None = None
         self.t0 = time.perf_counter()
         self._stop = None
 
@@ -52,9 +54,15 @@ class RoundTrace:
             self.cell = f["label"]
         elif kind == "cell_end":
             self.cell = self.outer
+        elif kind == "policy":
+            self.view = f
         elif kind == "iterate":
-            self.rows.append({"cell": self.cell, "t": round(f["t"] - self.t0, 6), "w": f["w"], "rows": f["rows"],
-                              "jobs": f["jobs"], "ms": round(f["ms"], 3), "emitted": f["emitted"]})
+            row = {"cell": self.cell, "t": round(f["t"] - self.t0, 6), "w": f["w"], "rows": f["rows"],
+                   "jobs": f["jobs"], "ms": round(f["ms"], 3), "emitted": f["emitted"]}
+            if self.view is not None:          # the auto policy's view before this round: rates and cost curve
+                row.update(rates=self.view["rates"][:8], curve=self.view["curve"])
+                self.view = None
+            self.rows.append(row)
 
     def write(self, path: Path) -> Path:
         path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))

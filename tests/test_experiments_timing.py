@@ -174,6 +174,22 @@ def test_round_trace_rows_add_up_to_the_decoded_tokens(monkeypatch, tmp_path):
     assert {r["w"] for r in mine if r["rows"]} == {7} and [r["t"] for r in trace.rows] == sorted(r["t"] for r in trace.rows)
 
 
+def test_round_trace_keeps_what_each_auto_choice_saw(monkeypatch, tmp_path):
+    import toolkit.benchmark.grid as bg
+    from experiments.round_trace import RoundTrace
+
+    be = timed_backend(monkeypatch, tmp_path, lambda w, rows: 10.0 + 0.1 * w * rows)     # drafting pays
+    trace = RoundTrace().install()
+    try:
+        bg.run_jobs(be, [[11, 12], [13, 14]], GenSettings(max_new_tokens=40, block_size="auto", stop_ids=()), True)
+    finally:
+        trace.remove()
+    mine = [r for r in trace.rows if r["cell"] == "auto/c2/n40"]
+    assert mine and all(len(r["rates"]) == be.block_size - 1 and r["curve"] for r in mine)
+    assert all(r["w"] in {int(w) for w in r["curve"]} | {0} for r in mine)           # a width the curve timed
+    assert mine[0]["rates"] == [0.0] * (be.block_size - 1) and max(mine[-1]["rates"]) > 0  # learnt as it went
+
+
 def test_round_trace_cli_renders_a_trace_and_refuses_other_files(tmp_path, capsys):
     import gzip
 
