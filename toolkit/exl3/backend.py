@@ -25,11 +25,10 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from ..runtime.backend import Backend, Capabilities, GenSettings
-from ..runtime import trace
 from ..runtime.events import Round
 from ..runtime.pair import ModelPair
 from . import seams
-from .hook import JobTrack, build_round, recording_generator_class
+from .hook import JobTrack, build_round, recording_generator_class, set_policy_width
 from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
 from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
@@ -366,11 +365,7 @@ class Exl3Backend(Backend):
         try:
             while gen.num_remaining_jobs():
                 if policy is not None:
-                    n = gen.num_remaining_jobs()
-                    gen.set_width(policy.width(n), B - 1)
-                    if trace.LISTENERS:              # what the choice saw: the rates and the cost curve
-                        trace.emit("policy", jobs=n, w=gen.num_draft_tokens, rates=[round(a, 3) for a in policy.rates],
-                                   curve={w: round(t, 3) for w, t in policy.costs.curve(n).items()})
+                    set_policy_width(gen, policy, B - 1)
                 t0 = self.clock()
                 results = gen.iterate()
                 t_round = (self.clock() - t0) * 1000.0
