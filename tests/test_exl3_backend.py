@@ -247,6 +247,31 @@ def test_auto_learns_acceptance_and_settles_on_the_best_width(timed):
     assert e[3] > 3.85 and e[7] - e[3] < 0.2
 
 
+def test_a_batch_starts_from_the_carried_rates_not_from_its_prefill_blocks(monkeypatch, timed):
+    real = FakeGenerator.iterate_draftmodel_dflash_gen
+
+    def junk_at_prefill(self, results, window):             # as on a GPU: the prefill iterate's block never matches
+        ids = real(self, results, window)
+        for j, job in enumerate(self.active_jobs):
+            if job.new_tokens == 0:
+                ids[j] = (ids[j] + 1) % V
+        return ids
+
+    monkeypatch.setattr(FakeGenerator, "iterate_draftmodel_dflash_gen", junk_at_prefill)
+    monkeypatch.setattr(FakeGenerator, "cost", staticmethod(lambda w, rows: 10.0 + 0.1 * w * rows))   # drafting pays
+    st = GenSettings(max_new_tokens=60)
+    list(timed.generate(endless_prompts(1, 60)[0], st))                  # the drafter is right on 3 ids: learnt
+    pol = timed.policies[(True, ADOPTED.tag)]
+    assert pol.expected_tokens([s / pol.total[1] for s in pol.total[0]])[3] > 3.5
+    timed.cost_table(8)                                                   # 8 jobs timed before the request
+    before = len(timed._gen.widths)
+    per_job = {}
+    for i, r in timed.generate_many(endless_prompts(8, 60), st):
+        per_job.setdefault(i, []).append(r)
+    widths = timed._gen.widths[before:]
+    assert widths[1] >= 3 and all(len(rs[1].drafted) >= 3 for rs in per_job.values())   # drafting from the start
+
+
 def test_auto_decodes_ar_where_speculation_cannot_win_and_probes_only_at_the_budget_spacing(timed):
     prompts = endless_prompts(8, 60)
     per_job = {i: [] for i in range(8)}
