@@ -22,9 +22,9 @@ from ..moe.ref import MoeLayer
 from . import seams
 from .draft_levers import set_forward_wrap
 
-ROWS = {"union": (4, 16), "grouped": (9, 64)}     # rows per call each path takes (inclusive), union first. H100,
-# whole model: c=1 w=7 round 15.8 -> 12.3 ms, c=8 AR step 13.5 -> 10.1; one layer: union / stock 0.93 at 4 rows,
-# 0.71 at 8; union / grouped 0.65 at 16, 1.04 at 32
+ROWS = {"union": (1, 16), "grouped": (9, 64)}     # rows per call each path takes (inclusive), union first. H100,
+# whole model: c=1 w=7 round 15.8 -> 12.3 ms, c=8 AR step 13.5 -> 10.1, c=1 AR step 6.56 -> 6.31 (1 row); one layer:
+# union / stock 0.93 at 4 rows, 0.71 at 8; union / grouped 0.65 at 16, 1.04 at 32
 GRAPH_UNION = True                                # replay the union path from a CUDA graph per (layer, rows)
 PATHS = ("union", "grouped")
 UNSAFE_PARAMS = ("autosplit_measure", "capture_sens", "capture_qmaps", "activate_all_experts", "tp_warmup",

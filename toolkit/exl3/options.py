@@ -4,16 +4,16 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
 
 - `graph_draft_swa`: the DFlash drafter's sliding-window layers run through exllamav3's graph-captured decode
   attention (draft_levers.py). Measured 1.0-1.5 ms cheaper per round at c=1 on the real shape, lossless.
-- `union_moe`: the target's EXL3 MoE calls of 4-16 rows (a c=1 verify round, an AR step of 4-16 requests)
+- `union_moe`: the target's EXL3 MoE calls of 1-16 rows (an AR step of up to 16 requests, a c=1 verify round)
   decode each expert they touch once for all of their rows, through exllamav3's own multi-matrix GEMM, replayed
   from a CUDA graph per (layer, rows) (toolkit/moe/union.py). On the real shape (H100): c=1 w=7 rounds 15.8 ->
-  12.3 ms, AR steps at c=4 / c=8 1.24x / 1.34x faster; greedy output equal to the stock path's on a trained MoE
-  fixture. The first start on a new machine spends a minute or two in exllamav3's GEMM tuner (cached on disk).
+  12.3 ms, AR steps at c = 1 / 4 / 8 1.04x / 1.24x / 1.34x faster; greedy output equal to the stock path's on a
+  trained MoE fixture. The first start on a new machine spends a minute or two in exllamav3's GEMM tuner (cached on disk).
 - `grouped_moe`: MoE calls of 17-64 rows take an expert-grouped Triton forward (toolkit/moe/grouped.py), each
   touched expert's weights decoded once per block of its rows. On the real shape: verify rounds 7-24 % cheaper at
   16-64 rows; the speculative output equal to the stock path's on a trained MoE fixture.
 
-Elsewhere (1-3 rows, past 64, calibration passes) exllamav3's own MoE forward runs. Without Triton both MoE
+Elsewhere (past 64 rows, calibration passes) exllamav3's own MoE forward runs. Without Triton both MoE
 levers stay off; the bench JSON says how many MoE calls took which path.
 
 `python -m toolkit.bench --levers grouped_moe=off` measures a lever against exllamav3's own behaviour.
