@@ -144,9 +144,9 @@ def replay_request(rows: list[dict], max_new: int, mode, costs: Costs, positions
     window = getattr(policy, "window", None)
     plain = policy is not None and policy.plain(len(rows))
     if policy is not None and not plain:
-        for i, r in enumerate(rows):
+        for i in range(len(rows)):
             policy.start(i, -2)
-            policy.observe([(i, (), Round((), 0, r["answer"][0], prefill=True))])
+        policy.observe([(i, (), Round((), 0, r["answer"][0], prefill=True)) for i, r in enumerate(rows)])   # one iterate
     while live := [(i, j) for i, j in enumerate(jobs) if j.n < j.cap]:
         if policy is None:
             w, out = mode, []

@@ -187,3 +187,17 @@ class NoEarlyProbe(Policy):
 
 
 ROWS["-early"] = ("- a fresh policy's probe on its first round", variant(NoEarlyProbe))
+
+
+class LearnsPrefillBlocks(Policy):
+    """The exllamav3 backend before it kept prefill blocks from the policy: each job's prefill round also resolved a
+    proposal that never matched (as exllamav3's prefill iterate did on a GPU)."""
+
+    def observe(self, items, ms=None):
+        fade = self.fade(len(items))
+        for _ in [job for job, _, rnd in items if rnd.prefill and job in self.jobs]:
+            self.learn(0, fade)
+        super().observe(items, ms)
+
+
+ROWS["-prefill"] = ("- keeping exllamav3's prefill blocks from the policy (each learnt as a miss)", variant(LearnsPrefillBlocks))

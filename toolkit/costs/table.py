@@ -16,6 +16,7 @@ class CostTable:
     ms: dict[int, dict[int, float]]
     device: str = ""
     source: str = field(default="given", compare=False)
+    near: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.ms = {int(c): {int(w): float(t) for w, t in pts.items()} for c, pts in self.ms.items()}
@@ -29,7 +30,10 @@ class CostTable:
 
     def nearest(self, concurrency: int = 1) -> dict[int, float]:
         """{w: ms} of the timed concurrency nearest `concurrency` (ties: the lower one)."""
-        return self.ms[min(self.ms, key=lambda c: (abs(c - concurrency), c))]
+        key = (concurrency, len(self.ms))              # a table only gains concurrencies
+        if key not in self.near:
+            self.near[key] = min(self.ms, key=lambda c: (abs(c - concurrency), c))
+        return self.ms[self.near[key]]
 
     def curve(self, block_size: int, concurrency: int = 1) -> list[float]:
         """t_round(w) for w = 0..block_size-1: linear between timed widths, non-decreasing, never below AR."""

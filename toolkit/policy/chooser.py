@@ -142,9 +142,9 @@ class Policy:
 
     def learn(self, length: int, fade: float) -> None:
         """One proposal's full-width accepted length, into the request's and the long-run rates."""
-        new = [float(i < length) for i in range(len(self.sums))]
-        self.sums, self.weight = [fade * s + x for s, x in zip(self.sums, new)], fade * self.weight + 1.0
-        self.total = [s + x for s, x in zip(self.total[0], new)], self.total[1] + 1.0
+        self.sums = [fade * s + (i < length) for i, s in enumerate(self.sums)]
+        self.weight = fade * self.weight + 1.0
+        self.total = [s + (i < length) for i, s in enumerate(self.total[0])], self.total[1] + 1.0
         self.count += 1
 
     @property

@@ -20,14 +20,21 @@ class RoundCosts:
     def __init__(self, table: CostTable, learn: bool = True):
         self.table, self.learn = table, learn
         self.seen: dict[tuple[int, int], deque] = {}    # (jobs, width) -> its recent rounds' ms
+        self.made: dict[int, tuple[int, dict[int, float]]] = {}    # jobs -> (concurrencies timed, curve)
 
     def observe(self, jobs: int, width: int, ms: float) -> None:
         """A round of `jobs` jobs verifying `width` drafts took `ms`."""
         if self.learn and width in self.table.nearest(jobs) and math.isfinite(ms) and ms > 0:
             self.seen.setdefault((jobs, width), deque(maxlen=KEEP)).append(ms)
+            self.made.pop(jobs, None)
 
     def curve(self, jobs: int) -> dict[int, float]:
-        """{w: ms} at the table's widths for `jobs` jobs."""
-        seen = self.seen.get
-        return {w: statistics.median(seen((jobs, w))) if len(seen((jobs, w), ())) >= MIN_SEEN else t
-                for w, t in self.table.nearest(jobs).items()}
+        """{w: ms} at the table's widths for `jobs` jobs (kept until a round of `jobs` jobs or a newly timed
+        concurrency changes it)."""
+        timed, got = self.made.get(jobs, (0, None))
+        if got is None or timed != len(self.table.ms):
+            seen = self.seen.get
+            got = {w: statistics.median(seen((jobs, w))) if len(seen((jobs, w), ())) >= MIN_SEEN else t
+                   for w, t in self.table.nearest(jobs).items()}
+            self.made[jobs] = len(self.table.ms), got
+        return got
