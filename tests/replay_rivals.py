@@ -195,8 +195,9 @@ class LearnsPrefillBlocks(Policy):
 
     def observe(self, items, ms=None):
         fade = self.fade(len(items))
-        for _ in [job for job, _, rnd in items if rnd.prefill and job in self.jobs]:
-            self.learn(0, fade)
+        for job, _, rnd in items:
+            if rnd.prefill and job in self.jobs:
+                self.learn(0, fade)
         super().observe(items, ms)
 
 

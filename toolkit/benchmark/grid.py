@@ -110,6 +110,19 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
     bar = tqdm(total=reps * len(cells), desc="bench", disable=quiet, file=sys.stderr)
     t0 = time.time()
     groups = [[c for c in cells if c.concurrency == conc] for conc in dict.fromkeys(c.concurrency for c in cells)]
+
+    def record(cell: Cell, st: GenSettings) -> None:
+        """After a cell's last wave: the engine's kernel paths and an auto cell's cost curves."""
+        engine = be.engine_report()
+        if engine:
+            paths[cell] = engine
+        pol = be.auto_policy(st) if st.auto else None
+        if pol is not None:
+            costs[cell] = cost_report(pol)
+            emitted = be.calibration_report()
+            if emitted:                       # exllamav3, timed in this process: tokens a job emitted per round
+                costs[cell]["calibration_tokens"] = emitted
+
     for rep in range(reps):
         if deadline is not None and rep and time.time() + (time.time() - t0) / rep > deadline:
             break
@@ -124,15 +137,8 @@ def run_grid(be: Backend, ids: list[list[int]], settings: GenSettings, cells: li
                     st = GenSettings(**{**vars(settings), "block_size": cell.block})
                     r, s = run_cell(be, jobs[k:k + conc], conc, st, speculative=not cell.ar, warmup=warmup and not k)
                     done[cell] = (done[cell][0] + r, done[cell][1] + s)
-                    engine = be.engine_report()
-                    if engine:
-                        paths[cell] = engine
-                    pol = be.auto_policy(st) if st.auto else None
-                    if pol is not None:
-                        costs[cell] = cost_report(pol)
-                        emitted = be.calibration_report()
-                        if emitted:                   # exllamav3, timed in this process: tokens a job emitted per round
-                            costs[cell]["calibration_tokens"] = emitted
+                    if k + conc >= len(jobs):
+                        record(cell, st)
             for cell in group:
                 runs[cell].append(done[cell])
                 bar.update()
