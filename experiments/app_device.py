@@ -157,6 +157,17 @@ DEMO_PROMPTS = ["Explain speculative decoding to a ten-year-old in three sentenc
                 "List five facts about the Moon.", "Write a short email asking a colleague to review a pull request."]
 
 
+def round_profile(rounds: list[dict]) -> dict:
+    """A turn's decode rounds by verify width (0 = AR): how many, and their median ms (draft + verify)."""
+    import statistics
+
+    by: dict[int, list[float]] = {}
+    for r in rounds:
+        if not r["prefill"]:
+            by.setdefault(len(r["drafted"]), []).append(r["t_draft_ms"] + r["t_verify_ms"])
+    return {str(w): [len(ms), round(statistics.median(ms), 2)] for w, ms in sorted(by.items())}
+
+
 def run_demo(run: Run, smol_target: Path, turns: int) -> int:
     """The app's own SmolLM2 demo as a GPU Space serves it (the staged target, padded for exllamav3 by the app), driven
     through gradio_client at the page's defaults (block auto, greedy): the ratio each answer shows, lossless."""
@@ -190,7 +201,7 @@ def run_demo(run: Run, smol_target: Path, turns: int) -> int:
             r = out["result"]
             assert r["lossless"] and r["text"] == r["ar_text"], "speculative != AR under greedy"
             return {k: r.get(k) for k in ("tau", "tok_s", "ar_tok_s", "speedup", "speedup_reason")} | {
-                "tokens": len(r["tokens"]), "banner": out["banner"][:300]}
+                "tokens": len(r["tokens"]), "banner": out["banner"][:300], "rounds": round_profile(r["rounds"])}
 
         shown = [run.step(f"turn_{i + 1}", turn, DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) for i in range(turns)]
         run.results["shown_speedups"] = [t["speedup"] for t in shown if t]
