@@ -6,8 +6,9 @@
   verified, so one decode gives every position.
 - `costs`: turns a `speed pair --trace` file and its bench.json into round costs per (jobs, width), the cost per
   emitted token, the prefill ms, the calibration table the bench's `auto` cells started from, and the device's
-  noise in time: every decoding round's ms over its (jobs, width) median, in the order the bench ran them (a
-  slow stretch of the device slows every width for a while; tests/replay.py can play it back).
+  noise in time: every decoding round's ms over its (jobs, width) steady median, in the order the bench ran them
+  (a slow stretch of the device slows every width for a while; tests/replay.py can play it back over the steady
+  medians: the medians with the card's slow stretches taken out, so a width used mostly in one is not slowed twice).
 - `table`: `auto`, exllamav3 1.6.5's own window and `auto` without each of its mechanisms over AR and every
   calibrated fixed width, on every committed trace (the results page's table, as markdown).
 
@@ -139,12 +140,13 @@ def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = Fal
                 groups[(r["cell"], r["jobs"])].append((r["emitted"], r["ms"]))
         elif not r["jobs"] and r["cell"].startswith("8/"):
             prefill[int(r["cell"].split("/")[1][1:])].append(r["ms"])
-    med = {k: statistics.median(v) for k, v in by.items()}
+    med = steady_medians(order)
     rng = random.Random(0)
     cell = next(c for c in run["cells"] if c["block_size"] == "auto" and "costs" in c)
     res = {"trace": trace.name,
            "rounds": {f"{j},{w}": [round(x, 4) for x in (v if len(v) <= keep else rng.sample(v, keep))]
                       for (j, w), v in sorted(by.items())},
+           "steady": {f"{j},{w}": round(med[(j, w)], 4) for j, w in sorted(by)},
            "per_token_ms": slope(groups.values()),
            "prefill_ms": {c: statistics.median(v) for c, v in sorted(prefill.items())},
            "start": cell["costs"]["start"],
@@ -157,6 +159,21 @@ def costs(trace: Path, bench: Path, out: Path, keep: int = 64, force: bool = Fal
     finally:
         part.unlink(missing_ok=True)
     return res
+
+
+def steady_medians(order: list[tuple[int, int, float]], half: int = 64, passes: int = 3) -> dict[tuple[int, int], float]:
+    """Each (jobs, width)'s median ms with the card's slow stretches taken out: a round's ms over the card's local
+    pace (the median, over the `half` rounds either side in time, of each round's ms over its shape's median). A
+    width used mostly during a slow stretch would otherwise read dear, and the replay's noise would slow it twice."""
+    med = {k: statistics.median(ms for j, w, ms in order if (j, w) == k) for k in {(j, w) for j, w, _ in order}}
+    for _ in range(passes):
+        f = [ms / med[(j, w)] for j, w, ms in order]
+        pace = [statistics.median(f[max(0, k - half):k + half + 1]) for k in range(len(f))]
+        by: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for (j, w, ms), p in zip(order, pace):
+            by[(j, w)].append(ms / p)
+        med = {k: statistics.median(v) for k, v in by.items()}
+    return med
 
 
 def slope(groups) -> float:

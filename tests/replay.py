@@ -11,9 +11,9 @@ A request's jobs decode together with one width per round, as exllamav3 does; a 
 shape (an untraced width: its nearest traced width's, drafting or not as it is, moved by the traced w=7 -> 15
 slope), plus `switch_ms` when
 its width differs from the last round's, plus host time (a policy pays its own extra per round). Costs that carry
-the device's noise in time (`noise`: each traced round's ms over its shape's median, in the bench's order) can
-play it back instead: round k costs its shape's median times the k-th traced factor, so a slow stretch of the
-device slows every width for a while, as it did there.
+the device's noise in time (`noise`: each traced round's ms over its shape's steady median, in the bench's order)
+can play it back instead: round k costs its shape's steady median (the slow stretches taken out) times the k-th
+traced factor, so a slow stretch of the device slows every width for a while, as it did there.
 
 Modes are compared on common draws: each repetition at each concurrency is a slot, and every mode of a slot
 replays the same cost draws and the same stretch of the noise series from its first round, so a slow stretch
@@ -54,6 +54,9 @@ class Costs:
             raise ValueError("these costs carry no noise series")
         self.seed = seed
         self.by = {tuple(map(int, k.split(","))): v for k, v in data["rounds"].items()}
+        if self.noise and "steady" in data:           # the noise is relative to the steady medians: played once
+            steady = {tuple(map(int, k.split(","))): v for k, v in data["steady"].items()}
+            self.by = {k: [x * steady[k] / statistics.median(v) for x in v] for k, v in self.by.items()}
         self.per_token, self.prefill = data["per_token_ms"], {int(c): v for c, v in data["prefill_ms"].items()}
         self.start = data["start"]
         self.shapes: dict[tuple[int, int], list[float]] = {}
@@ -128,8 +131,11 @@ class Job:
         """(full proposal, or () when nothing was drafted, and the Round) of one round verifying w drafts."""
         start = self.n
         L = self.lengths[start - 1] if start - 1 < len(self.lengths) else 0
-        e = self.advance(w)
-        proposal = tuple(self.answer[start:start + L]) + (-1,) * (positions - L) if w or propose else ()
+        e = min(min(L, w) + 1, self.cap - start)
+        self.n += e
+        if not (w or propose):
+            return (), Round((), 0, self.answer[start], proposed=0)
+        proposal = tuple(self.answer[start:start + L]) + (-1,) * (positions - L)
         return proposal, Round(proposal[:w], e - 1, self.answer[start + e - 1], proposed=len(proposal) if w else 0)
 
 
@@ -150,11 +156,13 @@ def replay_request(rows: list[dict], max_new: int, mode, costs: Costs, positions
     while live := [(i, j) for i, j in enumerate(jobs) if j.n < j.cap]:
         if policy is None:
             w, out = mode, []
-            emitted = sum(j.advance(w) for _, j in live)
+            emitted = 0
+            for _, j in live:
+                emitted += j.advance(w)
         else:
             w = 0 if plain else window([j for _, j in live]) if window else policy.width(len(live))
             out = [(i, *j.round(w, positions, window is not None)) for i, j in live]
-            emitted = sum(len(r.tokens) for _, _, r in out)
+            emitted = sum(r.accepted + 1 for _, _, r in out)
         shape = max(w, 1) if window else w                 # an empty window still ran the drafter
         t = costs.round_ms(len(live), shape, emitted - len(live)) + (switch_ms if last not in (None, w) else 0.0)
         t *= spec_ar if policy is not None and not plain and not w else 1.0

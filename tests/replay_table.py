@@ -28,7 +28,7 @@ DROP = dict(FIRST4, prompts=FIRST4["prompts"] + USELESS["prompts"])      # good 
 SCENARIOS = {"call4": (FIRST4, "call4", [1, 4, 8], False, 1.0, False), "call6": (LENGTHS, "call6", [4, 8], False, 1.0, False),
              "call9": (LENGTHS, "call9", [4, 8], False, 1.0, False), "call10": (FIRST4, "call10", [1, 4, 8], False, 1.0, False),
              "call13": (FIRST4, "call13", [1], False, 1.0, False), "noisy": (FIRST4, "noisy", [1, 4, 8], True, 1.0, False),
-             "1207": (FIRST4, "1207", [1, 4, 8], True, 1.0, False),
+             "1207": (FIRST4, "1207", [1, 4, 8], True, 1.0, False), "1207c": (FIRST4, "1207c", [1, 4, 8], True, 1.0, False),
              "useless": (USELESS, "call4", [1, 4, 8], False, 1.2, False), "switch": (SWITCH, "call4", [1], False, 1.0, False),
              "drop": (DROP, "call4", [4], False, 1.0, False), "fresh": (LENGTHS, "call4", [1], False, 1.0, True)}
 FIXED = {"ar": 0, **{f"w{w}": w for w in (1, 3, 5, 7, 11, 15)}}     # the calibration's widths (timed, traced)

@@ -25,6 +25,7 @@ Both backends drive it the same way, round by round:
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -99,13 +100,13 @@ class Policy:
     def observe(self, items: Sequence[tuple[Hashable, Sequence[int], Any]], ms: float | None = None) -> None:
         """Learn from one round: (job, its full proposal or (), its Round) for every job that emitted, and the
         round's ms (a cost observation when every job emitted a decoding round)."""
-        fade = self.fade(len(items))
+        fade, width, prefill = self.fade(len(items)), 0, False
         for job, proposal, rnd in items:
             for length in self.resolve(job, proposal, rnd.tokens):
                 self.learn(length, fade)
-        if self.fixed_width is not None or not items or any(r.prefill for _, _, r in items):
+            width, prefill = max(width, len(rnd.drafted)), prefill or rnd.prefill
+        if self.fixed_width is not None or not items or prefill:
             return
-        width = max(len(r.drafted) for _, _, r in items)
         if ms and len(items) == self.last_jobs:
             self.costs.observe(self.last_jobs, width, ms)
         self.request += 1
@@ -142,10 +143,11 @@ class Policy:
 
     def learn(self, length: int, fade: float) -> None:
         """One proposal's full-width accepted length, into the request's and the long-run rates."""
-        self.sums = [fade * s + (i < length) for i, s in enumerate(self.sums)]
-        self.weight = fade * self.weight + 1.0
-        self.total = [s + (i < length) for i, s in enumerate(self.total[0])], self.total[1] + 1.0
-        self.count += 1
+        self.sums, (total, n) = [fade * s for s in self.sums], self.total
+        for i in range(min(length, len(total))):
+            self.sums[i] += 1.0
+            total[i] += 1.0
+        self.weight, self.total, self.count = fade * self.weight + 1.0, (total, n + 1.0), self.count + 1
 
     @property
     def rates(self) -> list[float]:
@@ -154,10 +156,7 @@ class Policy:
 
     def expected_tokens(self, rates: Sequence[float] | None = None) -> list[float]:
         """E(w) = 1 + sum_{i<=w} a_i for w = 0..B-1 (at the request's rates unless given)."""
-        out = [1.0]
-        for a in self.rates if rates is None else rates:
-            out.append(out[-1] + a)
-        return out
+        return list(accumulate(self.rates if rates is None else rates, initial=1.0))
 
     # -- the choice --------------------------------------------------------------------------------------------
 

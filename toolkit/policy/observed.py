@@ -25,8 +25,9 @@ class RoundCosts:
     def observe(self, jobs: int, width: int, ms: float) -> None:
         """A round of `jobs` jobs verifying `width` drafts took `ms`."""
         if self.learn and width in self.table.nearest(jobs) and math.isfinite(ms) and ms > 0:
-            self.seen.setdefault((jobs, width), deque(maxlen=KEEP)).append(ms)
-            self.made.pop(jobs, None)
+            (got := self.seen.setdefault((jobs, width), deque(maxlen=KEEP))).append(ms)
+            if len(got) >= MIN_SEEN and jobs in self.made:      # only this width's cost moved
+                self.made[jobs][1][width] = statistics.median(got)
 
     def curve(self, jobs: int) -> dict[int, float]:
         """{w: ms} at the table's widths for `jobs` jobs (kept until a round of `jobs` jobs or a newly timed
