@@ -4,8 +4,9 @@ Each comparison runs two decoders of the same prompt in lockstep, one round of e
 of a shared machine falls on both alike; the result is tokens/s of the mode over tokens/s of plain AR on the
 same answer (greedy, identical tokens checked). Modes:
 - `auto`: `TorchBackend.generate` with block_size "auto" (the drafting policy, its cost table timed once and
-  cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as every app
-  turn does, else one policy learns over all answers as a long-running server's does;
+  cached); with --cold every answer starts from a fresh policy after the app's 4-token warm-up, as the app's
+  first turn does (later turns keep the round costs learnt), else one policy learns over all answers as a
+  long-running server's does;
 - `fixedN`: every round verifies N-1 drafts.
 Runs on a CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1` (`--poison 0.2`:
 from a cached table whose drafting costs read 5x too cheap); writes

@@ -202,3 +202,15 @@ class LearnsPrefillBlocks(Policy):
 
 
 ROWS["-prefill"] = ("- keeping exllamav3's prefill blocks from the policy (each learnt as a miss)", variant(LearnsPrefillBlocks))
+
+
+def kept_costs(c: R.Costs, block_size: int) -> Policy:
+    """A new policy whose round costs are those the earlier policies of this replay learnt (the app's turns: each
+    starts its acceptance afresh, the machine's round costs carry)."""
+    p = variant()(c, block_size)
+    kept = getattr(c, "kept_costs", None)
+    if kept is None:
+        c.kept_costs = p.costs
+    else:
+        p.costs = kept
+    return p

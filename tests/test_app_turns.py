@@ -19,6 +19,7 @@ from toolkit.app.handlers import ChatHandler  # noqa: E402
 from toolkit.app.models import Loaded  # noqa: E402
 from toolkit.app.policy_view import PolicyStart, learnt_text  # noqa: E402
 from toolkit.benchmark import lockstep  # noqa: E402
+from toolkit.policy.chooser import Policy  # noqa: E402
 from toolkit.runtime.events import Round  # noqa: E402
 
 
@@ -145,7 +146,7 @@ def test_the_page_says_what_the_policy_learnt():
     text = learnt_text(info)
     assert "positions 1-4: 54 %, 28 %, 15 %, 7 % (from 12 proposals)" in text
     assert "a block-16 round costs 3.1 AR rounds (113 vs 36 ms)" in text and "plain AR (block 1)" in text
-    assert "every turn starts from the same state" in text
+    assert "every turn starts its acceptance afresh" in text
     assert learnt_text(None) == "" and "still its prior" in learnt_text({**info, "proposals": 0, "best_block": 8})
 
 
@@ -164,8 +165,13 @@ def test_a_real_auto_turn_shows_what_its_policy_learnt():
     pol = last["result"]["policy"]
     assert len(pol["acceptance"]) == 15 and pol["proposals"] > 0 and len(pol["round_ms"]) == 16
     assert "What the policy learnt this turn" in html.unescape(last["banner"])
+    learnt = {k: p.costs for k, p in be.policies.items()}
+    assert learnt and all(c.seen for c in learnt.values())                     # it timed its rounds too
     h.loaded.policy_start.restore(be)
-    assert pickle.dumps(be.policies) == start                                   # and the next turn starts over
+    for k, p in be.policies.items():                                            # the next turn starts over,
+        new = Policy(p.block_size, p.costs.table, learn_costs=p.costs.learn)
+        assert {a: v for a, v in vars(p).items() if a != "costs"} == {a: v for a, v in vars(new).items() if a != "costs"}
+        assert p.costs is learnt[k]                                             # with the machine's round costs
 
 
 def test_refusals_change_only_the_message_line():

@@ -18,7 +18,7 @@ import pytest
 
 from tests import replay as R
 from tests import replay_table as T
-from tests.replay_rivals import ROWS, Exl3Window
+from tests.replay_rivals import ROWS, Exl3Window, kept_costs
 
 
 @functools.cache
@@ -51,6 +51,12 @@ def test_each_mechanism_pays(row):
     gain, loss, held = T.verdict(got, "auto", row)
     balance = statistics.mean(math.log(got[k]["auto"][0] / got[k][row][0]) for k in got)
     assert held or (gain >= 0.01 and balance > 0), (row, gain, loss, balance)
+
+
+def test_a_new_policy_per_answer_gains_from_the_round_costs_the_earlier_ones_learnt():
+    """The app starts every turn's acceptance afresh and keeps the learnt round costs (they describe the machine)."""
+    got = T.evaluate({"fresh": ROWS["auto"][1], "kept": kept_costs}, scenarios=["fresh"], seeds=16, reps=10)[("fresh", 1)]
+    assert got["kept"][0] >= 1.01 * got["fresh"][0], got
 
 
 def test_the_table_names_the_best_width_and_every_row():

@@ -1,14 +1,16 @@
-"""The drafting policy as the app uses it: every turn starts from the same state, and the page says what it learnt.
+"""The drafting policy as the app uses it: every turn starts its acceptance afresh, and the page says what it learnt.
 
 A backend keeps its auto policies in `backend.policies` (one per sampling mode): what they learn (the drafter's
 acceptance, the rounds' observed costs, the probing spacing) would otherwise carry from one visitor's prompts to
 the next visitor's turn. The app copies them once the start-up is done and gives every turn a fresh copy; the
-timed cost table itself is shared (it describes the machine, not a prompt).
+timed cost table and the round costs the policies learnt on top of it carry from turn to turn (they describe the
+machine, not a prompt).
 """
 
 from __future__ import annotations
 
 from ..costs.table import CostTable
+from ..policy.chooser import Policy
 from ..runtime.backend import Backend, GenSettings, copy_policies
 
 
@@ -19,9 +21,18 @@ class PolicyStart:
         self.saved = copy_policies(getattr(backend, "policies", None))
 
     def restore(self, backend: Backend) -> None:
-        """Give `backend` fresh copies of the saved policies (a policy made later starts fresh anyway)."""
-        if self.saved is not None and hasattr(backend, "policies"):
-            backend.policies = copy_policies(self.saved)
+        """Give `backend` fresh copies of the saved policies, each with the round costs its live one learnt: those
+        describe the machine, not a prompt, and relearning them cost every turn about 5 rounds per width."""
+        if self.saved is None or not hasattr(backend, "policies"):
+            return
+        fresh = copy_policies(self.saved)
+        for key, live in backend.policies.items():
+            costs = getattr(live, "costs", None)
+            if isinstance(live, Policy) and costs is not None:
+                if key not in fresh:
+                    fresh[key] = Policy(live.block_size, costs.table, learn_costs=costs.learn)
+                fresh[key].costs = costs
+        backend.policies = fresh
 
 
 def learnt(backend: Backend, settings: GenSettings) -> dict | None:
@@ -52,4 +63,4 @@ def learnt_text(info: dict | None) -> str:
     if t[0] > 0:
         parts.append(f"a block-{len(t)} round costs {t[-1] / t[0]:.1f} AR rounds ({t[-1]:.0f} vs {t[0]:.0f} ms)")
     parts.append("it would now pick " + ("plain AR (block 1)" if best == 1 else f"block {best}"))
-    return f"What the policy learnt this turn (every turn starts from the same state): {'; '.join(parts)}."
+    return f"What the policy learnt this turn (every turn starts its acceptance afresh): {'; '.join(parts)}."
