@@ -25,8 +25,8 @@ Both backends drive it the same way, round by round:
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from collections.abc import Hashable, Sequence
+from itertools import accumulate
 from typing import Any
 
 from ..costs.table import CostTable
