@@ -165,14 +165,15 @@ def steady_medians(order: list[tuple[int, int, float]], half: int = 64, passes: 
     """Each (jobs, width)'s median ms with the card's slow stretches taken out: a round's ms over the card's local
     pace (the median, over the `half` rounds either side in time, of each round's ms over its shape's median). A
     width used mostly during a slow stretch would otherwise read dear, and the replay's noise would slow it twice."""
-    med = {k: statistics.median(ms for j, w, ms in order if (j, w) == k) for k in {(j, w) for j, w, _ in order}}
-    for _ in range(passes):
-        f = [ms / med[(j, w)] for j, w, ms in order]
-        pace = [statistics.median(f[max(0, k - half):k + half + 1]) for k in range(len(f))]
+    pace = [1.0] * len(order)                               # the first pass: plain medians
+    for n in range(passes + 1):
         by: dict[tuple[int, int], list[float]] = defaultdict(list)
         for (j, w, ms), p in zip(order, pace):
             by[(j, w)].append(ms / p)
         med = {k: statistics.median(v) for k, v in by.items()}
+        if n < passes:
+            f = [ms / med[(j, w)] for j, w, ms in order]
+            pace = [statistics.median(f[max(0, k - half):k + half + 1]) for k in range(len(f))]
     return med
 
 

@@ -131,8 +131,7 @@ class Job:
         """(full proposal, or () when nothing was drafted, and the Round) of one round verifying w drafts."""
         start = self.n
         L = self.lengths[start - 1] if start - 1 < len(self.lengths) else 0
-        e = min(min(L, w) + 1, self.cap - start)
-        self.n += e
+        e = self.advance(w)
         if not (w or propose):
             return (), Round((), 0, self.answer[start], proposed=0)
         proposal = tuple(self.answer[start:start + L]) + (-1,) * (positions - L)

@@ -30,7 +30,7 @@ class PolicyStart:
             costs = getattr(live, "costs", None)
             if isinstance(live, Policy) and costs is not None:
                 if key not in fresh:
-                    fresh[key] = Policy(live.block_size, costs.table, learn_costs=costs.learn)
+                    fresh[key] = Policy.auto(live.block_size, costs.table, learn_costs=costs.learn)
                 fresh[key].costs = costs
         backend.policies = fresh
 
