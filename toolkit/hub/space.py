@@ -38,7 +38,7 @@ TORCH_VERSION = "2.8.0"        # the torch a GPU Space pins, with the exllamav3 
 CUDA_VERSION = "12.8"
 # Keep in step with pyproject.toml [project] dependencies and the gpu extra (tests/test_space.py checks).
 BASE_REQUIREMENTS = ["torch>=2.6", "transformers>=5.0,<6", "safetensors>=0.4", "huggingface-hub>=1.0,<3", "accelerate>=1.0",
-                     "tokenizers>=0.21", "tqdm>=4.60", "numpy>=1.26", "matplotlib>=3.8"]
+                     "tokenizers>=0.21", "tqdm>=4.60", "numpy>=1.26", "matplotlib>=3.8", "pyyaml>=6"]
 GPU_REQUIREMENTS = [f"exllamav3=={EXLLAMAV3_VERSION}"]     # the tested release, inside the gpu extra's range
 DEMO_REQUIREMENTS = ["gguf>=0.10"]                       # converts the SmolLM2 demo target when no models are given
 HARDWARE = ("cpu-basic", "cpu-upgrade", "t4-small", "t4-medium", "l4x1", "l4x4", "a10g-small", "a10g-large",
