@@ -34,7 +34,7 @@ from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "moe_union", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "moe_union", "moe_graphs", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -165,15 +165,18 @@ def check_moe(ctx: Ctx) -> dict:
         free_cuda(be)
 
 
-def off_and_on(ctx: Ctx, be, prompts, lever: str, names: tuple[str, str], label: str, out: dict, detail: str) -> int:
-    """lossless() at B=16 with the switch `lever` off, then on, into out[names[0]] and out[names[1]] (saved as
-    `detail` after each); returns how many speculative outputs the two runs share (out["same_ar_output"]: how
-    many AR outputs)."""
+def off_and_on(ctx: Ctx, be, prompts, lever: str, names: tuple[str, str], label: str, out: dict, detail: str,
+               base=None) -> int:
+    """lossless() at B=16 with the switch `lever` off, then on (over `base`, default exllamav3's own options), into
+    out[names[0]] and out[names[1]] (saved as `detail` after each); returns how many speculative outputs the two
+    runs share (out["same_ar_output"]: how many AR outputs)."""
+    from dataclasses import replace
+
     from toolkit.exl3.options import Exl3Options
 
     spec, ar = {}, {}
     for on in (False, True):
-        be.set_options(Exl3Options(**{lever: on}))
+        be.set_options(replace(base or Exl3Options(), **{lever: on}))
         res = out[names[on]] = lossless(be, prompts, 16, f"{label} {lever}={on}", ctx.max_new)
         ar[on], spec[on] = res.pop("_ar"), res.pop("_spec")
         ctx.run.steps[detail] = out
@@ -198,10 +201,10 @@ def check_moe_exl3(ctx: Ctx) -> dict:
         free_cuda(be)
 
 
-def check_moe_grouped(ctx: Ctx, path: str = "grouped") -> dict:
-    """An MoE lever (grouped_moe, union_moe) alone on the trained MoE target as EXL3 4.0 bpw: B=16 off and on, each
-    against the backend's own AR under the same options, both runs' outputs compared, and how many MoE calls the
-    path served."""
+def check_moe_lever(ctx: Ctx, lever: str = "grouped_moe", base=None) -> dict:
+    """A lever (grouped_moe, union_moe alone; forward_graphs over the defaults, in a process started with
+    EXL3_GRAPHS=0) on the trained MoE target as EXL3 4.0 bpw: B=16 off and on, each against the backend's own AR
+    under the same options, both runs' outputs compared, and how many calls the lever served."""
     from toolkit.exl3.backend import Exl3Backend
 
     dst = WORK / "moe_exl3"
@@ -209,10 +212,15 @@ def check_moe_grouped(ctx: Ctx, path: str = "grouped") -> dict:
     be = Exl3Backend.from_dirs(dst, ctx.fix["moe_draft"], cache_tokens=32 * 512, max_concurrency=32)
     try:
         prompts = doc_prompts(be.tokenizer, n=20)
-        out["same_spec_output"] = off_and_on(ctx, be, prompts, f"{path}_moe", ("off", "on"), "moe_exl3", out,
-                                             f"moe_{path}_detail")
-        out["engine"] = be.engine_report()
-        assert out["engine"] and out["engine"]["moe_paths"][path] > 0, f"the {path} path never ran"
+        out["same_spec_output"] = off_and_on(ctx, be, prompts, lever, ("off", "on"), "moe_exl3", out,
+                                             f"{lever}_detail", base)
+        out["engine"] = e = be.engine_report() or {}
+        served = e.get("forward_graphs", {}).get("target", {}).get("replayed", 0) if lever == "forward_graphs" else \
+            e.get("moe_paths", {}).get(lever.removesuffix("_moe"), 0)
+        assert served > 0, f"{lever} never ran"
+        n = len(prompts)                   # the graphs replay the eager kernels: not a token may change
+        assert lever != "forward_graphs" or (out["same_spec_output"], out["same_ar_output"]) == (n, f"{n}/{n}"), \
+            "forward_graphs changed the output"
         return out
     finally:
         free_cuda(be)
@@ -345,10 +353,17 @@ def check_errors(ctx: Ctx) -> dict:
 
 
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
-         "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_grouped),
-         "moe_union": ("moe_union", lambda ctx: check_moe_grouped(ctx, "union")), "draft_swa": ("graph_draft_swa", check_draft_swa),
+         "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_lever),
+         "moe_union": ("moe_union", lambda ctx: check_moe_lever(ctx, "union_moe")),
+         "moe_graphs": ("moe_graphs", lambda ctx: check_moe_lever(ctx, "forward_graphs", adopted())), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
+
+
+def adopted():
+    from toolkit.exl3.options import ADOPTED
+
+    return ADOPTED
 
 
 def main(argv: list[str] | None = None) -> int:

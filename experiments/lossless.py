@@ -96,3 +96,21 @@ def lossless(be, prompts: list[list[int]], B: int, label: str, max_new: int) -> 
     res["_ar"], res["_spec"], res["ok"] = ar_all, spec_all, same == len(prompts)
     res["first_diff"] = [first_difference(x, y) for x, y in zip(spec_all, ar_all) if x != y][:10]
     return res
+
+
+def graphs_identical(be, prompts: list[list[int]], B: int, max_new: int) -> dict:
+    """forward_graphs off and on over the toolkit's defaults: greedy speculative (block B) and AR tokens per prompt,
+    which must be identical token for token (a replay runs the eager forward's kernels), and how the forwards ran."""
+    from dataclasses import replace
+
+    from toolkit.exl3.options import ADOPTED
+
+    st, toks = GenSettings(max_new_tokens=max_new, block_size=B), {}
+    for on in (False, True):
+        be.set_options(replace(ADOPTED, forward_graphs=on))
+        for _ in range(2):                              # the second pass replays every shape the first met
+            toks[on] = [(tokens_of(list(be.generate(p, st))), tokens_of(list(be.generate(p, st, speculative=False))))
+                        for p in prompts]
+    same = sum(a == b for a, b in zip(toks[False], toks[True]))
+    return {"identical": f"{same}/{len(prompts)}", "tokens": sum(len(s) + len(a) for s, a in toks[True]),
+            "engine": be.engine_report()}

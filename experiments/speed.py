@@ -307,6 +307,7 @@ def run_shape(run: Run, a) -> None:
         try:
             run.results[f"distinct_experts{key}"] = distinct_experts(be)
             data = run.step(f"timing{key}", time_shape, run, be, a, f"timing{key}", 1 / (len(a.routing) - i), keep=False)
+            run.results[f"engine{key}"] = be.engine_report()      # e.g. how the forwards ran (forward_graphs)
             if i == 0:
                 run.step("profile", profile_host, be, a, need_s=20)
                 if a.budget:

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..core.errors import ToolkitError
-from ..core.target import TargetInfo
 from ..runtime.backend import Backend, Capabilities, GenSettings
 from ..runtime.events import Round
 from ..runtime.pair import ModelPair
@@ -34,82 +33,11 @@ from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate, spot_check
 from ..policy.chooser import Policy
+from .loading import (LOAD_CHUNK, MIN_CAPABILITY, check_cuda, import_exllamav3, load_chunk,  # noqa: F401
+                      load_drafter, load_failure, load_models)
 from .split import GpuSplit, device_count
 from ..costs.cache import cached_costs, cost_key, device_name
 from ..costs.table import CostTable
-
-MIN_CAPABILITY = (8, 0)
-LOAD_CHUNK = 2048       # exllamav3 1.6.5 Model.load's default max_chunk_size
-
-
-def check_cuda() -> str:
-    """The GPU's name, or a one-line ToolkitError saying which GPU the backend needs."""
-    import torch
-
-    need = f"an NVIDIA GPU with CUDA, compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ampere, Ada, Hopper, Blackwell)"
-    if not torch.cuda.is_available():
-        raise ToolkitError(f"no CUDA GPU found: the exllamav3 backend needs {need}; use --backend torch on CPU")
-    name, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
-    if tuple(cap) < MIN_CAPABILITY:
-        raise ToolkitError(f"{name} has compute capability {cap[0]}.{cap[1]}: the exllamav3 backend needs {need}")
-    return name
-
-
-def import_exllamav3():
-    """exllamav3's public classes, after checking that every seam the toolkit touches is there (its import builds
-    or loads the CUDA extension)."""
-    from types import SimpleNamespace
-
-    seams.require()
-    return SimpleNamespace(**{n: seams.get(n) for n in ("Config", "Model", "Cache", "Tokenizer", "Generator", "Job")})
-
-
-def load_chunk(cache_tokens: int, max_chunk: int | None = None) -> dict:
-    """Load kwargs for a cache of `cache_tokens`. Model.load's layer-split loader runs its measuring forward over a
-    (1, max_chunk_size) batch shape in the cache (exllamav3 modules/attn.py asserts max_chunk_size <=
-    cache.max_num_tokens, "Cache too small for batch shape"); its default chunk is 2048, so a smaller cache (the
-    quantize speed step sizes it to one job) loads with the chunk cut to the cache, and `max_chunk` (the longest
-    forward a caller runs) cuts it further. Otherwise the load takes exllamav3's defaults, as always."""
-    chunk = min(cache_tokens, max_chunk or LOAD_CHUNK)
-    return {"max_chunk_size": chunk} if chunk < LOAD_CHUNK else {}
-
-
-def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, history: int, split: GpuSplit,
-                 count: int) -> tuple:
-    """(drafter, drafter cache): its cache made before its load, the load on split's drafter device."""
-    dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
-    dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-    dmodel.load(progressbar=False, **split.draft_load_kwargs(count), **load_chunk(cache_tokens))
-    return dmodel, dcache
-
-
-def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_concurrency: int, history: int,
-                split: GpuSplit, count: int, max_chunk: int | None = None) -> tuple:
-    """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
-    on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
-    drafter passed so the layer-split loader budgets for the states it taps; its chunk cut to `max_chunk`)."""
-    model = exl.Model.from_config(exl.Config.from_directory(str(target)))
-    cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-    dmodel = dcache = None
-    if draft is not None:
-        dmodel, dcache = load_drafter(exl, draft, cache_tokens, max_concurrency, history, split, count)
-    model.load(progressbar=False, **split.target_load_kwargs(count), **load_chunk(cache_tokens, max_chunk),
-               **({"draft_model": dmodel} if dmodel is not None else {}))
-    return model, cache, dmodel, dcache
-
-
-def load_failure(e: Exception) -> tuple[str, str] | None:
-    """What an exception from an exllamav3 load means: ("memory", GiB free now) when the GPU ran out, ("load", its
-    first line) for exllamav3's known refusals, None for anything else (a bug: let it raise)."""
-    import torch
-
-    if isinstance(e, torch.OutOfMemoryError):
-        return "memory", f"{torch.cuda.mem_get_info()[0] / GIB:.1f}"
-    known = isinstance(e, (AssertionError, ValueError, KeyError, OSError, NotImplementedError))
-    if known or (isinstance(e, RuntimeError) and "VRAM" in str(e)):        # "Insufficient VRAM in split ..."
-        return "load", str(e).splitlines()[0] if str(e) else type(e).__name__
-    return None
-
 
 class Exl3Backend(Backend):
     """Backend over exllamav3 models; `generate_many` runs several jobs in one generator."""
@@ -140,6 +68,7 @@ class Exl3Backend(Backend):
         self._recording = recording_generator_class(exl.Generator)
         self._gen, self._gen_key = None, None
         self.options = Exl3Options()
+        self._graphs: dict = {}           # each model's whole-forward graphs (forward_graphs), kept across toggles
         self.costs: dict[str, CostTable] = {}      # options tag -> its table, one concurrency added per calibration
         self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
         self.policies: dict[tuple[bool, str], Policy] = {}    # (greedy, options tag) -> its policy
@@ -218,6 +147,12 @@ class Exl3Backend(Backend):
             options = install(self.model, self.moe_class(), options)
         if self.draft is not None:
             set_draft_levers(self.draft, options, self.options, self.draft_classes)
+        if options.forward_graphs or self.options.forward_graphs:
+            from .graphs import set_forward_graphs
+
+            for name, model in (("target", self.model), ("draft", self.draft)):
+                if model is not None:
+                    self._graphs[name] = set_forward_graphs(model, options.forward_graphs, self._graphs.get(name))
         if options != self.options and self._gen is not None:
             self._gen.close()
             self._gen = None
@@ -313,11 +248,14 @@ class Exl3Backend(Backend):
     def engine_report(self) -> dict | None:
         """Which MoE path the target's layers took so far ({"union": calls, "grouped": calls, "stock": calls}), with
         an MoE lever on."""
-        if not self.options.moe_levers:
-            return None
-        from .moe import path_counts
+        out = {}
+        if self.options.moe_levers:
+            from .moe import path_counts
 
-        return {"moe_paths": path_counts(self.model, self.moe_class())}
+            out["moe_paths"] = path_counts(self.model, self.moe_class())
+        if self._graphs:
+            out["forward_graphs"] = {k: g.report() for k, g in self._graphs.items()}
+        return out or None
 
     def plan(self, settings: GenSettings, speculative: bool) -> int | None:
         """The fixed verify width of a run (0 = AR), or None when the policy picks it per round."""

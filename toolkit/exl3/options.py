@@ -13,6 +13,14 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
   touched expert's weights decoded once per block of its rows. On the real shape: verify rounds 7-24 % cheaper at
   16-64 rows; the speculative output equal to the stock path's on a trained MoE fixture.
 
+Not adopted yet (being measured; `--levers forward_graphs`):
+
+- `forward_graphs`: the target's whole decode forward (every layer and the LM head, up to 16 tokens per job and
+  32 jobs) replayed from one CUDA graph per shape (graphs.py), so the host issues one launch instead of about a
+  thousand. exllamav3's own per-module graphs cannot run inside such a capture: start the process with
+  EXL3_GRAPHS=0 (exllamav3 then issues the same kernels eagerly and these graphs hold them); otherwise the
+  captures fail and the calls stay eager, one log line saying so.
+
 Elsewhere (past 64 rows, calibration passes) exllamav3's own MoE forward runs. Without Triton both MoE
 levers stay off; the bench JSON says how many MoE calls took which path.
 
@@ -34,6 +42,7 @@ class Exl3Options:
     graph_draft_swa: bool = False
     grouped_moe: bool = False
     union_moe: bool = False
+    forward_graphs: bool = False
 
     @property
     def moe_levers(self) -> bool:
@@ -49,7 +58,7 @@ class Exl3Options:
 # The toolkit's defaults on exllamav3 (generate, bench, eval_tau and the app use them unless told otherwise).
 ADOPTED = Exl3Options(graph_draft_swa=True, grouped_moe=True, union_moe=True)
 
-LEVERS = {"graph_draft_swa": True, "grouped_moe": True, "union_moe": True}   # lever -> the value `--levers NAME` uses when none is given
+LEVERS = {"graph_draft_swa": True, "grouped_moe": True, "union_moe": True, "forward_graphs": True}   # lever -> the value `--levers NAME` uses when none is given
 
 
 def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Options]:

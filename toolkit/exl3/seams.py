@@ -58,6 +58,10 @@ SEAMS = {s.name: s for s in (
     Seam("exllamav3.modules.sliding_attn:SlidingAttention.forward", "the forward graph_draft_swa calls",
          ("x", "params", "out_dtype"), key="SlidingAttention.forward"),
     Seam("exllamav3.modules:Embedding", "the target's embedding table, read by the tap capture"),
+    Seam("exllamav3:Model.forward_ls", "the layer walk forward_graphs replays from one CUDA graph", ("x", "params"),
+         key="Model.forward_ls"),
+    Seam("exllamav3.util.tensor:get_for_device", "a call's tables on the device, copied into forward_graphs' inputs",
+         ("input_dict", "key", "device")),
     Seam("exllamav3.modules:Linear", "the drafter's linears, dequantized by the quantize check"),
     Seam("exllamav3.ext:exllamav3_ext.exl3_mgemm", "the multi-matrix EXL3 GEMM of the union MoE path"),
     Seam("exllamav3.ext:exllamav3_ext.add_sigmoid_gate", "a shared expert's gate the MoE paths leave to exllamav3"),
@@ -75,6 +79,7 @@ INSTANCE_ATTRS = {
     "BlockSparseMLP": ("gates", "ups", "downs", "num_experts", "num_experts_per_tok", "hidden_size", "routing_fn",
                        "routing_cfg", "shared_experts", "shared_gate", "activation_fn"),
     "SlidingAttention": ("window_right", "sliding_window"),
+    "Model": ("fwd_modules",),
 }
 CONVERTER = SEAMS["convert_model"].path.partition(":")[0]
 

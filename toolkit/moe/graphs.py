@@ -30,6 +30,8 @@ class Graphed:
         self.failed: str | None = None                   # why capturing failed here: eager from then on
 
     def __call__(self, x: torch.Tensor, sel: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward(x, sel, w)               # inside a whole-forward capture: its kernels join it
         key = (x.shape, x.dtype, sel.shape, sel.dtype, w.shape, w.dtype, x.device)
         entry = self.graphs.get(key)
         if entry is None:
