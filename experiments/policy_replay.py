@@ -1,4 +1,4 @@
-"""The drafting policy's replay (tests/replay.py, tests/test_policy_replay.py): its inputs, made on a CPU, and its table.
+"""The drafting policy's replay (tests/replay.py, tests/slow/test_policy_replay.py): its inputs, made on a CPU, and its table.
 
 - `lengths`: decodes the SmolLM2 pair's held-out prompts greedily on the CPU (torch backend, fp32) in the pair
   bench's order (`--limit`), and at every answer position records the drafter's full-width accepted length L:

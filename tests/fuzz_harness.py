@@ -1,6 +1,6 @@
-"""How tests/test_fuzz.py runs a case: the user's inputs built once (broken files, folders and runs), the stubs that
+"""How tests/slow/test_fuzz.py runs a case: the user's inputs built once (broken files, folders and runs), the stubs that
 stand in for the heavy work once the checks pass (Reached), a command line run in-process under run_cli in a fresh
-folder, and the verdict on what it did. tests/test_bad_input_round3.py and test_bad_input_files.py use them too.
+folder, and the verdict on what it did. tests/slow/test_bad_input_round3.py and test_bad_input_files.py use them too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What tests/test_fuzz.py fuzzes: every command's base command line, its options by role, and the hostile values
+"""What tests/slow/test_fuzz.py fuzzes: every command's base command line, its options by role, and the hostile values
 each role gets (numbers, free text, devices, input files and folders, outputs). The values are fixed, or drawn
 from a generator seeded with SEED, so a failure reproduces.
 """

@@ -36,7 +36,7 @@ GRADIO_VERSION = "6.31.0"      # the sdk_version written when gradio is not inst
 PYTHON_VERSION = "3.11"        # the Space's python_version, and the wheel's CPython
 TORCH_VERSION = "2.8.0"        # the torch a GPU Space pins, with the exllamav3 wheel built against it
 CUDA_VERSION = "12.8"
-# Keep in step with pyproject.toml [project] dependencies and the gpu extra (tests/test_space.py checks).
+# Keep in step with pyproject.toml [project] dependencies and the gpu extra (tests/slow/test_space.py checks).
 BASE_REQUIREMENTS = ["torch>=2.6", "transformers>=5.0,<6", "safetensors>=0.4", "huggingface-hub>=1.0,<3", "accelerate>=1.0",
                      "tokenizers>=0.21", "tqdm>=4.60", "numpy>=1.26", "matplotlib>=3.8", "pyyaml>=6"]
 GPU_REQUIREMENTS = [f"exllamav3=={EXLLAMAV3_VERSION}"]     # the tested release, inside the gpu extra's range

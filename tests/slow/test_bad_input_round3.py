@@ -26,7 +26,7 @@ from toolkit.core.errors import OptionError, ToolkitError
 from toolkit.costs.cache import cached_costs
 from toolkit.costs.table import CostTable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "toolkit" / "data" / "tiny_pair"
 BIG = 10**400                                             # valid JSON; no float holds it
 

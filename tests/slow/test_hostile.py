@@ -30,7 +30,7 @@ from toolkit.core.errors import OptionError, ToolkitError
 from toolkit.core.folders import MARKER, claim, claim_file, mark, marker, owner, sweep, temp_prefix
 from toolkit.train.optim import Divergence, lr_factor, optimize
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "toolkit" / "data" / "tiny_pair"
 SMALL = dict(layers=1, chat=8, code=8, heldout_chat=2, heldout_code=2, max_new_tokens=8, gen_batch=8, steps=4,
              batch_seqs=2, anchors=4, warmup=1, checkpoint_every=2, eval_every=0, quiet=True)

@@ -14,7 +14,7 @@ import yaml
 from toolkit.hub import space
 from toolkit.app.models import Hardware, ModelSpec, gpu_wrap
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def front(readme: Path) -> dict:

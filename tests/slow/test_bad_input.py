@@ -27,7 +27,7 @@ from broken_server import broken_server
 from fuzz_harness import write_run
 from test_card import sample_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "toolkit" / "data" / "tiny_pair"
 ROOT_USER = os.geteuid() == 0
 HAS_CUDA = torch.cuda.is_available()

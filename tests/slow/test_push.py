@@ -27,7 +27,7 @@ from toolkit.hub.push import hub_endpoint, push
 TOKEN = "hf_testtoken_a1b2c3d4e5f6"  # alice, a distinctive string we look for in every output
 BOB = "hf_bobtoken_zz9"
 REPO = "alice/drafter-exl3"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_png() -> bytes:
