@@ -254,7 +254,7 @@ class ForwardGraphs:
         out, run = self.run_static(hidden_s, base, statics)
         after = records(watched)
         effects = [(o, k, v) for (i, k), (o, v) in after.items() if before.get((i, k), (None, object()))[1] != v]
-        added = {k: v for k, v in run.items() if (k not in base or k == "export_states") and k not in IGNORED}
+        added = {k: v for k, v in run.items() if k not in base and k not in IGNORED}   # the tapped states
         params.update(added)
         try:
             if self.pool is None and self.device.type == "cuda":
