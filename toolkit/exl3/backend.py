@@ -33,8 +33,7 @@ from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate, spot_check
 from ..policy.chooser import Policy
-from .loading import (LOAD_CHUNK, MIN_CAPABILITY, check_cuda, import_exllamav3, load_chunk,  # noqa: F401
-                      load_drafter, load_failure, load_models)
+from .loading import check_cuda, import_exllamav3, load_chunk, load_failure, load_models
 from .split import GpuSplit, device_count
 from ..costs.cache import cached_costs, cost_key, device_name
 from ..costs.table import CostTable

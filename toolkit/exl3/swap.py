@@ -16,7 +16,8 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
 from . import split as gpu_split
-from .backend import Exl3Backend, load_drafter, load_failure
+from .backend import Exl3Backend
+from .loading import load_drafter, load_failure
 from .draft_levers import set_draft_levers
 from .options import Exl3Options
 from .taps import free_gpu

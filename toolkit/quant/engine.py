@@ -25,7 +25,7 @@ class Exl3Engine:
         if not torch.cuda.is_available():
             return (f"--target: {target} is an EXL3 model, and running it needs a CUDA GPU (none found on this machine); "
                     "pass a BF16 target, or --no-calibrate --no-check")
-        from ..exl3.backend import MIN_CAPABILITY
+        from ..exl3.loading import MIN_CAPABILITY
         from ..exl3.taps import check_pinned
 
         cap = tuple(torch.cuda.get_device_capability())
