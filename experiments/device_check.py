@@ -29,6 +29,7 @@ from experiments.harness import Run, convert_exl3, device_name, free_cuda, tail
 from experiments.hook_overhead import check_overhead
 from experiments.lossless import doc_prompts, lossless, reference_agreement
 from tests.stream_shape import assert_stream_shape
+from toolkit.exl3.options import ADOPTED
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import summarize, tokens_of
 
@@ -355,15 +356,9 @@ def check_errors(ctx: Ctx) -> dict:
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
          "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_lever),
          "moe_union": ("moe_union", lambda ctx: check_moe_lever(ctx, "union_moe")),
-         "moe_graphs": ("moe_graphs", lambda ctx: check_moe_lever(ctx, "forward_graphs", adopted())), "draft_swa": ("graph_draft_swa", check_draft_swa),
+         "moe_graphs": ("moe_graphs", lambda ctx: check_moe_lever(ctx, "forward_graphs", ADOPTED)), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
-
-
-def adopted():
-    from toolkit.exl3.options import ADOPTED
-
-    return ADOPTED
 
 
 def main(argv: list[str] | None = None) -> int:

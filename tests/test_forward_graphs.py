@@ -53,30 +53,30 @@ class LayerState:
         self.spec_shape = None
 
 
-class Embedding:
-    caps = {"prefer_cpu": True}
-    device = "cpu"
+class Module:
+    """What every stand-in module shares with exllamav3's: caps, a device, and inputs already where they belong."""
 
-    def __init__(self, table):
-        self.table = table
+    caps: dict = {}
+    device = "cpu"
 
     def prepare_for_device(self, x, params):
         return x
+
+
+class Embedding(Module):
+    caps = {"prefer_cpu": True}
+
+    def __init__(self, table):
+        self.table = table
 
     def forward(self, x, params):
         params.setdefault("input_ids", x)
         return self.table[x]
 
 
-class Layer:
-    caps: dict = {}
-    device = "cpu"
-
+class Layer(Module):
     def __init__(self, idx, cache, state):
         self.idx, self.cache, self.state = idx, cache, state
-
-    def prepare_for_device(self, x, params):
-        return x
 
     def forward(self, x, params):
         seqlens = params["cache_seqlens"]
@@ -99,15 +99,11 @@ class Layer:
         return y
 
 
-class Head:
+class Head(Module):
     caps = {"logits_output": True}
-    device = "cpu"
 
     def __init__(self, w):
         self.w = w
-
-    def prepare_for_device(self, x, params):
-        return x
 
     def forward(self, x, params):
         return x @ self.w
@@ -246,13 +242,12 @@ def test_shape_key_keeps_scalars_and_shapes_and_refuses_unknown_objects():
     wide = call_params([1, 2], pages=torch.zeros(2, 16, dtype=torch.int32))
     assert k1 != G.shape_key(x, wide)                       # a wider block table is another graph
     assert isinstance(G.shape_key(x, {**call_params([1, 2]), "thing": object()}), str)
+    why = G.shape_key(x, {**call_params([1, 2]), "draft_embedding": torch.zeros(2, 3, 4)})
+    assert why == "the call passes draft_embedding"          # a refused parameter may be a tensor
+    assert not isinstance(G.shape_key(x, {**call_params([1, 2]), "indexed_embeddings": []}), str)
 
 
 class GDNState:
-    pass
-
-
-class SWAState:
     pass
 
 
@@ -263,18 +258,12 @@ def test_only_recurrent_states_that_reach_kernels_through_tensors_are_captured()
     assert isinstance(why, str) and "SWAState" in why
 
 
-class Window:
+class Window(Module):
     """A sliding-window layer as exllamav3 runs one: its ring positions are prepared on the host every step."""
-
-    caps: dict = {}
-    device = "cpu"
 
     def __init__(self, ring):
         self.ring = ring                                   # [slots, S]
         self.preps = 0
-
-    def prepare_for_device(self, x, params):
-        return x
 
     def _decode_state_prep(self, rsg, k_states, v_states, seqlen):
         self.preps += 1
@@ -293,7 +282,9 @@ class Window:
         return x + lens.view(-1, 1, 1).float() + bt.view(-1, 1, 1).float() * 0.5
 
 
-class SWAState:                                          # noqa: F811  (the drafter's state kind)
+class SWAState:
+    """A drafter's window state: its ring position is read on the host."""
+
     def __init__(self, slot=0, position=0):
         self.slot, self.position, self.wshift = slot, position, 0
 
@@ -307,7 +298,7 @@ def test_a_drafters_window_layers_are_prepared_on_the_host_before_every_replay()
         m.fwd_modules.insert(2, (win, 0, 9))
         return m, win
 
-    (eager, _), (model, win) = drafter(), drafter()
+    (eager, _), (model, _) = drafter(), drafter()
     fg = G.ForwardGraphs(model, to_device, capture=fake_capture, new_graph=FakeGraph,
                          windows=lambda mods: WindowPreps(mods, lambda m: isinstance(m, Window)) or None).install()
     assert fg.windows is not None and len(fg.windows) == 1
@@ -322,11 +313,8 @@ def test_a_drafters_window_layers_are_prepared_on_the_host_before_every_replay()
     assert isinstance(G.shape_key(ids, pg, no_windows.safe_states), str)     # without the preparations: eager
 
 
-class Block:
+class Block(Module):
     """exllamav3's transformer block: the window layer sits inside it, and iterating the block yields it."""
-
-    caps: dict = {}
-    device = "cpu"
 
     def __init__(self, inner):
         self.inner = inner
@@ -334,9 +322,6 @@ class Block:
     def __iter__(self):
         yield self
         yield self.inner
-
-    def prepare_for_device(self, x, params):
-        return x
 
     def forward(self, x, params):
         return self.inner.forward(x, params)

@@ -245,8 +245,9 @@ class Exl3Backend(Backend):
         return self.calibration_tokens.get(self.options.tag)
 
     def engine_report(self) -> dict | None:
-        """Which MoE path the target's layers took so far ({"union": calls, "grouped": calls, "stock": calls}), with
-        an MoE lever on."""
+        """What the levers did so far: which MoE path the target's layers took ({"moe_paths": {"union": calls,
+        "grouped": calls, "stock": calls}}, with an MoE lever on) and how each model's forwards ran ({"forward_graphs":
+        {"target": ..., "draft": ...}}, once forward_graphs was on); None when neither applies."""
         out = {}
         if self.options.moe_levers:
             from .moe import path_counts

@@ -56,7 +56,7 @@ def cuda_capture(graph, fn: Callable, pool):
 
 def describe(name: str, value, safe_states: tuple[str, ...] = SAFE_STATES) -> tuple | str:
     """What of one parameter a captured forward depends on (part of the shape key), or why it cannot be captured."""
-    if name in REFUSED and value is not None and value is not False and value != []:
+    if name in REFUSED and value is not None and value is not False and not (isinstance(value, list) and not value):
         return f"the call passes {name}"
     if name in IGNORED or value is None:
         return ()
@@ -117,11 +117,15 @@ class Entry:
 
     graph: object
     hidden: torch.Tensor
-    statics: dict[str, torch.Tensor]
+    statics: dict[str, torch.Tensor]                    # every changing parameter, aliases under each name
     out: object
     added: dict = field(default_factory=dict)           # parameters the forward adds (the tapped hidden states)
     effects: list = field(default_factory=list)         # (object, attribute, value) the forward sets
     windows: list = field(default_factory=list)         # window-layer preparations a replay refills (window_graphs.py)
+    inputs: list = field(init=False)                     # (name, tensor) once per static tensor: what a replay copies
+
+    def __post_init__(self):
+        self.inputs = list({id(t): (name, t) for name, t in self.statics.items()}.values())
 
 
 class ForwardGraphs:
@@ -280,7 +284,7 @@ class ForwardGraphs:
     def replay(self, entry: Entry, hidden, params: dict):
         entry.hidden.copy_(hidden)
         live = self.live_inputs(params)
-        for name, static in entry.statics.items():
+        for name, static in entry.inputs:
             static.copy_(live[name])
         if entry.windows:
             self.windows.refill(entry.windows, params)
