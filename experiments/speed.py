@@ -309,6 +309,8 @@ def run_shape(run: Run, a) -> None:
             data = run.step(f"timing{key}", time_shape, run, be, a, f"timing{key}", 1 / (len(a.routing) - i), keep=False)
             run.results[f"engine{key}"] = be.engine_report()      # e.g. how the forwards ran (forward_graphs)
             if i == 0:
+                if a.identical:
+                    run.step("identical", identical, be, a, need_s=60)
                 run.step("profile", profile_host, be, a, need_s=20)
                 if a.budget:
                     run.step("budget", budgets, be, a, need_s=30)
@@ -325,6 +327,14 @@ def run_shape(run: Run, a) -> None:
                 run.save()
         finally:
             free_cuda(be)
+
+
+def identical(be, a) -> dict:
+    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match (experiments/lossless.py)."""
+    from experiments.lossless import graphs_identical
+    from toolkit.exl3.calibrate import dummy_prompts
+
+    return graphs_identical(be, dummy_prompts(a.identical, 300, be.vocab_size), B=8, max_new=40)
 
 
 # -- entry -----------------------------------------------------------------------------------------------------
@@ -356,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                         "skewed (toolkit.synth --routing skewed: about the published distinct-expert counts)")
     s.add_argument("--budget", nargs="*", default=["1:AR", "1:7", "1:15", "4:AR", "4:7"],
                    help="round budgets C:W to profile (W a width or AR), stock and the last --levers setting")
+    s.add_argument("--identical", type=int, default=0, help="after the timing, forward_graphs off and on over this "
+                   "many dummy prompts, greedy tokens compared (default 0: skip)")
     p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")
     p.add_argument("--work", type=Path, default=SMOL / "speed", help="padded copies go here (default /tmp/smol-run/speed)")
     p.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", SMOL / "smollm2-135m-instruct")))
