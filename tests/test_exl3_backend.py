@@ -71,6 +71,12 @@ def test_memory_check_says_needed_and_free(pair, monkeypatch):
 # -- the capture ------------------------------------------------------------------------------------
 
 
+def test_build_round_refuses_a_draft_record_of_another_shape():
+    tr = JobTrack(index=0, prompt_len=3)
+    with pytest.raises(ToolkitError, match="exllamav3 records 4 fields per verification round, the toolkit reads 3"):
+        build_round(tr, [10, 11], [(0, 4, 1, 0.5)], (10, 12, 13, 14), 1.0, 3.0)
+
+
 def test_build_round_full_partial_zero_clipped_and_ar():
     tr = JobTrack(0, prompt_len=5)
     drafted = (10, 11, 12, 13)

@@ -85,6 +85,25 @@ def test_a_changed_signature_names_the_parameter(stand_in):
         seams.require()
 
 
+def pybind(name: str, doc: str):
+    """A stand-in for a compiled function: no readable signature, pybind11's signature line as its docstring."""
+    return type("builtin", (), {"__name__": name, "__doc__": doc, "__signature__": property(lambda s: 1 / 0)})()
+
+
+def test_a_compiled_kernel_is_probed_by_its_signature_line():
+    seam = seams.SEAMS["exl3_mgemm"]
+    params = list(seam.params)
+    line = "exl3_mgemm(" + ", ".join(f"{p}: Optional[list[int]]" for p in params) + ", num_tokens: int = 1) -> None\n\nexl3_mgemm"
+    assert seams.compiled_params(pybind("exl3_mgemm", line)) == params + ["num_tokens"]
+    assert seams.compiled_params(pybind("exl3_mgemm", "exl3_mgemm")) is None       # no signature: nothing to check
+    fine, fewer = pybind("exl3_mgemm", line), pybind("exl3_mgemm", line.replace("svh: Optional[list[int]], ", ""))
+    import unittest.mock as mock
+    with mock.patch.object(seams, "resolve", lambda s: fine):
+        assert seams.problem(seam) is None
+    with mock.patch.object(seams, "resolve", lambda s: fewer):
+        assert "exl3_mgemm has changed: it takes (A, B, C, suh, A_had, indices" in seams.problem(seam)
+
+
 def test_optional_seams_may_be_missing(stand_in):
     stand_in(drop="chunk_gated_delta_rule")
     seams.require()

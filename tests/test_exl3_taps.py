@@ -145,7 +145,7 @@ def test_needs_exllamav3_installed(monkeypatch):
 
     monkeypatch.setattr(seams, "version", lambda: None)
     with pytest.raises(ToolkitError, match=r"exllamav3 is not installed.*\[gpu\]"):
-        exl3_taps.check_pinned()
+        exl3_taps.check_installed()
 
 
 def test_imports_without_exllamav3_or_cuda():

@@ -361,7 +361,7 @@ def test_a_target_loads_for_the_longest_forward_it_runs(pair, monkeypatch):
     from toolkit.runtime.factory import load_backend
 
     log = install_loader(monkeypatch, 1)
-    monkeypatch.setattr(exl3_taps, "check_pinned", lambda: None)
+    monkeypatch.setattr(exl3_taps, "check_installed", lambda: None)
     monkeypatch.setattr(exl3_taps, "Exl3Target", lambda backend, batch: argparse.Namespace(backend=backend))
     t = exl3_taps.open_target(pair[0], 8192, 8, max_chunk=768)
     assert log == [("target", {"progressbar": False, "max_chunk_size": 768}, False)]

@@ -1,4 +1,4 @@
-"""Capture of the drafted block per job per round from exllamav3's Generator, pinned to exllamav3 1.6.5.
+"""Capture of the drafted block per job per round from exllamav3's Generator (its seams: exl3/seams.py).
 
 exllamav3 keeps only counts: `record_draft_stats=True` appends (position, window, accepted) to
 `job.draft_stats` each verification round, but the drafted ids themselves live in a shared pinned buffer
@@ -125,6 +125,9 @@ def build_round(
         return None
     prefill = track.seen == track.prompt_len
     if stats:
+        if len(stats[0]) != 3:
+            raise ToolkitError(f"exllamav3 records {len(stats[0])} fields per verification round, the toolkit reads 3 "
+                               "(position, window, accepted): this exllamav3 does not fit the toolkit")
         if len(stats) != 1 or drafted is None:
             state = "missing" if drafted is None else "present"
             raise RuntimeError(f"job {track.index}: {len(stats)} verification records in one round, drafted ids {state}")

@@ -63,7 +63,9 @@ SEAMS = {s.name: s for s in (
     Seam("exllamav3.util.tensor:get_for_device", "a call's tables on the device, copied into forward_graphs' inputs",
          ("input_dict", "key", "device")),
     Seam("exllamav3.modules:Linear", "the drafter's linears, dequantized by the quantize check"),
-    Seam("exllamav3.ext:exllamav3_ext.exl3_mgemm", "the multi-matrix EXL3 GEMM of the union MoE path"),
+    Seam("exllamav3.ext:exllamav3_ext.exl3_mgemm", "the multi-matrix EXL3 GEMM of the union MoE path",
+         ("A", "B", "C", "suh", "A_had", "svh", "indices", "weights", "K", "force_shape_idx", "mcg", "mul1",
+          "min_index", "max_index", "force_num_sms")),
     Seam("exllamav3.ext:exllamav3_ext.add_sigmoid_gate", "a shared expert's gate the MoE paths leave to exllamav3"),
     Seam("exllamav3.ext:exllamav3_ext.add_sigmoid_gate_proj", "the same, for up to 32 rows"),
     Seam("exllamav3.vendor.fla:chunk_gated_delta_rule", "the linear-attention scan the tap capture hands a state",
@@ -113,13 +115,37 @@ def problem(seam: Seam) -> str | None:
         return None
     try:
         sig = inspect.signature(obj.__init__ if inspect.isclass(obj) else obj)
-    except (TypeError, ValueError):                       # a compiled function: nothing to read
+    except (TypeError, ValueError):                       # a compiled function: its signature line, when it has one
+        names = compiled_params(obj)
+        if names is None:
+            return None
+        if names[:len(seam.params)] != list(seam.params):  # the toolkit passes these by position
+            return f"{seam.path} has changed: it takes ({', '.join(names)}), the toolkit passes ({', '.join(seam.params)})"
         return None
     names = set(sig.parameters)
     if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
         return None
     lacking = [p for p in seam.params if p not in names]
     return f"{seam.path} has changed: it takes no {lacking[0]!r}" if lacking else None
+
+
+def compiled_params(fn) -> list[str] | None:
+    """A compiled (pybind11) function's parameter names from its signature line `name(a: T, b: T = x) -> R`, or
+    None when its docstring carries none (several overloads or no signature)."""
+    line = (getattr(fn, "__doc__", None) or "").strip().splitlines()[:1]
+    name = getattr(fn, "__name__", "")
+    if not line or not line[0].startswith(f"{name}(") or ")" not in line[0]:
+        return None
+    inner, depth, parts, cur = line[0][len(name) + 1:line[0].rindex(")")], 0, [], ""
+    for ch in inner:                                       # split on top-level commas (types may hold brackets)
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.split(":")[0].split("=")[0].strip() for p in parts if p.strip()]
 
 
 def installed() -> str:

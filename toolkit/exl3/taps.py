@@ -1,4 +1,4 @@
-"""An EXL3 target as the quantize pipeline needs it, on exllamav3 1.6.5: greedy continuations, the hidden
+"""An EXL3 target as the quantize pipeline needs it, on exllamav3: greedy continuations, the hidden
 states at the drafter's taps, the embedding table and the LM head.
 
 The taps come out the way exllamav3's own DFlash path gets them. A DFlash drafter sets
@@ -8,8 +8,8 @@ the target's forward, and every TransformerBlock whose `layer_idx` is in the set
 key to one plain no-cache forward (`attn_mode="flash_attn_nc"`) over a whole prompt, so a tap is the very
 tensor exllamav3's drafter reads: the output of target layer L + s, HF `hidden_states[L + s + 1]`, the
 toolkit's tap convention. Greedy continuations run exllamav3's Generator through the exllamav3 backend
-(exl3_backend.py) with no drafter. Those two params keys and `Model.logit_layer_idx` are what this module
-relies on, so it is pinned to 1.6.5 like the round capture: any other version is refused in one line.
+(exl3/backend.py) with no drafter. Those two params keys and `Model.logit_layer_idx` are what this module
+relies on; the seam check (exl3/seams.py) refuses an exllamav3 without them in one line.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def stateful_scan() -> Iterator[None]:
         fla.chunk_gated_delta_rule = inner
 
 
-def check_pinned() -> None:
+def check_installed() -> None:
     """exllamav3 installed (one line otherwise); its seams are checked when it loads."""
     seams.installed()
 
@@ -150,7 +150,7 @@ def open_target(folder: str | Path, cache_tokens: int, max_concurrency: int, spl
     `max_chunk`: the longest sequence it will forward, rounded up to 256, which its load measures)."""
     from ..runtime.factory import load_backend
 
-    check_pinned()
+    check_installed()
     backend = load_backend("exllamav3", folder, None, cache_tokens=cache_tokens, max_concurrency=max_concurrency,
                            split=split, max_chunk=max_chunk)
     return Exl3Target(backend, batch=max_concurrency)

@@ -26,7 +26,7 @@ class Exl3Engine:
             return (f"--target: {target} is an EXL3 model, and running it needs a CUDA GPU (none found on this machine); "
                     "pass a BF16 target, or --no-calibrate --no-check")
         from ..exl3.loading import MIN_CAPABILITY
-        from ..exl3.taps import check_pinned
+        from ..exl3.taps import check_installed
 
         cap = tuple(torch.cuda.get_device_capability())
         if cap < MIN_CAPABILITY:
@@ -34,7 +34,7 @@ class Exl3Engine:
                     f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer; {torch.cuda.get_device_name()} has "
                     f"{cap[0]}.{cap[1]}")
         try:
-            check_pinned()
+            check_installed()
         except ToolkitError as e:
             return f"--target: {target} is an EXL3 model: {e}"
         return None
