@@ -99,7 +99,7 @@ def time_placement(run: Run, a, name: str, kw: dict) -> dict:
     from experiments.harness import free_cuda
     from toolkit.exl3.backend import Exl3Backend
     from toolkit.exl3.calibrate import medians, time_rounds
-    from toolkit.exl3.split import GpuSplit
+    from toolkit.runtime.placement import GpuSplit
 
     split = GpuSplit.of(**kw)
     est = estimate(a, split)
@@ -154,7 +154,7 @@ def run_pair(run: Run, a) -> None:
     from toolkit.assets.padding import pad
     from toolkit.exl3.backend import Exl3Backend
     from toolkit.exl3.memory import weight_bytes
-    from toolkit.exl3.split import GpuSplit
+    from toolkit.runtime.placement import GpuSplit
 
     pt, pd = a.work / "pad" / "target", a.work / "pad" / "draft"
     for src, p in ((a.target, pt), (a.draft, pd)):

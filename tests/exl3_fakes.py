@@ -243,7 +243,7 @@ def make_cache(model, max_num_tokens, **kw):
 
 def install_loader(monkeypatch, devices: int, free_gib: float | list[float] = 80.0) -> list:
     """from_dirs on `devices` fake GPUs with `free_gib` free each (or per device); returns the load log."""
-    from toolkit.exl3 import split as gpu_split
+    from toolkit.runtime import placement as gpu_split
     from toolkit.exl3 import backend as exl3_backend
 
     log: list = []

@@ -17,7 +17,7 @@ from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
 from toolkit.exl3.options import ADOPTED, Exl3Options
 from toolkit.exl3.swap import swap_draft
-from toolkit.exl3.split import GpuSplit
+from toolkit.runtime.placement import GpuSplit
 
 
 def load(pair, monkeypatch, devices=1, split=None, cache_tokens=4096):

@@ -117,6 +117,14 @@ def test_runtime_imports_no_engine_and_no_consumer_compares_backend_names():
     assert compared == [], "consumers read Backend.caps (runtime/registry.py) instead of comparing backend names"
 
 
+def test_placement_is_parsed_without_the_engine_adapter():
+    """GpuSplit and its flags live in runtime/placement.py; only exl3/ imports exl3/split.py (its load arguments)."""
+    g = graph()
+    outside = [m for m in g if not m.startswith("toolkit.exl3") and "toolkit.exl3.split" in g[m]]
+    assert outside == []
+    assert "toolkit.runtime.placement" in g["toolkit.generate"]
+
+
 def test_bench_takes_its_options_object():
     import inspect
 

@@ -19,7 +19,7 @@ from toolkit.exl3.memory import (
     plan_devices,
     weight_bytes,
 )
-from toolkit.exl3.split import GpuSplit, add_split_args, from_env
+from toolkit.runtime.placement import GpuSplit, add_split_args, from_env
 
 # -- parsing ----------------------------------------------------------------------------------------------
 

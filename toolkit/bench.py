@@ -50,7 +50,7 @@ from .benchmark.grid import (  # noqa: F401
 from .exl3.options import ADOPTED, LEVERS, parse_lever
 from .runtime.factory import load_backend
 from .runtime.registry import BACKENDS, capabilities, check_for_backend
-from .exl3.split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
+from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 from .benchmark.projection import ASSUMPTION, parse_taus
 
 PROMPT_BUDGET = 1024        # prompt tokens per job the exllamav3 cache is sized for (see --cache-tokens)

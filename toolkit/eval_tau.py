@@ -30,7 +30,7 @@ from .assets import unseen
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
 from .runtime.registry import BACKENDS, capabilities
-from .exl3.split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
+from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 PROMPT_TOKENS = 1024        # prompt tokens per job the exllamav3 cache is sized for
 

@@ -25,7 +25,7 @@ from .benchmark import lockstep
 from .runtime.events import Round, Speedup, Summary, ar_verdict, paired_speedup, summarize, tokens_of
 from .runtime.factory import load_backend
 from .runtime.registry import BACKENDS
-from .exl3.split import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
+from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
 
 def load(backend: str, target: str | None, draft: str | None, device: str | None = None,

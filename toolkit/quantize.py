@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .core.cli import entry, option, run
 from .core.folders import claim
-from .exl3.split import DRAFT_HELP, SPLIT_HELP, TP_HELP
+from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP
 
 SPLIT_GROUP = "EXL3 target on several GPUs (its target and speed steps)"
 EXAMPLE = ("Example (one GPU): python -m toolkit.quantize --recipe quantize/qwen3.6-35b-a3b-dflash.toml "

@@ -4,7 +4,7 @@ Env vars: DFLASH_TARGET, DFLASH_DRAFT (local folders or Hub refs USER/NAME[@REVI
 @4.0bpw, fetched through core.refs), DFLASH_BACKEND (auto|torch|exllamav3), DFLASH_DEVICE, DFLASH_DEMO
 (smollm2|tiny: which embedded pair runs when no models are given; smollm2 falls back to tiny when its target
 cannot be prepared offline), and for the exllamav3 backend on several GPUs DFLASH_GPU_SPLIT (auto|GB,GB,...),
-DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (exl3/split.py). On a Space, SPACE_ID and
+DFLASH_TENSOR_PARALLEL (1/0), DFLASH_DRAFT_DEVICE (N) (runtime/placement.py). On a Space, SPACE_ID and
 ACCELERATOR ("none"/"cpu-basic" = CPU) pick the hardware. On a CUDA GPU with exllamav3 installed the SmolLM2 demo
 runs there, its two models zero-padded once to exllamav3's 128-aligned widths (toolkit.assets.padding, the same
 function); without exllamav3 it runs on the torch backend, on the GPU when there is one.
@@ -28,7 +28,7 @@ from ..core.refs import fetch, parse_ref
 from ..runtime.backend import Backend, Capabilities, GenSettings
 from ..runtime.factory import load_backend
 from ..runtime.registry import BACKENDS as REGISTRY, backend_class, capabilities, cpu_backend, gpu_backend
-from ..exl3.split import ENV, GpuSplit, from_env
+from ..runtime.placement import ENV, GpuSplit, from_env
 from .policy_view import PolicyStart
 
 log = logging.getLogger("toolkit.app")

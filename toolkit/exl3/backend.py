@@ -34,7 +34,7 @@ from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate, spot_check
 from ..policy.chooser import Policy
 from .loading import check_cuda, import_exllamav3, load_chunk, load_failure, load_models
-from .split import GpuSplit, device_count
+from ..runtime.placement import GpuSplit, device_count
 from ..costs.cache import cached_costs, cost_key, device_name
 from ..costs.table import CostTable
 
@@ -81,7 +81,7 @@ class Exl3Backend(Backend):
                   split: GpuSplit | None = None, max_chunk: int | None = None,
                   pair: ModelPair | None = None) -> Exl3Backend:
         """Load a target folder and an optional drafter folder (EXL3 or unquantized HF layout) onto the GPU(s):
-        the target on GPU 0, or placed by `split` (exl3/split.py), the drafter on split.draft_device.
+        the target on GPU 0, or placed by `split` (runtime/placement.py), the drafter on split.draft_device.
         `max_chunk` (a multiple of 256): the longest forward this backend will run, when below exllamav3's 2048;
         the target loads measuring that much (less transient memory) and the Generator prefills no more at once."""
         pair = pair or ModelPair.read(target, draft)

@@ -9,7 +9,8 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from . import seams
 from .memory import GIB
-from .split import GpuSplit
+from ..runtime.placement import GpuSplit
+from .split import draft_load_kwargs, target_load_kwargs
 
 MIN_CAPABILITY = (8, 0)
 LOAD_CHUNK = 2048       # exllamav3 1.6.5 Model.load's default max_chunk_size
@@ -68,7 +69,7 @@ def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, hist
     note_graphs_mode()
     dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
     dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
-    dmodel.load(progressbar=False, **split.draft_load_kwargs(count), **load_chunk(cache_tokens))
+    dmodel.load(progressbar=False, **draft_load_kwargs(split, count), **load_chunk(cache_tokens))
     return dmodel, dcache
 
 
@@ -83,7 +84,7 @@ def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_co
     dmodel = dcache = None
     if draft is not None:
         dmodel, dcache = load_drafter(exl, draft, cache_tokens, max_concurrency, history, split, count)
-    model.load(progressbar=False, **split.target_load_kwargs(count), **load_chunk(cache_tokens, max_chunk),
+    model.load(progressbar=False, **target_load_kwargs(split, count), **load_chunk(cache_tokens, max_chunk),
                **({"draft_model": dmodel} if dmodel is not None else {}))
     return model, cache, dmodel, dcache
 

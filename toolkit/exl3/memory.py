@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo, read_optional
-from .split import GpuSplit
+from ..runtime.placement import GpuSplit
 
 GIB = 1024**3
 RESERVE = GIB // 2
@@ -172,7 +172,7 @@ def check_memory(target: Path, draft: Path | None, tokens: int, slots: int, gpu:
     when the target is split, its drafter elsewhere, or tensor-parallel); returns the per-device estimate."""
     split = split or GpuSplit()
     if free is None:
-        from .split import device_count
+        from ..runtime.placement import device_count
 
         free = device_free(1 if split.default else device_count())
     tcfg = read_optional(Path(target) / "config.json")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
-from . import split as gpu_split
+from ..runtime import placement
 from .backend import Exl3Backend
 from .loading import load_drafter, load_failure
 from .draft_levers import set_draft_levers
@@ -48,7 +48,7 @@ def swap_draft(be: Exl3Backend, draft: str | Path) -> None:
     free_gpu()                                # the old drafter's memory back before the new one loads
     try:
         model, cache = load_drafter(be.exl, draft, be.cache_tokens, be.max_concurrency, max(conf.block_size - 1, 1),
-                                    be.split, gpu_split.device_count())
+                                    be.split, placement.device_count())
     except Exception as e:
         kind, why = load_failure(e) or (None, None)
         if kind == "memory":

@@ -26,7 +26,7 @@ from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_dir, claim, copy_tree, tree_files
 from ..core.kinds import DFLASH, HF, check_role
 from ..core.refs import parse_ref
-from ..exl3.split import GpuSplit
+from ..runtime.placement import GpuSplit
 from ..runtime.registry import BACKENDS, capabilities, check_for_backend, cpu_backend, gpu_backend
 from .names import is_hub_ref
 from .wheels import EXLLAMAV3_VERSION, pick_wheel

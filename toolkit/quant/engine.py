@@ -40,7 +40,7 @@ class Exl3Engine:
         return None
 
     def free_bytes(self, split=None) -> int:
-        """Free bytes of GPU 0, or (a exl3.split.GpuSplit) summed over the GPUs the split uses (the backend
+        """Free bytes of GPU 0, or (a runtime.placement.GpuSplit) summed over the GPUs the split uses (the backend
         checks each device on its own before it loads)."""
         import torch
 

@@ -22,7 +22,7 @@ from ..core.folders import atomic_dir, claim, mark, owner, read_config
 from ..dflash import load_drafter
 from ..runtime.backend import encode_chat
 from ..exl3.taps import free_gpu
-from ..exl3.split import GpuSplit
+from ..runtime.placement import GpuSplit
 from . import calibrate as cal
 from . import check as chk
 from . import convert as conv

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..core.errors import OptionError
 from ..dflash import DFlashConfig, DFlashDraft
-from ..exl3.split import GpuSplit
+from ..runtime.placement import GpuSplit
 from . import check as chk
 from .blocks import Prompt
 from .memory import Meter, Need, Phases

@@ -31,7 +31,7 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
 
     torch takes `device` and `dtype` (a torch.dtype; None = float32); exllamav3 runs on the GPU and takes
     `cache_tokens` (its paged cache, a multiple of 256), `max_concurrency` (jobs decoded together), `options`
-    (exl3.options.Exl3Options: its generator levers; None = the adopted ones), `split` (exl3.split.GpuSplit: the
+    (exl3.options.Exl3Options: its generator levers; None = the adopted ones), `split` (placement.GpuSplit: the
     target across GPUs, the drafter's device; None = all on GPU 0) and `max_chunk` (the longest forward the caller
     runs, a multiple of 256; None = exllamav3's 2048). A backend refuses what it cannot take, never ignores it.
     """

@@ -26,7 +26,7 @@ def capabilities(name: str) -> Capabilities:
 
 
 def check_for_backend(backend: str, split) -> None:
-    """A backend that places nothing on GPUs takes no GPU split (an exl3.split.GpuSplit): refuse one instead of
+    """A backend that places nothing on GPUs takes no GPU split (an placement.GpuSplit): refuse one instead of
     ignoring it."""
     if split is not None and not split.default and not capabilities(backend).placement:
         raise OptionError("gpu_split" if split.gpu_split else "tensor_parallel" if split.tensor_parallel
