@@ -9,6 +9,7 @@ and that the shapes the graphs refuse run eagerly.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -335,3 +336,23 @@ def test_window_layers_inside_blocks_are_found():
     fg = G.ForwardGraphs(m, to_device, capture=fake_capture, new_graph=FakeGraph,
                          windows=lambda mods: WindowPreps(mods, lambda x: isinstance(x, Window)) or None)
     assert fg.windows is not None and len(fg.windows) == 1
+
+
+@pytest.mark.parametrize("wanted, env, loaded, expect", [
+    (True, None, False, "0"),          # wanted, nothing set, no load yet: exllamav3's own graphs go off
+    (False, None, False, None),        # not wanted: exllamav3 keeps its graphs
+    (True, "1", False, "1"),           # the user's setting stands (the captures then stay eager, one line says why)
+    (True, None, True, None),          # too late: an earlier load settled the process
+])
+def test_the_first_load_turns_exllamav3s_own_graphs_off_only_when_whole_forward_graphs_are_wanted(
+        monkeypatch, wanted, env, loaded, expect):
+    from toolkit.exl3 import loading
+
+    monkeypatch.setattr(loading, "FIRST_LOAD", {"EXL3_GRAPHS": None} if loaded else {})
+    if env is None:
+        monkeypatch.delenv("EXL3_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("EXL3_GRAPHS", env)
+    loading.settle_graphs_mode(wanted)
+    assert os.environ.get("EXL3_GRAPHS") == expect
+    assert (loading.exl3_graphs_blocker() is None) == (expect == "0" and not loaded)

@@ -33,7 +33,7 @@ from .draft_levers import set_draft_levers
 from .options import ADOPTED, Exl3Options
 from .calibrate import PAGE, TABLE_VERSION, calibrate, spot_check
 from ..policy.chooser import Policy
-from .loading import check_cuda, import_exllamav3, load_chunk, load_failure, load_models
+from .loading import check_cuda, import_exllamav3, load_chunk, load_failure, load_models, settle_graphs_mode
 from ..runtime.placement import GpuSplit, device_count
 from ..costs.cache import cached_costs, cost_key, device_name
 from ..costs.table import CostTable
@@ -93,6 +93,7 @@ class Exl3Backend(Backend):
         gpu = check_cuda()
         count = device_count()
         split.check_devices(count)
+        settle_graphs_mode((options or ADOPTED).forward_graphs)
         exl = import_exllamav3()
         if cache_tokens < PAGE or cache_tokens % PAGE:
             raise ToolkitError(f"cache_tokens must be a positive multiple of {PAGE}, got {cache_tokens}")

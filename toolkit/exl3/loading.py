@@ -46,6 +46,13 @@ def note_graphs_mode() -> None:
     FIRST_LOAD.setdefault("EXL3_GRAPHS", os.environ.get("EXL3_GRAPHS"))
 
 
+def settle_graphs_mode(forward_graphs: bool) -> None:
+    """Before the process's first exllamav3 load: with whole-forward graphs wanted and EXL3_GRAPHS unset, turn
+    exllamav3's own graphs off (they cannot run inside a capture; the replay holds the same kernels)."""
+    if forward_graphs and not FIRST_LOAD and "EXL3_GRAPHS" not in os.environ:
+        os.environ["EXL3_GRAPHS"] = "0"
+
+
 def exl3_graphs_blocker() -> str | None:
     """Why whole-forward graphs cannot be captured in this process (exllamav3's own graphs are on), or None."""
     if FIRST_LOAD.get("EXL3_GRAPHS", os.environ.get("EXL3_GRAPHS")) == "0":
