@@ -157,6 +157,7 @@ class ForwardGraphs:
         self.said: set[str] = set()
         self.calls = {"replayed": 0, "captured": 0, "eager": 0}
         self.capture_s = 0.0
+        self.memory = 0                    # bytes the allocator reserved more across the captures (the graphs' pool)
 
     # -- installing -------------------------------------------------------------------------------------------
 
@@ -260,6 +261,7 @@ class ForwardGraphs:
         effects = [(o, k, v) for (i, k), (o, v) in after.items() if before.get((i, k), (None, object()))[1] != v]
         added = {k: v for k, v in run.items() if k not in base and k not in IGNORED}   # the tapped states
         params.update(added)
+        reserved = reserved_bytes(self.device)
         try:
             if self.pool is None and self.device.type == "cuda":
                 self.pool = torch.cuda.graph_pool_handle()   # one pool for every shape: a forward's scratch is shared
@@ -279,6 +281,7 @@ class ForwardGraphs:
         self.graphs[key] = Entry(graph, hidden_s, statics, gout, gadded, effects, windows)
         self.calls["captured"] += 1
         self.capture_s += time.perf_counter() - t0
+        self.memory += reserved_bytes(self.device) - reserved
         return out
 
     def replay(self, entry: Entry, hidden, params: dict):
@@ -303,9 +306,14 @@ class ForwardGraphs:
         return copy_out(entry.out)
 
     def report(self) -> dict:
-        """Calls by how they ran, shapes captured, seconds spent capturing, and why calls ran eagerly."""
+        """Calls by how they ran, shapes captured, seconds spent capturing, the memory the captures took (MiB the
+        allocator reserved more), and why calls ran eagerly."""
         return {**self.calls, "shapes": len(self.graphs), "capture_s": round(self.capture_s, 3),
-                "eager_because": sorted(self.said)}
+                "memory_mib": round(self.memory / 2**20, 1), "eager_because": sorted(self.said)}
+
+
+def reserved_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def eager_head(modules: list) -> int:
