@@ -281,7 +281,7 @@ class ForwardGraphs:
         self.graphs[key] = Entry(graph, hidden_s, statics, gout, gadded, effects, windows)
         self.calls["captured"] += 1
         self.capture_s += time.perf_counter() - t0
-        self.memory += reserved_bytes(self.device) - reserved
+        self.memory += max(0, reserved_bytes(self.device) - reserved)   # a forward may hand cached blocks back
         return out
 
     def replay(self, entry: Entry, hidden, params: dict):
@@ -307,7 +307,7 @@ class ForwardGraphs:
 
     def report(self) -> dict:
         """Calls by how they ran, shapes captured, seconds spent capturing, the memory the captures took (MiB the
-        allocator reserved more), and why calls ran eagerly."""
+        allocator reserved more across them: a lower bound), and why calls ran eagerly."""
         return {**self.calls, "shapes": len(self.graphs), "capture_s": round(self.capture_s, 3),
                 "memory_mib": round(self.memory / 2**20, 1), "eager_because": sorted(self.said)}
 
