@@ -27,6 +27,7 @@ from .retry import Failed, with_retries
 from .upstream import read_upstream
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
+from ..core.locks import hold
 from ..core.refs import is_repo_id
 
 MAIN = "main"
@@ -258,7 +259,7 @@ def push(repo: str, out_dir: str | Path, private: bool = False, branch_template:
     check_complete(report, from_dir)
     if not dry_run:
         refuse_preview(report, from_dir)
-    with tempfile.TemporaryDirectory(prefix="push-") as stage:
+    with hold(from_dir, "push", "out_dir", optional=True), tempfile.TemporaryDirectory(prefix="push-") as stage:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
         if dry_run:
             print(format_uploads(repo, uploads))

@@ -26,6 +26,7 @@ import torch
 from ..core import files
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import read_config
+from ..core.locks import hold
 from ..core.target import text_config
 from ..dflash import DFlashConfig, DFlashDraft, load_drafter, save_drafter
 from ..dflash.shapes import drafter_config, spread_taps
@@ -203,6 +204,12 @@ def train_drafter(target: str, out: str, **options) -> dict:
     cfg = TrainConfig(target, out, **options)
     cfg.check()
     outs = claim_outputs(cfg.out, cfg.checkpoint_dir, cfg.curve, cfg.force)   # before any reading or loading
+    with hold(outs.out, "train_drafter"):                                    # one run per --out at a time
+        return train_held(cfg, outs)
+
+
+def train_held(cfg: TrainConfig, outs) -> dict:
+    """The run once --out is held: read the inputs, train in the checkpoint folder, remove it after the final save."""
     t0 = time.time()
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
