@@ -119,13 +119,11 @@ def branch_for(template: str, row: dict) -> str:
 
 def check_weights(path: Path) -> None:
     """Refuse to publish a tensor file with NaN or infinite floating-point weights (one line naming the tensor)."""
-    from safetensors import safe_open
-
+    from ..core.tensorfiles import iter_tensors
     from ..dflash.loading import check_finite
 
-    with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
-            check_finite({name: f.get_tensor(name)}, str(path))
+    for name, t in iter_tensors(path):
+        check_finite({name: t}, str(path))
 
 
 def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: Path) -> list[Upload]:
