@@ -2,6 +2,7 @@
 what a power cut or `kill -9` leaves behind mid-write. Used by tests/test_folders.py and tests/slow/test_killed_writers.py.
 
     python tests/killhook.py WATCH MODULE ARGS...    # runs `python -m MODULE ARGS...`, killed at the first temp
+    KILL_MATCH=.d.tmp- python tests/killhook.py ...    # killed at the first temp whose name holds `.d.tmp-`
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import tempfile
 from pathlib import Path
 
 
-def arm(watch: str | Path, moment: str = "appear") -> None:
+def arm(watch: str | Path, moment: str = "appear", match: str = "") -> None:
     """SIGKILL this process once a temp entry appears under `watch` ("appear": as mkstemp/mkdtemp makes it;
-    "written": as os.replace is about to move a complete one into place)."""
+    "written": as os.replace is about to move a complete one into place); with `match`, only one whose name holds it."""
     root = Path(watch).resolve()
 
     def watched(path) -> bool:
         p = Path(os.fsdecode(path)).resolve()
-        return p == root or root in p.parents
+        return (p == root or root in p.parents) and match in p.name
 
     if moment == "appear":
         for name in ("mkstemp", "mkdtemp"):
@@ -47,6 +48,6 @@ def arm(watch: str | Path, moment: str = "appear") -> None:
 
 if __name__ == "__main__":
     watch, module, *args = sys.argv[1:]
-    arm(watch, os.environ.get("KILL_AT", "appear"))
+    arm(watch, os.environ.get("KILL_AT", "appear"), os.environ.get("KILL_MATCH", ""))
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -92,8 +92,8 @@ def test_the_handler_refuses_or_answers_whatever_a_client_sends(**values):
 @pytest.mark.parametrize("field,value,sentence", [
     ("seed", 1e30, "Seed must be from 0 to 9223372036854775807"),
     ("temperature", float("nan"), "Temperature must be a finite number, got nan."),
-    ("message", "hi \udcff", "The message is not UTF-8 text: it holds '\\udcff'."),
-    ("system", "be brief\x00", "The system prompt is not UTF-8 text: it holds '\\x00'."),
+    ("message", "hi \udcff", "The message is not UTF-8 text: it holds a lone surrogate ('\\udcff')."),
+    ("system", "be brief\x00", "The system prompt holds a NUL character"),
     ("max_new_tokens", 2.5, "Max new tokens must be a whole number, got 2.5."),
     ("block_size", 1, "Block size must be auto or a whole number from 2 to 16, got 1."),
     ("thinking", "yes", "Thinking mode must be true or false, got text."),

@@ -1,6 +1,7 @@
 """Every command that writes into a user's folder, killed (SIGKILL) the moment its first temp file or folder appears
-there, then run again: the second run succeeds and leaves nothing of the first behind (docs/outputs.md, rule 3).
-tests/killhook.py does the killing; tests/test_folders.py runs the same check on core.folders' writers alone."""
+there (for train_drafter, also its drafter folder's and its curve's), then run again: the second run succeeds and
+leaves nothing of the first behind (docs/outputs.md, rule 3). tests/killhook.py does the killing;
+tests/test_folders.py runs the same check on core.folders' writers alone."""
 
 from __future__ import annotations
 
@@ -34,9 +35,13 @@ CASES = {
     "train_drafter": ["toolkit.train_drafter", "--target", "{target}", "--out", "{out}/d", "--prompts", "{prompts}",
                       "--chat", "4", "--code", "4", "--heldout-chat", "1", "--heldout-code", "1", "--steps", "2",
                       "--curve", "{out}/curve.png", "--quiet"],
+    "train_drafter --out": ["toolkit.train_drafter", "--target", "{target}", "--out", "{out}/d", "--prompts",
+                            "{prompts}", "--chat", "4", "--code", "4", "--heldout-chat", "1", "--heldout-code", "1",
+                            "--steps", "2", "--quiet"],
     "preview_run": ["toolkit.preview_run", "--out", "{out}/run", "--bits", "4.0"],
     "demo prepare": ["toolkit.demo", "prepare", "--out", "{out}/smol"],
 }
+MATCH = {"train_drafter": ".curve.png.tmp-", "train_drafter --out": ".d.tmp-"}     # else the first temp of all
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,8 @@ def test_the_next_run_leaves_nothing_of_a_killed_one(case, inputs, tmp_path):
         (cache / "dflash-toolkit" / "wheels").symlink_to(wheels)
     argv = [a.format(out=out, **inputs) for a in CASES[case]]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HOME": str(tmp_path),
-           "XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1", "DFLASH_COST_CACHE": str(cache / "costs")}
+           "XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1", "DFLASH_COST_CACHE": str(cache / "costs"),
+           "KILL_MATCH": MATCH.get(case, "")}
     run = lambda *pre: subprocess.run([sys.executable, *pre, *argv], cwd=tmp_path, env=env,  # noqa: E731
                                       capture_output=True, text=True, timeout=900)
     killed = run(str(ROOT / "tests" / "killhook.py"), str(out))

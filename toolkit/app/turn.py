@@ -60,8 +60,10 @@ def text(field: str, value, what: str | None = None) -> str:
     if len(value) > MAX_TEXT:
         raise Refused(f"{what} is {len(value):,} characters; at most {MAX_TEXT:,} are read.")
     if not valid_text(value):
-        bad = next(c for c in value if c == "\x00" or 0xD800 <= ord(c) <= 0xDFFF)
-        raise Refused(f"{what} is not UTF-8 text: it holds {ascii(bad)}.")
+        if "\x00" in value:
+            raise Refused(f"{what} holds a NUL character ('\\x00'), which the app does not take.")
+        bad = next(c for c in value if 0xD800 <= ord(c) <= 0xDFFF)
+        raise Refused(f"{what} is not UTF-8 text: it holds a lone surrogate ({ascii(bad)}).")
     return value
 
 
@@ -123,7 +125,7 @@ def prompt_messages(shown: list[dict]) -> list[dict]:
     return out
 
 
-def number(field: str, value):
+def number(field: str, value) -> int | float:
     """A number of GenSettings in its domain (None: its default); a whole float such as 8.0 counts as 8."""
     f = next(f for f in fields(GenSettings) if f.name == field)
     if value is None:
