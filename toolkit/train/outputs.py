@@ -50,15 +50,20 @@ def claim_outputs(out: str, checkpoint_dir: str | None, curve: str | None, force
 
 
 @contextmanager
-def checkpoints(ck: Path, resume: bool) -> Iterator[Path]:
-    """The checkpoint folder for the run's duration: created and marked if new, locked against a second run."""
+def held(outs: Outputs) -> Iterator[None]:
+    """--out and the checkpoint folder held for the run (core.locks): a second run on either is one line."""
+    with hold(outs.out, COMMAND), hold(outs.ckdir, CHECKPOINTS, "checkpoint_dir"):
+        yield
+
+
+def checkpoints(ck: Path, resume: bool) -> Path:
+    """The checkpoint folder for the run: created and marked if new."""
     if resume and not (ck / "ckpt.pt").is_file():
         raise OptionError("resume", f": no checkpoint in {ck}")
     ck.mkdir(parents=True, exist_ok=True)
     if owner(ck) != CHECKPOINTS:
         mark(ck, CHECKPOINTS)
-    with hold(ck, CHECKPOINTS, "checkpoint_dir"):
-        yield ck
+    return ck
 
 
 def remove_checkpoints(ck: Path) -> None:
