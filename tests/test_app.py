@@ -311,6 +311,10 @@ def test_history_shapes_take_text_parts_and_pairs():
                                                          {"role": "user", "content": "c"}]
     assert prompt_messages([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"},
                             {"role": "user", "content": "b"}]) == [{"role": "user", "content": "a\n\nb"}]
+    be = FakeBackend(step_s=0)                          # a history ending with a message of the user's: joined
+    outs = [dict(zip(OUT, o)) for o in ChatHandler(Loaded(be)).respond("new", [{"role": "user", "content": "a"}], 16,
+                                                                       8, 0.0, 0, "", False)]
+    assert "text" in outs[-1]["result"] and be.calls[0][1] == [{"role": "user", "content": "a\n\nnew"}]
 
 
 def test_a_failing_chat_template_is_a_message():

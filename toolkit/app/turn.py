@@ -177,7 +177,7 @@ def fit(be: Backend, turn: Turn) -> list[int]:
     n, limit = turn.settings.max_new_tokens, be.max_context
 
     def encode(earlier: list[dict]) -> list[int]:
-        prompt = earlier + [{"role": "user", "content": turn.text}] if earlier else turn.text
+        prompt = prompt_messages(earlier + [{"role": "user", "content": turn.text}]) if earlier else turn.text
         return be.encode(prompt, system=turn.system, thinking=turn.thinking)
 
     ids = encode(turn.context)
