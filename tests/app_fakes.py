@@ -41,9 +41,11 @@ class FakeBackend(Backend):
     produced: int = 0                # rounds yielded by all generate() calls
     closed: int = 0                  # generate() generators closed before their end (GeneratorExit)
 
-    def encode(self, prompt: str, system: str | None = None, thinking: bool | None = None) -> list[int]:
+    def encode(self, prompt: str | list[dict], system: str | None = None, thinking: bool | None = None) -> list[int]:
+        """One id per character of the system prompt and the message (or each message of a conversation)."""
         self.calls.append(("encode", prompt, system, thinking))
-        return [1 + (ord(c) % (len(WORDS) - 1)) for c in (system or "") + prompt]
+        text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+        return [1 + (ord(c) % (len(WORDS) - 1)) for c in (system or "") + text]
 
     def decode(self, ids: list[int]) -> str:
         return "".join(" " + WORDS[i % len(WORDS)] for i in ids if i != EOS)

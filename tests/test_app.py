@@ -279,28 +279,42 @@ def test_second_turn_sends_the_whole_conversation():
     assert [m["role"] for m in second["chat"]] == ["user", "assistant"] * 2 and second["chat"][-1]["content"] == res["text"]
 
 
-def test_failed_turn_is_not_sent_and_the_conversation_counts_against_the_context():
+def test_failed_turn_is_not_sent_and_a_long_conversation_loses_its_oldest_turns():
     be = ChatFake(step_s=0, max_context=300)
     h = ChatHandler(Loaded(be))
     failed = [{"role": "user", "content": "json.dumps"}, {"role": "assistant", "content": "⚠️ The GPU ran out of memory."}]
     [dict(zip(OUT, o)) for o in h.respond("pathlib.Path", gradio_history(failed), 16, 8, 0.0, 0, "", False)]
     assert be.calls[0] == ("encode", "pathlib.Path", None, None)     # nothing left of the failed turn: a first turn
-    long = [{"role": "user", "content": "json.dumps"}, {"role": "assistant", "content": "speculative decoding " * 80}]
+    long = [{"role": "user", "content": "json.dumps"}, {"role": "assistant", "content": "speculative decoding " * 80},
+            {"role": "user", "content": "shutil.copy"}, {"role": "assistant", "content": "copies a file"}]
     assert len(be.encode("pathlib.Path")) + 16 < 300                 # the new message alone would fit
     outs = [dict(zip(OUT, o)) for o in h.respond("pathlib.Path", gradio_history(long), 16, 16, 0.0, 0, "", False)]
-    msg = html.unescape(outs[-1]["message"])
-    assert len(outs) == 1 and "conversation (3 messages)" in msg and "exceeds the model's context of 300" in msg
-    assert "Clear the chat" in msg and len(be.prompts) == 2             # no generation for the long one
+    last = outs[-1]
+    sent = be.tokenizer.decode(be.prompts[-1][1])
+    assert "shutil.copy" in sent and "json.dumps" not in sent and len(be.prompts[-1][1]) + 16 <= 300
+    assert last["result"]["history_dropped"] == 2 and len(last["chat"]) == 6      # the page still shows every turn
+    assert "The oldest 2 earlier messages were left out" in html.unescape(last["message"])
 
 
-def test_history_messages_take_text_parts():
-    from toolkit.app.handlers import history_messages
+def test_history_shapes_take_text_parts_and_pairs():
+    from toolkit.app.turn import prompt_messages, read_history
 
     hist = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "file", "file": {"path": "x.png"}}]},
             {"role": "assistant", "content": "b"}, {"role": "assistant", "content": ""},
             {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}]
-    assert history_messages(hist) == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                                      {"role": "user", "content": "c\nd"}]
+    shown, skipped = read_history(hist)
+    assert skipped == 0 and prompt_messages(shown) == [{"role": "user", "content": "a"},
+                                                       {"role": "assistant", "content": "b"},
+                                                       {"role": "user", "content": "c\nd"}]
+    assert read_history([["a", "b"], ["c", None]])[0] == [{"role": "user", "content": "a"},
+                                                         {"role": "assistant", "content": "b"},
+                                                         {"role": "user", "content": "c"}]
+    assert prompt_messages([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"},
+                            {"role": "user", "content": "b"}]) == [{"role": "user", "content": "a\n\nb"}]
+    be = FakeBackend(step_s=0)                          # a history ending with a message of the user's: joined
+    outs = [dict(zip(OUT, o)) for o in ChatHandler(Loaded(be)).respond("new", [{"role": "user", "content": "a"}], 16,
+                                                                       8, 0.0, 0, "", False)]
+    assert "text" in outs[-1]["result"] and be.calls[0][1] == [{"role": "user", "content": "a\n\nnew"}]
 
 
 def test_a_failing_chat_template_is_a_message():
@@ -311,7 +325,8 @@ def test_a_failing_chat_template_is_a_message():
     h = ChatHandler(Loaded(Broken(step_s=0)))
     outs = [dict(zip(OUT, o)) for o in h.respond("again", [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}], 16, 8, 0.0, 0, "", False)]
-    assert len(outs) == 1 and "TypeError" in outs[0]["message"] and "keeps serving" in outs[0]["message"]
+    assert len(outs) == 1 and "TypeError" in outs[0]["message"] and "chat template failed" in outs[0]["message"]
+    assert outs[0]["result"]["error"].startswith("The target's tokenizer or chat template failed")
 
 
 def test_auto_block_shows_the_width_of_every_round():
@@ -343,7 +358,8 @@ def test_block_control_offers_auto_first_then_fixed_sizes():
     assert run(ChatHandler(Loaded(be)), block="8")[-1]["result"]["block_size"] == 8 and be.calls[-1][2].block_size == 8
     assert run(ChatHandler(Loaded(be)), block=None)[-1]["result"]["block_size"] == "auto"
     bad = run(ChatHandler(Loaded(be)), block="fast")
-    assert len(bad) == 1 and "block_size must be auto or an integer" in html.unescape(bad[0]["message"])
+    assert len(bad) == 1 and "Block size must be auto or a whole number from 2 to 16, got 'fast'" in html.unescape(
+        bad[0]["message"])
 
 
 def test_all_ar_auto_run_says_so():

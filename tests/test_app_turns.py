@@ -179,8 +179,9 @@ def test_refusals_change_only_the_message_line():
     for prompt in ("", "   "):
         outs = [dict(zip(OUT, o)) for o in h.respond(prompt, [{"role": "user", "content": "hi"}], 16, 8, 0.0, 0, "", False)]
         assert len(outs) == 1
-        assert all(outs[0][k] == gr.skip() for k in OUT if k != "message")     # chat, box, panels, plots: untouched
+        assert all(outs[0][k] == gr.skip() for k in OUT if k not in ("message", "result"))   # chat, box, panels: untouched
         assert "the prompt is empty" in html.unescape(outs[0]["message"])
+        assert outs[0]["result"] == {"error": "Type a message first: the prompt is empty."}   # what an API client reads
     long = "x" * 1100                                                           # refused: it goes back into the box
     out = dict(zip(OUT, next(h.respond(long, [], 16, 8, 0.0, 0, "", False))))
     assert out["box"] == long and out["chat"] == gr.skip() and "exceeds the model's context" in html.unescape(out["message"])
@@ -194,5 +195,6 @@ def test_send_is_busy_while_a_turn_runs():
     with pytest.raises(gr.Error, match="your prompt stays in the box"):
         h.claim("next one", req)
     assert h.claim("hi", other)[0] == gr.update(interactive=False)             # another visitor is not blocked
-    assert h.release(req) == gr.update(interactive=True)
+    assert h.release([{"role": "user", "content": "hi"}], req) == (gr.update(interactive=True),
+                                                                  [{"role": "user", "content": "hi"}])
     assert h.claim("next one", req)[2] == "next one"

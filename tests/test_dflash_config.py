@@ -66,7 +66,7 @@ def test_validation_against_target(target, field, values):
 
 @pytest.mark.parametrize("patch, needle", [
     ({"architectures": ["Qwen3ForCausalLM"]}, "architectures"),
-    ({"dflash_config": {**CURRENT["dflash_config"], "block_size": 1}, "block_size": 1}, "block_size must be >= 2, got 1"),
+    ({"dflash_config": {**CURRENT["dflash_config"], "block_size": 1}, "block_size": 1}, "block_size must be a whole number from 2 to 4096 tokens, got 1"),
     ({"layer_types": ["sliding_attention"] * 5}, "layer_types has 5 entries, num_hidden_layers is 6"),
     ({"layer_types": ["sliding_attention"] * 5 + ["linear"]}, "unknown type 'linear'"),
     ({"num_key_value_heads": 5}, "not a multiple"),

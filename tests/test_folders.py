@@ -120,3 +120,38 @@ def test_atomic_writers_turn_a_full_disk_into_one_line_and_leave_nothing(tmp_pat
     with pytest.raises(ToolkitError, match=r"^no space left on the device writing .*/r.json"):
         atomic_file(tmp_path / "r.json", "{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+# Each writer of core.folders, killed (SIGKILL) as its temp appears or just before its rename, then run again.
+WRITERS = {
+    "atomic_write": "atomic_write(OUT / 'w.bin', lambda f: f.write(b'new'))",
+    "atomic_file": "atomic_file(OUT / 'w.json', '{}')",
+    "atomic_dir": "with atomic_dir(OUT / 'model', command='pad') as tmp: (tmp / 'config.json').write_text('{}')",
+    "mark": "mark(OUT, 'pad')",
+}
+
+
+@pytest.mark.parametrize("moment", ["appear", "written"])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_killed_writer_leaves_nothing_after_the_next_run(tmp_path, writer, moment):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from toolkit.core import folders
+
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
+            "from pathlib import Path\nimport killhook\n"
+            f"OUT = Path({str(tmp_path)!r}); killhook.arm(OUT, {moment!r})\n"
+            "from toolkit.core.folders import atomic_dir, atomic_file, atomic_write, mark\n" + WRITERS[writer])
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    left = [p.name for p in tmp_path.iterdir() if folders.TEMP.match(p.name)]
+    assert left, "the kill left no temp entry: the test would prove nothing"
+    env = {"OUT": tmp_path, "atomic_dir": folders.atomic_dir, "atomic_file": folders.atomic_file,
+           "atomic_write": folders.atomic_write, "mark": folders.mark}
+    exec(compile(WRITERS[writer], writer, "exec"), env)          # the next run of the same writer
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [{"atomic_write": "w.bin", "atomic_file": "w.json", "atomic_dir": "model",
+                      "mark": folders.MARKER}[writer]], names

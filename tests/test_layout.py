@@ -143,3 +143,20 @@ def test_the_policy_stays_small():
     knobs = [t.id for tree in trees for n in tree.body if isinstance(n, ast.Assign)
              for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()]
     assert lines <= 250 and len(classes) <= 3 and len(knobs) <= 10, (lines, classes, knobs)
+
+
+def test_model_files_are_read_only_through_core_tensorfiles():
+    """One reader for every model file: a safetensors load (safe_open, load_file, load, or the module itself imported
+    to reach them) appears in core/tensorfiles.py only; writing (save_file) and the error type may be imported."""
+    allowed = {"save_file", "save", "SafetensorError"}
+    found = []
+    for p in PKG.rglob("*.py"):
+        rel = str(p.relative_to(PKG))
+        if rel == "core/tensorfiles.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "safetensors" for a in node.names):
+                found.append(f"{rel}:{node.lineno} import safetensors")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "safetensors":
+                found += [f"{rel}:{node.lineno} {a.name}" for a in node.names if a.name not in allowed]
+    assert found == [], "read model files through toolkit.core.tensorfiles (iter_tensors, load_tensors, read_folder)"

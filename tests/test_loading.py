@@ -280,3 +280,88 @@ def test_loaded_weights_are_the_files_and_no_random_init_runs(folder, monkeypatc
     assert set(got) <= {k.removeprefix("model.") for k in want}
     assert all(torch.equal(v, want.get(k, want.get(f"model.{k}"))) for k, v in got.items())
     assert all(p.device.type == "cpu" and p.requires_grad for p in m.parameters())
+
+
+def with_spans(src, dst, edit):
+    """A copy of the safetensors file `src` whose header's spans `edit` changes (the data stays as it is); the
+    name of the tensor it moved."""
+    import struct
+
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    moved = edit(header)
+    write_raw(dst, header, raw[8 + n:])
+    return moved
+
+
+def second(h):
+    return sorted((v["data_offsets"][0], k) for k, v in h.items() if k != "__metadata__")[1][1]
+
+
+def overlap(h):                         # the second tensor moved 4 bytes back, into the first
+    k = second(h)
+    h[k]["data_offsets"] = [o - 4 for o in h[k]["data_offsets"]]
+    return k
+
+
+def gap(h):                             # every tensor from the second on moved 8 bytes on, past the data's end
+    start = h[second(h)]["data_offsets"][0]
+    for v in h.values():
+        if isinstance(v, dict) and "data_offsets" in v and v["data_offsets"][0] >= start:
+            v["data_offsets"] = [o + 8 for o in v["data_offsets"]]
+    return max((v["data_offsets"][1], k) for k, v in h.items() if k != "__metadata__")[1]
+
+
+def huge(h):                            # a span of 2^70 bytes, its shape to match
+    k = second(h)
+    h[k].update(dtype="U8", shape=[2**70], data_offsets=[h[k]["data_offsets"][0], h[k]["data_offsets"][0] + 2**70])
+    return k
+
+
+@pytest.mark.parametrize("edit,msg", [(overlap, "overlaps tensor"), (gap, "truncated: needs"),
+                                      (huge, "truncated: needs")])
+def test_bad_spans_are_one_line_naming_the_file_and_the_tensor(tmp_path, capsys, edit, msg):
+    """Spans that overlap, run past the end or are huge are refused by the one reader (core.tensorfiles) and by every
+    command that opens a drafter: pad, generate, the quantize checks and push, never a SafetensorError traceback."""
+    import shutil
+
+    from toolkit.core.errors import run_cli
+    from toolkit.core.tensorfiles import iter_tensors, load_tensors, read_header
+
+    pair = __import__("pathlib").Path(__file__).parents[1] / "toolkit" / "data" / "tiny_pair"
+    draft = tmp_path / "draft"
+    shutil.copytree(pair / "draft", draft)
+    f = draft / "model.safetensors"
+    name = with_spans(pair / "draft" / "model.safetensors", f, edit)
+    from toolkit.hub.push import check_weights
+    from toolkit.quant.validate import check_finite_weights
+
+    for read in (lambda: read_header(f), lambda: load_tensors(f), lambda: list(iter_tensors(f)),
+                 lambda: load_drafter(draft), lambda: check_weights(f), lambda: check_finite_weights(draft)):
+        with pytest.raises(ToolkitError) as e:
+            read()
+        assert str(f) in one_line(e) and msg in str(e.value) and repr(name) in str(e.value), str(e.value)
+    from toolkit import generate, pad
+
+    for main, argv in ((pad.main, [str(draft), str(tmp_path / "out")]),
+                       (generate.main, ["--target", str(pair / "target"), "--draft", str(draft), "--prompt", "hi"])):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as code:
+            run_cli(lambda: main(argv))
+        err = capsys.readouterr().err
+        assert code.value.code == 2 and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith("error: ") and repr(name) in err and str(f) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gaps_and_bytes_after_the_last_tensor_are_refused(tmp_path):
+    from toolkit.core.tensorfiles import read_header
+
+    a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    for header, data, msg in (({"a": a, "b": {**a, "data_offsets": [12, 20]}}, 20, "starts at byte 12, leaving bytes 8 to 12"),
+                              ({"a": a}, 16, "8 bytes after the last tensor ('a') belong to no tensor")):
+        write_raw(tmp_path / "m.safetensors", header, bytes(data))
+        with pytest.raises(ToolkitError) as e:
+            read_header(tmp_path / "m.safetensors")
+        assert msg in one_line(e)

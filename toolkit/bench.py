@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .assets.prompts import load_prompts, mixed
-from .core.cli import check_values, entry, option, run
+from .core.cli import check_values, entry, like, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_dir, claim
 from .runtime.backend import GenSettings
@@ -325,9 +325,9 @@ class BenchOptions:
     block_sizes: list[str] = option(["auto", "8", "16"], "settings: auto (the drafting policy) and/or fixed verify widths B "
                                     "(default auto 8 16); B is cut to the drafter's own", metavar="auto|B")
     concurrency: list[int] = option([1, 4, 16, 32], "concurrent jobs (default 1 4 16 32)", lo=1)
-    max_new_tokens: int = option(128, lo=1)
-    temperature: float = option(0.0, "0 = greedy (default; also reports losslessness)", lo=0, hi=100)
-    seed: int = option(0, kind="seed")
+    max_new_tokens: int = like(GenSettings, "max_new_tokens", 128)
+    temperature: float = like(GenSettings, "temperature", help="0 = greedy (default; also reports losslessness)")
+    seed: int = like(GenSettings, "seed")
     limit: int | None = option(None, "use only the first N prompts (mixed across categories)", lo=1)
     out: str = option("bench-out", "folder for bench.json and bench.png (default bench-out)")
     force: bool = option(False, "replace a non-empty --out that is not an earlier bench output")

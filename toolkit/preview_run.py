@@ -31,6 +31,7 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
     """The run folder `out`, quantized on the CPU with the stand-in converter; its cards written, thresholds not
     enforced (a preview fails nothing)."""
     from .core.folders import check_folder_place
+    from .core.locks import hold
     from .hub.push import write_cards
     from .hub.upstream import copy_upstream
     from .quant.pipeline import execute, start
@@ -38,6 +39,7 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
 
     check_folder_place(out)                    # before any work (the tiny pair may be built first)
     with ExitStack() as stack:
+        stack.enter_context(hold(out, "preview_run"))                     # one run per OUT at a time
         if pair == "tiny":
             from .assets.pairs import tiny_pair
 
@@ -51,8 +53,8 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
         stack.enter_context(cpu_converter())
         run_ = execute(start(recipe=str(recipe), model=str(model), target=str(target), bits=bits, out=out,
                              force=force, device="cpu"))
-    copy_upstream(run_.model_dir, run_.out)
-    write_cards(run_.out)
+        copy_upstream(run_.model_dir, run_.out)
+        write_cards(run_.out)
     print(f"wrote {run_.out} (a CPU preview: not EXL3 weights). Read its card: python -m toolkit.card --from {run_.out} "
           f"--repo YOU/NAME; plan a push: python -m toolkit.push --repo YOU/NAME --from {run_.out} --dry-run")
     return run_.out

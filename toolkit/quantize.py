@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from .core.cli import entry, option, run
 from .core.folders import claim
+from .core.locks import hold
 from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP
 
 SPLIT_GROUP = "EXL3 target on several GPUs (its target and speed steps)"
@@ -64,14 +66,15 @@ def quantize(push: str | None = None, on_step: Callable[[dict], None] | None = N
 
     run = start(on_step=on_step, **args)
     claim(run.s.out, "quantize", True)        # OUT a file, under a file, unwritable: refused before any work
-    run = execute(run)                        # OUT's bitrate folders and report, thresholds not yet enforced
-    if run.dry_run:
-        return 0
-    copy_upstream(run.model_dir, run.out)     # the drafter's own card and license, credited by the model cards
-    write_cards(run.out)                      # publishing (hub/): a model card per bitrate folder, also for a failing run
-    enforce(run)                              # below the recipe's thresholds: one error line, nothing pushed
-    if push:
-        push_to_hub(repo=push, out_dir=run.out)
+    with nullcontext() if run.dry_run else hold(run.s.out, "quantize"):     # one run per OUT at a time
+        run = execute(run)                    # OUT's bitrate folders and report, thresholds not yet enforced
+        if run.dry_run:
+            return 0
+        copy_upstream(run.model_dir, run.out)     # the drafter's own card and license, credited by the model cards
+        write_cards(run.out)                  # publishing (hub/): a model card per bitrate folder, also for a failing run
+        enforce(run)                          # below the recipe's thresholds: one error line, nothing pushed
+        if push:
+            push_to_hub(repo=push, out_dir=run.out)
     return 0
 
 

@@ -1,8 +1,9 @@
 """Real browser: Debian chromium driven by Playwright against the CPU app on the tiny pair: a short answer at the
 default block size auto, with a policy that never drafts (all plain AR: no ratio shown), then one at a fixed B = 16 (a
 lockstep ratio with its spread, coloured tokens, popups), at a desktop width and at a phone's; an auto answer with
-one drafted round (no verdict); a visitor's second turn, and another visitor's first, from the same policy state;
-Send during a turn (disabled; Enter keeps the prompt) and an empty Send (nothing changes).
+one drafted round (no verdict); a visitor's second turn (its prompt the whole conversation), and another visitor's
+first, from the same policy state; Send during a turn (disabled; Enter keeps the prompt) and an empty Send (nothing
+changes).
 
 Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/img/screenshot.png to refresh
 the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
@@ -154,11 +155,12 @@ def test_browser_every_turn_starts_from_the_same_policy_state(app, browser):
         return pickle.dumps({a: v for a, v in vars(p).items() if a != "costs"})
 
     be = app.handler.loaded.backend
-    starts, inner = [], be.generate
+    starts, prompts, inner = [], [], be.generate
 
     def recording(ids, settings, speculative=True):
         if speculative:
             starts.append({k: (state(p), p.costs) for k, p in be.policies.items()})
+            prompts.append(list(ids))
         return inner(ids, settings, speculative)
 
     be.generate = recording
@@ -178,6 +180,8 @@ def test_browser_every_turn_starts_from_the_same_policy_state(app, browser):
     fresh = state(Policy(pol.block_size, costs.table, learn_costs=costs.learn))
     assert len(starts) == 3 and starts[0] in ({}, {key: (fresh, costs)}) and learnt != fresh
     assert starts[1] == starts[2] == {key: (fresh, costs)}                 # acceptance afresh, the costs kept
+    first_ids, second_ids, other_ids = prompts                             # the page sends the conversation so far
+    assert second_ids[:len(first_ids)] == first_ids and len(second_ids) > len(first_ids) and other_ids == first_ids
 
 
 def slowed(generate, seconds: float):

@@ -291,7 +291,7 @@ def test_space_export_refuses_what_it_cannot_copy_or_serve(tmp_path, monkeypatch
 
 
 def test_a_tree_copy_copies_a_link_to_a_file_inside_it_as_that_file(tmp_path):
-    from toolkit.core.folders import copy_tree
+    from toolkit.core.copying import copy_tree
 
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)

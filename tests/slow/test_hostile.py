@@ -5,7 +5,6 @@ SIGTERM and leftovers of killed runs, a full disk (a small tmpfs), devices and t
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import gzip
 import json
 import os
@@ -204,17 +203,6 @@ def test_a_rerun_replaces_its_own_drafter_and_removes_only_its_checkpoints(tmp_p
                      (tmp_path / "c.txt", "must name a .png file")):
         with pytest.raises(OptionError, match=msg):
             train(tmp_path / "e", prompts, curve=str(bad))
-
-
-def test_a_second_run_on_the_same_out_is_refused(tmp_path, prompts):
-    ck = tmp_path / "d.ckpt"
-    ck.mkdir()
-    mark(ck, "train_drafter.checkpoints")
-    with open(ck / ".lock", "a") as f:                  # another run holds the checkpoint folder
-        fcntl.flock(f, fcntl.LOCK_EX)
-        with pytest.raises(OptionError, match="another run is writing the checkpoint folder"):
-            train(tmp_path / "d", prompts)
-    assert not (tmp_path / "d").exists()
 
 
 def test_non_finite_weights_are_never_loaded_or_written(tmp_path, prompts):

@@ -4,9 +4,10 @@ On a GPU the two runs happen one after the other inside one call (and the GPU ev
 so they never skew each other. On a CPU, where the machine's load moves a run's speed more than drafting does,
 they run in lockstep, one round of each in turn, so the load falls on both alike (benchmark/lockstep.py). Timing
 counts only the time spent inside the backend's generator, not the UI updates. Every turn starts from the policy
-state the start-up left (policy_view.py). Every failure becomes a visible message in the page; the server keeps
-serving. The console gets one line per request: prompt tokens, rounds, the ratio or "plain AR", and whether it
-was stopped or its client left.
+state the start-up left (policy_view.py). What a request holds is checked first (turn.py): a refused one is one
+sentence in the page, the result's `error` for an API client and one console line. Every failure becomes a
+visible message in the page; the server keeps serving. The console gets one line per request: prompt tokens,
+rounds, the ratio or "plain AR", and whether it was stopped or its client left.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from dataclasses import dataclass
 import gradio as gr
 
 from ..benchmark import lockstep
+from ..core.cli import valid_text
 from ..core.errors import ToolkitError
-from ..runtime.backend import Backend, GenSettings, message_text
 from ..runtime.events import Summary
 from . import render
 from .models import Loaded, say
 from .policy_view import learnt, learnt_text
 from .runs import Run, policy_note, request_line, result_json, speed_of
+from .turn import FAILED, dropped_note, fit, read_turn
 
 log = logging.getLogger("toolkit.app")
 UI_INTERVAL = 0.08      # seconds between live updates of the panels
 PLOT_INTERVAL = 0.5     # seconds between live updates of the plots
-FAILED = "⚠️ "          # the start of the chat reply of a turn that failed
 
 
 def histogram(s: Summary | None, block: int):
@@ -71,26 +72,6 @@ def friendly(e: BaseException) -> str:
     if isinstance(e, ToolkitError):
         return text
     return f"Generation failed ({name}: {text}). The app keeps serving; try again or change the settings."
-
-
-def history_messages(history) -> list[dict]:
-    """The earlier turns as [{"role", "content": str}] for the chat template, oldest first.
-
-    Only user and assistant text; empty messages are dropped, and so is a failed turn (the reply is the app's
-    warning, not the model's) together with the user message it answered.
-    """
-    out: list[dict] = []
-    for m in history or []:
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            continue
-        text = message_text(m.get("content"))
-        if m["role"] == "assistant" and text.startswith(FAILED):
-            if out and out[-1]["role"] == "user":
-                out.pop()
-            continue
-        if text.strip():
-            out.append({"role": m["role"], "content": text})
-    return out
 
 
 def free_gpu() -> None:
@@ -133,16 +114,19 @@ class ChatHandler:
         self.busy.add(key)
         return gr.update(interactive=False), "", message
 
-    def release(self, request: gr.Request = None):
-        """After a turn, however it ended: Send works again."""
+    def release(self, chat=None, request: gr.Request = None):
+        """After a turn, however it ended: Send works again, and the chat as it now stands is the next turn's
+        history."""
         self.busy.discard(self._key(request))
-        return gr.update(interactive=True)
+        return gr.update(interactive=True), chat or []
 
     def _refuse(self, message: str, kind: str = "error", text: str = "") -> tuple:
-        """A turn refused before decoding: only the message line changes (and the refused prompt `text` goes back
-        into the box); the chat and the panels stay."""
+        """A turn refused before decoding: the message line says why in one sentence (and the refused prompt `text`
+        goes back into the box); the chat and the panels stay. An API client reads the sentence as the result's
+        `error`; the console gets one line."""
+        say(f"request refused: {message}")
         skip = gr.skip()
-        return (skip, text or skip) + (skip,) * 7 + (render.message_html(kind, message), skip)
+        return (skip, text or skip) + (skip,) * 7 + (render.message_html(kind, message), {"error": message})
 
     def _view(self, chat, spec: Run, ar: Run | None, state: str, plots: bool, block: int, mode: str, message: str = "",
               paired: bool = False) -> View:
@@ -168,10 +152,11 @@ class ChatHandler:
             render.acceptance_frame(s, block - 1) if plots else None, histogram(s, block) if plots else None,
             message)
 
-    def prefilling(self, chat, spec: Run, block: int, mode: str, n: int) -> View:
-        """The first update of a turn: the user's message in the chat and what the model is doing."""
+    def prefilling(self, chat, spec: Run, block: int, mode: str, n: int, note: str = "") -> View:
+        """The first update of a turn: the user's message in the chat and what the model is doing (and `note`: the
+        earlier messages left out to fit the context)."""
         view = self._view(chat, spec, None, "spec", True, block, mode,
-                          render.message_html("info", f"Prefilling {n} prompt tokens…"))
+                          render.message_html("info", f"Prefilling {n} prompt tokens… {note}".strip()))
         view.banner = f'<div class="dfl-banner run">Prefilling {n} prompt tokens{mode}…</div>'
         return view
 
@@ -191,58 +176,42 @@ class ChatHandler:
             if turn:
                 say(request_line(turn, how))
 
-    def _settings(self, be: Backend, text: str, chat, block_size, max_new_tokens, temperature, seed, system, thinking):
-        """(settings, the block choice, the plots' block, thinking, prompt ids); a ToolkitError or ValueError says
-        what is wrong with the turn."""
-        choice = GenSettings.parse_block(block_size or "auto")
-        choice = choice if choice == "auto" else min(choice, be.block_size)
-        settings = GenSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature or 0),
-                               seed=int(seed or 0), block_size=choice)
-        block = settings.fixed_block(be.block_size)          # the widest block a round may verify: the plots' axes
-        think = bool(thinking) if self.loaded.thinking else None
-        turns = history_messages(chat) + [{"role": "user", "content": text}]
-        # the whole conversation through the chat template; a first turn is passed as the plain message
-        ids = be.encode(text if len(turns) == 1 else turns, system=(system or "").strip() or None, thinking=think)
-        if len(ids) + settings.max_new_tokens > be.max_context:
-            what = "prompt" if len(turns) == 1 else f"conversation ({len(turns)} messages)"
-            raise ToolkitError(f"The {what} is {len(ids)} tokens; with {settings.max_new_tokens} new tokens that exceeds "
-                               f"the model's context of {be.max_context}. "
-                               + ("Shorten the prompt or lower max new tokens." if len(turns) == 1 else
-                                  "Clear the chat, shorten the prompt or lower max new tokens."))
-        return settings, choice, block, think, ids
-
     def _respond(self, turn: dict, message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
                  request):
-        chat = list(history or [])
         stop = self._flag(request)
         stop.clear()
         be = self.loaded.backend
+        back = message if isinstance(message, str) and valid_text(message) else ""      # what goes back into the box
         if be is None:
-            yield self._refuse(self.loaded.error or "No model is loaded.", text=message or "")
-            return
-        text = (message or "").strip()
-        if not text:
-            yield self._refuse("Type a message first: the prompt is empty.", "warn")
+            yield self._refuse(self.loaded.error or "No model is loaded.", text=back)
             return
         try:
-            settings, choice, block, think, ids = self._settings(be, text, chat, block_size, max_new_tokens,
-                                                                 temperature, seed, system, thinking)
-        except (ToolkitError, ValueError) as e:
-            yield self._refuse(str(e), text=text)
+            t = read_turn(message, history, block_size, max_new_tokens, temperature, seed, system, thinking,
+                          native=be.block_size, can_think=self.loaded.thinking)
+            if not t.text:
+                yield self._refuse("Type a message first: the prompt is empty.", "warn")
+                return
+            ids = fit(be, t)
+        except ToolkitError as e:                      # Refused too: a value of the request, in one sentence
+            yield self._refuse(str(e), text=back.strip())
             return
-        except Exception as e:  # the tokenizer or its chat template failed: a message, not a traceback
-            log.exception("encoding the prompt failed")
-            yield self._refuse(friendly(e), text=text)
+        except Exception as e:  # the tokenizer or its chat template failed: one sentence, one console line
+            why = (str(e).splitlines() or [""])[0][:200]
+            yield self._refuse(f"The target's tokenizer or chat template failed on this conversation "
+                               f"({type(e).__name__}: {why}).", text=back.strip())
             return
+        settings, choice, think, chat = t.settings, t.choice, t.thinking, list(t.shown)
+        block = settings.fixed_block(be.block_size)          # the widest block a round may verify: the plots' axes
+        note = dropped_note(t, be.max_context)
         if self.loaded.policy_start is not None:
             self.loaded.policy_start.restore(be)       # every turn decodes from the same policy state
         mode = "" if think is None else f" · thinking {'on' if think else 'off'}"
-        chat += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        chat += [{"role": "user", "content": t.text}, {"role": "assistant", "content": ""}]
         spec = Run(be, ids, settings, True)
         ar: Run | None = Run(be, ids, settings, False) if self.loaded.lockstep else None
-        turn.update(prompt=len(ids), block=choice, spec=spec, ar=ar)
+        turn.update(prompt=len(ids), block=choice, spec=spec, ar=ar, dropped=t.dropped)
         # the user's message shows at once: a long prompt's prefill comes before the first round
-        yield self.prefilling(chat, spec, block, mode, len(ids)).values()
+        yield self.prefilling(chat, spec, block, mode, len(ids), note).values()
         args = (chat, spec, block, mode)
         try:
             if ar is not None:
@@ -253,8 +222,10 @@ class ChatHandler:
                 yield self._view(chat, spec, ar, "stopped", True, block, mode, render.message_html("info", "Stopped."),
                                  paired=self.loaded.lockstep).values()
                 return
-            view = self._view(chat, spec, ar, "done", True, block, mode, paired=self.loaded.lockstep)
-            view.result = result_json(spec, ar, choice, think, self.loaded.lockstep, learnt(be, settings))
+            view = self._view(chat, spec, ar, "done", True, block, mode, render.message_html("info", note) if note else "",
+                              paired=self.loaded.lockstep)
+            view.result = result_json(spec, ar, choice, think, self.loaded.lockstep, learnt(be, settings)) | {
+                "history_dropped": t.dropped}
             yield view.values()
         except Exception as e:  # OOM, backend errors: a visible message, never a traceback
             log.exception("generation failed")

@@ -101,6 +101,8 @@ def request_line(turn: dict, how: str) -> str:
     steps = [r for r in spec.rounds if not r.prefill]
     drafted = sum(1 for r in steps if r.drafted)
     head = f"request: {turn['prompt']} prompt tokens, block {turn['block']}, {len(spec.tokens)} tokens in {len(steps)} rounds"
+    if turn.get("dropped"):
+        head += f" ({turn['dropped']} earlier messages left out to fit the context)"
     if "failed" in turn:
         return f"{head}; failed: {turn['failed']}"
     if how == "client left" or spec.stopped or (ar is not None and ar.stopped):

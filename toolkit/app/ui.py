@@ -98,7 +98,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
                                         step=1, label="Max new tokens", elem_id="dfl-max-new")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature",
                                             info="0 = greedy: the two panels must be identical")
-                    seed = gr.Number(0, precision=0, label="Seed (for temperature > 0)")
+                    seed = gr.Number(0, precision=0, minimum=0, label="Seed (for temperature > 0)")
                     thinking = gr.Checkbox(False, label="Thinking mode", interactive=loaded.thinking,
                                            info="Qwen3.x chat templates; acceptance differs a lot between on and off"
                                            if loaded.thinking else "this target's chat template has no thinking switch")
@@ -126,24 +126,29 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             blocks = gr.HTML(render.rounds_table_html(render.Transcript(str)), elem_id="dfl-blocks")
         result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
         sent = gr.Textbox(visible=False, label="message")     # the message being answered (Send empties the box)
+        # the earlier turns as the handler reads them: any JSON, so an API client's history is checked by the app
+        history = gr.JSON([], visible=False, label="history")
         gr.Markdown("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a "
                     "CPU the two take turns (lockstep: the one behind in the answer goes next), so the machine's load "
                     "falls on both alike. "
                     "Every turn starts from the same policy state. If someone else is generating you see your place "
                     "in the queue. tok/s counts the time inside the decoder, prefill included.")
 
-        inputs = [sent, chat, block, max_new, temperature, seed, system, thinking]
+        inputs = [sent, history, block, max_new, temperature, seed, system, thinking]
         outputs = [chat, box, banner, spec_html, ar_html, tau, blocks, acc, hist, message, result]
         fn = gpu_wrap(handler.respond, loaded.hardware)
+        # preprocess=False: the handler gets the values as sent and checks them itself (app/turn.py), so a value the
+        # page never sends is one sentence, not a Gradio traceback
         common = dict(fn=fn, inputs=inputs, outputs=outputs, concurrency_id="gpu", concurrency_limit=1,
-                      show_progress_on=[banner])
+                      show_progress_on=[banner], preprocess=False)
         # Send is disabled while this session's turn runs; Enter then says so and leaves the prompt in the box
         ui = dict(api_name=False, show_progress="hidden", concurrency_limit=None, concurrency_id="ui")   # no wait
         busy = dict(fn=handler.claim, inputs=box, outputs=[send, box, sent], **ui)
-        free = dict(fn=handler.release, inputs=None, outputs=send, **ui)
+        free = dict(fn=handler.release, inputs=chat, outputs=[send, history], **ui)   # the chat becomes the history
         send.click(**busy).success(api_name="chat", **common).then(**free)
         box.submit(**busy).success(api_name=False, **common).then(**free)
         stop.click(handler.stop, None, message, queue=False, api_name="stop")
+        chat.clear(lambda: [], None, history, **ui)
     demo.handler = handler
     return demo
 

@@ -31,7 +31,7 @@ from ..core.errors import OptionError, ToolkitError
 from ..core.folders import MARKER, atomic_dir, claim, read_config
 from ..core.kinds import kind_of
 from ..core.target import TargetInfo
-from ..core.tensorfiles import check_folder, save_tensors
+from ..core.tensorfiles import check_folder, load_tensors, save_tensors
 
 if TYPE_CHECKING:          # torch loads only when padding runs: a refused option costs no torch import
     import torch
@@ -152,13 +152,11 @@ def pad(src: str, dst: str, align: int = ALIGN, force: bool = False) -> Path:
         raise OptionError("src", str(e)) from None
     if not files:
         raise ToolkitError(f"{s}: no .safetensors weights to pad")
-    from safetensors.torch import load_file         # torch loads only now, after every check
-
     with atomic_dir(d, command="pad", need=sum(f.stat().st_size for f in files) * 2) as work:
         for f in s.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and f.name != MARKER:
                 shutil.copy2(f, work / f.name)
         for f in files:
-            save_tensors(pad_state(load_file(str(f)), a, b), work / f.name, metadata={"format": "pt"})
+            save_tensors(pad_state(load_tensors(f, "src"), a, b), work / f.name, metadata={"format": "pt"})
         (work / "config.json").write_text(json.dumps(padded_config(cfg, a, b), indent=2))
     return d

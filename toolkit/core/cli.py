@@ -67,6 +67,21 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | No
     return dataclasses.field(default=default, metadata=meta)
 
 
+def domain_of(cls: type, name: str) -> Domain:
+    """The domain a field of an options dataclass declares (every value allowed when it declares none)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.metadata.get("domain") or Domain()
+
+
+def like(cls: type, name: str, default: Any = dataclasses.MISSING, help: str = "") -> Any:
+    """An option with the domain of `cls`'s field `name` (its default too, unless given): one source for a value
+    that several commands take, such as GenSettings' temperature."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    d = domain_of(cls, name)
+    return option(f.default if default is dataclasses.MISSING else default, help or f.metadata.get("help", ""),
+                  lo=d.lo, hi=d.hi, above=d.above, kind=d.kind, whole=d.whole)
+
+
 def flag_of(cls: type, name: str) -> str:
     """The command-line spelling of a field of an options dataclass."""
     for f in dataclasses.fields(cls):

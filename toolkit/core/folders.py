@@ -5,8 +5,10 @@ before any work starts and refuse a symlink, and a non-empty folder (or an exist
 command's own earlier output unless forced; own output is recognised by a marker the toolkit writes (`mark`,
 `marker`), checked field by field. `atomic_dir` / `atomic_file` / `atomic_write` write beside the final path and
 replace it only once the new output is complete, so nothing half-written is left and nothing the command did not
-write is deleted without --force. Their temp names carry this host and process, so a rerun removes what an
-interrupted run left (`sweep`). A full disk is one line naming the path and the bytes needed."""
+write is deleted without --force. Their temp names carry this host and process, and every one of them first
+removes what a killed run of itself left beside the same path (`sweep`), so each command that writes through them
+cleans up after a killed run. A full disk is one line naming the path and the bytes needed. Copying a folder
+without following links is core.copying's, one run per output core.locks'."""
 
 from __future__ import annotations
 
@@ -123,14 +125,14 @@ def claim(out: str | Path, command: str, force: bool, field: str = "out", force_
           own: bool = True) -> Path:
     """Check an output folder before any work: refuse a file, a symlink, a path under a file, an unwritable place,
     the current folder or one above it, and a non-empty folder that is not `command`'s earlier output (by its
-    marker) unless forced (`force_flag` None: no flag forces it). What killed runs left beside it is removed
-    (`sweep`)."""
+    marker) unless forced (`force_flag` None: no flag forces it). What killed runs left beside it and in it is
+    removed first (`sweep`), so it never counts as content."""
     out = check_folder_place(out, field)
+    sweep(out, inside=True)
     if out.is_dir() and any(out.iterdir()) and not force and not (own and owner(out) == command):
         how = (f"pass {force_flag} to replace it once the new output is complete" if force_flag
                else "name a new or empty folder")
         raise OptionError(field, f"{out} exists and is not empty, and is not an earlier output of {command} ({how})")
-    sweep(out)
     return out
 
 
@@ -219,23 +221,28 @@ def alive(pid: int) -> bool:
     return True
 
 
-def sweep(path: str | Path) -> list[Path]:
+def sweep(path: str | Path, inside: bool = False) -> list[Path]:
     """Remove the temp entries beside `path` that runs of this host left when they were killed (their process is
-    gone); a live run's are kept. Returns what was removed."""
+    gone); a live run's are kept. `inside`: also those in the folder `path`, whatever they were to become (a killed
+    run's temps do not make an output folder non-empty). Returns what was removed."""
     path = Path(path)
     removed = []
     try:
         siblings = list(path.parent.iterdir()) if path.parent.is_dir() else []
+        siblings += list(path.iterdir()) if inside and path.is_dir() and not path.is_symlink() else []
     except OSError:
         return removed
     for p in siblings:
         m = TEMP.match(p.name)
-        if not m or m["name"] != path.name or m["host"] != HOST or alive(int(m["pid"])):
+        if not m or (m["name"] != path.name and p.parent != path) or m["host"] != HOST or alive(int(m["pid"])):
             continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            continue                    # not ours to remove after all (another user's, a read-only place)
         removed.append(p)
     return removed
 
@@ -256,9 +263,11 @@ def check_space(path: str | Path, need: int) -> None:
 
 def atomic_write(path: str | Path, write: Callable[[object], None], need: int | None = None) -> Path:
     """`write(f)` into a temp file beside `path` opened for binary writing, renamed into place once it returns:
-    readers never see half a file; a failure, an interrupt or a full disk (one line) leaves nothing behind."""
+    readers never see half a file; a failure, an interrupt or a full disk (one line) leaves nothing behind, and
+    what a killed run left beside `path` is removed first (`sweep`)."""
     path = not_a_link(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -313,60 +322,3 @@ def atomic_dir(out: str | Path, command: str | None = None, need: int | None = N
         if isinstance(e, Exception) and not isinstance(e, ToolkitError) and disk_full(e):
             raise no_space(out, need) from None
         raise
-
-
-def tree_files(src: str | Path, ignore: Callable | None = None, what: str = "") -> list[tuple[Path, Path]]:
-    """(path inside `src`, file to copy) of every file of the folder `src`, found without ever following a link to a
-    folder, so no link can make a copy loop or reach outside `src`: a link to a file inside `src` stands for that
-    file; any other link (to a folder, out of `src`, broken) and anything that is neither a file nor a folder is
-    refused with one line naming it. `ignore` is shutil.ignore_patterns' kind of callable."""
-    src, pre, out = Path(src), f"{what}: " if what else "", []
-    root = src.resolve()
-
-    def refuse(e: OSError):
-        raise ToolkitError(f"{pre}cannot read {e.filename} ({e.strerror or e})")
-
-    for dirpath, dirnames, filenames in os.walk(src, onerror=refuse):
-        here = Path(dirpath)
-        skip = set(ignore(dirpath, dirnames + filenames)) if ignore else set()
-        dirnames[:] = [d for d in dirnames if d not in skip]
-        for name in dirnames + [f for f in filenames if f not in skip]:
-            p = here / name
-            real = p.resolve()
-            if p.is_symlink() and not (real.is_file() and root in real.parents):
-                raise ToolkitError(f"{pre}{p} is a link to {os.readlink(p)}; a copied folder may link only to files "
-                                   "inside it (no link to a folder, none out of it): copy the files themselves")
-            if name in dirnames and not p.is_symlink():
-                continue                                   # os.walk enters it next
-            if not real.is_file():
-                raise ToolkitError(f"{pre}{p} is neither a file nor a folder; refusing to copy it")
-            out.append((p.relative_to(src), real))
-    return out
-
-
-def copy_tree(src: str | Path, dst: str | Path, ignore: Callable | None = None, what: str = "") -> None:
-    """Copy the folder `src` to `dst` as `tree_files` finds it (checked whole before the first file is copied)."""
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for rel, real in tree_files(src, ignore, what):
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(real, dst / rel)
-
-
-@contextmanager
-def lock(path: str | Path, field: str, what: str) -> Iterator[None]:
-    """Hold an exclusive lock on the file `path` for the block; a second run that finds it held is one OptionError
-    naming `field` (two runs writing one output would corrupt it)."""
-    import fcntl
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise OptionError(field, f"another run is writing {what} now; wait for it to end") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

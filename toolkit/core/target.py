@@ -17,6 +17,18 @@ from .files import Num, number, shown
 from .folders import read_config
 
 DEFAULT_CONTEXT = 1 << 20       # a config with no max_position_embeddings: no limit worth checking
+# The sizes of a model's config (top level and text_config): absent or null is unknown, any value present is a
+# whole number of at least 1 (0 would mean "impossible", never "no limit").
+SIZES = {
+    "max_position_embeddings": Num(1, 2**40, "tokens", whole=True, null=True),
+    "vocab_size": Num(1, 2**31 - 1, "tokens", whole=True, null=True),
+    "num_hidden_layers": Num(1, 65536, "layers", whole=True, null=True),
+    "num_attention_heads": Num(1, 65536, "heads", whole=True, null=True),
+    "num_key_value_heads": Num(1, 65536, "heads", whole=True, null=True),
+    "hidden_size": Num(1, 1 << 24, whole=True, null=True),
+    "intermediate_size": Num(1, 1 << 28, whole=True, null=True),
+    "head_dim": Num(1, 65536, whole=True, null=True),
+}
 
 
 def text_config(cfg: dict) -> dict:
@@ -49,7 +61,10 @@ class TargetInfo:
     def read(cls, folder: str | Path, what: str | None = None) -> "TargetInfo":
         """Read a model folder; no config.json is one ToolkitError line (`what` names the flag, as in read_config)."""
         folder = Path(folder)
-        return cls(read_config(folder, what), read_optional(folder / "generation_config.json"), tokenizer_eos(folder), folder)
+        info = cls(read_config(folder, what), read_optional(folder / "generation_config.json"), tokenizer_eos(folder),
+                   folder)
+        info.check_sizes()
+        return info
 
     @classmethod
     def of_model(cls, model, tokenizer=None) -> "TargetInfo":
@@ -69,6 +84,15 @@ class TargetInfo:
         """d[key] in num's range (a missing or null value: `default`); else one line naming config.json and the key."""
         return default if d.get(key) is None else number(d[key], num, self.where(), key)
 
+    def check_sizes(self) -> None:
+        """Every size of SIZES present in the config (and its text_config) is a whole number >= 1: one line naming
+        config.json and the key otherwise."""
+        for d in (self.config, self.text) if self.text is not self.config else (self.config,):
+            prefix = "text_config." if d is not self.config else ""
+            for key, num in SIZES.items():
+                if key in d:
+                    number(d[key], num, self.where(), prefix + key)
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """generation_config's eos_token_id, else config's (top level, then the text config), else the tokenizer's."""
@@ -81,21 +105,21 @@ class TargetInfo:
 
     @property
     def max_context(self) -> int:
-        return self.number(self.text, "max_position_embeddings", Num(0, 2**40, "tokens", whole=True), DEFAULT_CONTEXT) \
-            or DEFAULT_CONTEXT
+        return self.number(self.text, "max_position_embeddings", SIZES["max_position_embeddings"], DEFAULT_CONTEXT)
 
     @property
     def num_layers(self) -> int:
-        return self.number(self.text, "num_hidden_layers", Num(0, 65536, "layers", whole=True), 0)
+        """The layer count; 0 when the config does not say."""
+        return self.number(self.text, "num_hidden_layers", SIZES["num_hidden_layers"], 0)
 
     @property
     def hidden_size(self) -> int:
-        return self.number(self.text, "hidden_size", Num(0, 1 << 20, whole=True), 0)
+        return self.number(self.text, "hidden_size", SIZES["hidden_size"], 0)
 
     @property
     def vocab_size(self) -> int:
-        d = self.text if self.text.get("vocab_size") else self.config
-        return self.number(d, "vocab_size", Num(0, 2**31 - 1, "tokens", whole=True), 0)
+        d = self.text if self.text.get("vocab_size") is not None else self.config
+        return self.number(d, "vocab_size", SIZES["vocab_size"], 0)
 
     @property
     def architectures(self) -> list[str]:

@@ -1,10 +1,13 @@
-"""safetensors files read without trusting them: the header's structure and the file's length, checked first.
+"""safetensors files read without trusting them: the one reader of every model file the toolkit opens.
 
 A safetensors file is an 8-byte little-endian header length, a JSON object {name: {dtype, shape, data_offsets}}
-(plus an optional `__metadata__`), then the data. Every reader of the toolkit (the drafter loader, the torch
-backend's target check, quantize's validation and conversion check) goes through `read_header`, so a truncated
-file, a header that is a JSON list or an entry without `data_offsets` is one ToolkitError line naming the file
-and the entry, never a traceback from deeper down and never a model with missing weights.
+(plus an optional `__metadata__`), then the data, each tensor's bytes back to back. `read_header` checks the
+header's structure, each entry's size against its shape, and the spans against the file: a truncated file, a
+header that is a JSON list, an entry without `data_offsets`, spans that overlap, leave a gap or run past the end
+are one ToolkitError line naming the file and the tensor. `load_tensors`, `iter_tensors` and `read_folder` read the
+tensors only after that check, and turn whatever safetensors itself still refuses into the same kind of line;
+nothing else in the toolkit loads a safetensors file (tests/test_layout.py holds that). transformers and
+exllamav3 open model folders themselves, after `check_folder` has checked every header.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import json
 import struct
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .errors import ToolkitError
 from .files import Num, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -74,10 +80,27 @@ def read_header(path: str | Path) -> dict:
     meta = header.get("__metadata__")
     if meta is not None and not isinstance(meta, dict):
         raise bad(path, "__metadata__ is not an object")
-    end = max((check_entry(path, k, v) for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise bad(path, f"truncated: needs {8 + n + end} bytes, has {size}")
+    ends = {k: check_entry(path, k, v) for k, v in header.items() if k != "__metadata__"}
+    last = max(ends, key=ends.get, default=None)
+    if last is not None and 8 + n + ends[last] > size:
+        raise bad(path, f"truncated: needs {8 + n + ends[last]} bytes, has {size} (tensor {last!r} ends past the end)")
+    check_spans(path, header, size - 8 - n)
     return header
+
+
+def check_spans(path: Path, header: dict, data: int) -> None:
+    """The tensors' spans cover the `data` bytes after the header back to back, as safetensors requires: an
+    overlap, a gap or bytes after the last tensor are one line naming the tensor."""
+    spans = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__")
+    at, prev = 0, None
+    for begin, end, name in spans:
+        if begin < at:
+            raise bad(path, f"tensor {name!r} (bytes {begin} to {end}) overlaps tensor {prev!r} (which ends at {at})")
+        if begin > at:
+            raise bad(path, f"tensor {name!r} starts at byte {begin}, leaving bytes {at} to {begin} to no tensor")
+        at, prev = end, name
+    if at != data:
+        raise bad(path, f"{data - at} bytes after the last tensor{f' ({prev!r})' if prev else ''} belong to no tensor")
 
 
 def tensor_shapes(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -120,6 +143,45 @@ def index_size(folder: str | Path | None) -> int | None:
         if Num(0, 2**50, whole=True).ok(size):
             return size
     return None
+
+
+def iter_tensors(path: str | Path, what: str = "") -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(name, tensor) of one safetensors file, one at a time, after its header is checked; anything safetensors
+    still refuses is one line naming the file (and the tensor being read). `what` (a flag) starts each line."""
+    from safetensors import safe_open
+
+    path, pre = Path(path), f"{what}: " if what else ""
+    try:
+        read_header(path)
+    except ToolkitError as e:
+        raise ToolkitError(f"{pre}{e}") from None
+    name = None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError, ...) as one line
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        at = f" at tensor {name!r}" if name is not None else ""
+        raise ToolkitError(f"{pre}{path}: not a readable safetensors file{at} ({reason})") from None
+
+
+def load_tensors(path: str | Path, what: str = "") -> dict[str, "torch.Tensor"]:
+    """Every tensor of one safetensors file, read through `iter_tensors`."""
+    return dict(iter_tensors(path, what))
+
+
+def read_folder(folder: str | Path, what: str = "") -> dict[str, "torch.Tensor"]:
+    """Every tensor of a model folder's *.safetensors files (each shard its index names present); a folder with
+    none is one line."""
+    folder, pre = Path(folder), f"{what}: " if what else ""
+    files = check_folder(folder, what)
+    if not files:
+        raise ToolkitError(f"{pre}{folder}: no *.safetensors files")
+    out: dict = {}
+    for f in files:
+        out.update(iter_tensors(f, what))
+    return out
 
 
 @contextmanager

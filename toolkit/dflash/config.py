@@ -42,13 +42,14 @@ NUMBERS = {
     "num_attention_heads": (Num(1, 4096, "heads", whole=True), None),
     "num_key_value_heads": (Num(1, 4096, "heads", whole=True, null=True), None),
     "head_dim": (Num(1, 65536, whole=True, null=True), None),
-    "block_size": (Num(0, 4096, "tokens", whole=True), None),      # below 2: check() says why
+    "block_size": (Num(2, 4096, "tokens", whole=True), None),
     "mask_token_id": (Num(0, 2**31 - 1, "(a token id)", whole=True), None),
     "sliding_window": (Num(1, 2**31, "tokens", whole=True, null=True), None),
     "rms_norm_eps": (Num(0, 1, above=True), 1e-6),
     "tap_shift": (Num(-64, 64, "layers", whole=True), 1),
     "vocab_size": (Num(1, 2**31 - 1, "tokens", whole=True, null=True), None),
     "num_target_layers": (Num(1, 65536, "layers", whole=True, null=True), None),
+    "max_position_embeddings": (Num(1, 2**40, "tokens", whole=True, null=True), None),
     "input_embedding_scale": (Num(-1e6, 1e6), 1.0),
 }
 

@@ -6,12 +6,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from ..core.errors import ToolkitError
 from ..core.folders import atomic_dir
 from ..core.kinds import DFLASH, exl3_tensor, require
-from ..core.tensorfiles import check_folder, save_tensors
+from ..core.tensorfiles import read_folder, save_tensors
 from .config import DFlashConfig
 from .model import DFlashDraft
 
@@ -19,24 +17,9 @@ OPTIONAL = ("mask_embedding",)
 
 
 def read_tensors(path: str | Path, what: str = "") -> dict[str, torch.Tensor]:
-    """All tensors of a model folder's *.safetensors files; a bad file is a one-line error naming it.
-
-    Each header is checked first (core.tensorfiles: its structure, and its data against the file's length)."""
-    path = Path(path)
-    pre = f"{what}: " if what else ""
-    files = check_folder(path, what)
-    if not files:
-        raise ToolkitError(f"{pre}{path}: no *.safetensors files")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    out[k] = sf.get_tensor(k)
-        except Exception as e:  # safetensors raises its own error types for bad headers and short files
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ToolkitError(f"{pre}{f}: not a readable safetensors file (truncated or corrupt: {reason})") from None
-    return out
+    """All tensors of a model folder's *.safetensors files, through the toolkit's one checked reader
+    (core.tensorfiles: each header's structure, spans and length first); a bad file is one line naming it."""
+    return read_folder(path, what)
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -13,14 +13,13 @@ folders and the devices' free memory and refuses in one line with the per-device
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo, read_optional
+from ..core.tensorfiles import read_header
 from ..runtime.placement import GpuSplit
 
 GIB = 1024**3
@@ -58,9 +57,7 @@ def cache_bytes(cfg: dict, tokens: int, slots: int) -> int:
 
 def header_sizes(path: Path) -> dict[str, tuple[str, int]]:
     """{tensor name: (dtype, stored bytes)} from a safetensors file's header (the data is not read)."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        head = json.loads(f.read(n))
+    head = read_header(path)
     return {k: (v["dtype"], v["data_offsets"][1] - v["data_offsets"][0]) for k, v in head.items() if k != "__metadata__"}
 
 
@@ -79,7 +76,7 @@ def layer_weight_bytes(folder: Path, layers: int) -> tuple[list[int], int]:
                     per[int(m.group(1))] += size
                 else:
                     rest += size
-    except (OSError, ValueError, KeyError, struct.error):
+    except ToolkitError:                     # an unreadable header: checked again, in one line, at load
         return [0] * layers, weight_bytes(Path(folder))
     return per, rest
 

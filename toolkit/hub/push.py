@@ -27,6 +27,7 @@ from .retry import Failed, with_retries
 from .upstream import read_upstream
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
+from ..core.locks import hold
 from ..core.refs import is_repo_id
 
 MAIN = "main"
@@ -118,13 +119,11 @@ def branch_for(template: str, row: dict) -> str:
 
 def check_weights(path: Path) -> None:
     """Refuse to publish a tensor file with NaN or infinite floating-point weights (one line naming the tensor)."""
-    from safetensors import safe_open
-
+    from ..core.tensorfiles import iter_tensors
     from ..dflash.loading import check_finite
 
-    with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
-            check_finite({name: f.get_tensor(name)}, str(path))
+    for name, t in iter_tensors(path):
+        check_finite({name: t}, str(path))
 
 
 def plan(report: dict, from_dir: Path, branch_template: str, repo: str, stage: Path) -> list[Upload]:
@@ -258,7 +257,7 @@ def push(repo: str, out_dir: str | Path, private: bool = False, branch_template:
     check_complete(report, from_dir)
     if not dry_run:
         refuse_preview(report, from_dir)
-    with tempfile.TemporaryDirectory(prefix="push-") as stage:
+    with hold(from_dir, "push", "out_dir", optional=True), tempfile.TemporaryDirectory(prefix="push-") as stage:
         uploads = plan(report, from_dir, branch_template, repo, Path(stage))
         if dry_run:
             print(format_uploads(repo, uploads))

@@ -23,7 +23,9 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from ..core.errors import OptionError, ToolkitError
-from ..core.folders import atomic_dir, claim, copy_tree, tree_files
+from ..core.copying import copy_tree, tree_files
+from ..core.folders import atomic_dir, claim
+from ..core.locks import hold
 from ..core.kinds import DFLASH, HF, check_role
 from ..core.refs import parse_ref
 from ..runtime.placement import GpuSplit
@@ -214,7 +216,7 @@ def place_models(tmp: Path, target: str | None, draft: str | None) -> tuple[str 
 
 def check_models(target: str | None, draft: str | None) -> None:
     """Before any work: a local --target is a model folder and no drafter, a local --draft a DFlash drafter (either
-    unquantized or EXL3), and neither holds a link that copying could not follow (core.folders.tree_files)."""
+    unquantized or EXL3), and neither holds a link that copying could not follow (core.copying.tree_files)."""
     for role, ref, want in (("target", target, HF), ("draft", draft, DFLASH)):
         if ref is not None and parse_ref(ref, role).is_local:
             check_role(Path(ref).expanduser(), want, f"--{role}")
@@ -265,7 +267,7 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
     except OptionError as e:
         raise ToolkitError(f"dir{e.rest}") from None
     lines = requirements(hardware, backend, python, torch, cuda, exllamav3_jit)
-    with atomic_dir(out, command="space") as tmp:
+    with hold(out, "space", "dir"), atomic_dir(out, command="space") as tmp:
         copy_package(tmp)
         named = place_models(tmp, target, draft)
         (tmp / "requirements.txt").write_text(requirements_text(lines, hardware))

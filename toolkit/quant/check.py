@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from ..dflash import DFlashConfig, DFlashDraft
 from ..core.errors import ToolkitError
+from ..core.tensorfiles import iter_tensors
 from .blocks import Prompt, blocks, draft_logits, with_shift
 from .recipe import Thresholds
 from .validate import linear_keys
@@ -126,9 +126,8 @@ def load_quantized(folder: Path, config: DFlashConfig, device: str = "cpu") -> D
     """The converted drafter as a reference module: 16-bit Linears as stored, EXL3 ones dequantized by exllamav3."""
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                tensors[k.removeprefix("model.")] = sf.get_tensor(k)
+        for k, t in iter_tensors(f, "check"):
+            tensors[k.removeprefix("model.")] = t
     need_exl3 = [k for k in linear_keys(config) if f"{k}.weight" not in tensors]
     if need_exl3:
         dense = _dense_from_exllamav3(folder, device)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..core import files
 from ..core.errors import ToolkitError
+from ..core.folders import sweep
 from ..dflash import DFlashConfig
 from .recipe import branch_name, format_bits
 from .validate import expected_shapes, linear_keys
@@ -64,7 +65,9 @@ def folder_status(out: Path, item: PlanItem, model: str, revision: str | None) -
 
 
 def check_out_dir(out: Path, manifest: dict, force: bool) -> None:
-    """A non-empty OUT must be an earlier run of the same model (resume), unless --force."""
+    """A non-empty OUT must be an earlier run of the same model (resume), unless --force; what a killed run left
+    in it (its temp files) does not count."""
+    sweep(out, inside=True)
     if force or not out.exists() or not any(out.iterdir()):
         return
     m = out / MANIFEST

@@ -26,7 +26,8 @@ TINY_CHECK = ["pathlib.Path", "argparse.ArgumentParser", "csv.reader", "itertool
 def stand_in(args: list[str], log_path: Path) -> int:
     """convert_model's arguments -> a folder of rounded fp16 Linears (see the module docstring); exit status 0."""
     import torch
-    from safetensors.torch import load_file, save_file
+
+    from ..core.tensorfiles import iter_tensors, save_tensors
 
     ap = argparse.ArgumentParser()
     for short, long in (("-i", "--in_dir"), ("-o", "--out_dir"), ("-w", "--work_dir"), ("-b", "--bits"),
@@ -40,13 +41,13 @@ def stand_in(args: list[str], log_path: Path) -> int:
     levels = 2 ** (bits - 1)
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
-        for k, v in load_file(f).items():
+        for k, v in iter_tensors(f, "--in_dir"):
             w = v.float()
             if k.endswith("_proj.weight") or k == "fc.weight":          # the drafter's Linears
                 scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / levels
                 w = (w / scale).round().clamp(-levels, levels) * scale
             tensors[k] = w.to(torch.float16).contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
+    save_tensors(tensors, out / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "exl3", "bits": bits, "preview": PREVIEW}
     (out / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")

@@ -108,14 +108,12 @@ def check_shift_candidates(candidates: list[int], config: DFlashConfig, target_c
 def check_finite_weights(folder: Path) -> None:
     """Refuse a drafter with a NaN or infinite weight before anything is converted or published (read tensor by
     tensor: the whole drafter is never in memory at once)."""
-    from safetensors import safe_open
-
+    from ..core.tensorfiles import iter_tensors
     from ..dflash.loading import check_finite
 
     for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                check_finite({k: sf.get_tensor(k)}, f"--model: {f}")
+        for k, t in iter_tensors(f, "--model"):
+            check_finite({k: t}, f"--model: {f}")
 
 
 def linear_keys(config: DFlashConfig) -> list[str]:

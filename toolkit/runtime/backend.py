@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Generator, Iterator
 
+from ..core.cli import check_options, option
 from ..core.errors import OptionError, ToolkitError
 from .events import Round
 
@@ -17,6 +18,9 @@ def copy_policies(policies: dict | None) -> dict | None:
         return None
     tables = [getattr(getattr(p, "costs", None), "table", None) for p in policies.values()]
     return copy.deepcopy(policies, {id(t): t for t in tables if t is not None})
+
+
+NUMBERS = ("max_new_tokens", "temperature", "seed")       # GenSettings' numbers, each with its domain
 
 
 @dataclass
@@ -30,17 +34,18 @@ class GenSettings:
     None is the drafter's native block, fixed. A backend without a policy treats "auto" as the native block.
     """
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0        # 0 = greedy
-    seed: int = 0
+    # each number's domain beside its default: the commands' options (like()) and the chat app check against these
+    max_new_tokens: int = option(64, lo=1)
+    temperature: float = option(0.0, "0 = greedy", lo=0, hi=100)
+    seed: int = option(0, kind="seed")
     block_size: int | str | None = "auto"    # "auto" | N >= 2 (fixed B = N, drafts cut to N-1) | None (native, fixed)
     stop_ids: tuple[int, ...] | None = None  # None = the target's EOS ids
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        try:
+            check_options(GenSettings, {k: getattr(self, k) for k in NUMBERS})
+        except OptionError as e:
+            raise ValueError(str(e)) from None
         self.block_size = self.parse_block(self.block_size)
 
     @property
@@ -59,7 +64,7 @@ class GenSettings:
             return None if value is None else "auto"
         try:
             n = int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):      # a word, nan, inf
             n = None
         if n is None or (not isinstance(value, str) and n != value) or isinstance(value, bool):
             raise ValueError(f"block_size must be auto or an integer >= 2, got {value!r}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
+from ..core.tensorfiles import check_folder
 from ..dflash import DFlashConfig
 
 
@@ -25,9 +26,11 @@ class ModelPair:
         """Read both folders' configs once and check the drafter against the target (one-line errors)."""
         target, draft = Path(target), Path(draft) if draft is not None else None
         info = TargetInfo.read(target, "target")
+        check_folder(target, "--target")                 # every header, before an engine opens the files itself
         dconf = None
         if draft is not None:
             dconf = DFlashConfig.from_dir(draft)
+            check_folder(draft, "--draft")
             try:
                 dconf.validate_against(info.config)
             except ToolkitError as e:

@@ -2,8 +2,8 @@
 
 --out is the drafter folder, replaced atomically at the end and only when it is train_drafter's own earlier output
 (its marker) or with --force. The checkpoint folder (--checkpoint-dir, default OUT.ckpt) holds the resumable state:
-it must be new, empty or an earlier run's checkpoint folder (its own marker; --force never applies to it), it is
-locked while a run uses it (a second run on the same --out is refused) and removed after the final save. --curve
+it must be new, empty or an earlier run's checkpoint folder (its own marker; --force never applies to it) and is
+removed after the final save. Both are held while a run uses them (core.locks): a second run on either is refused. --curve
 is a PNG that carries the toolkit's marker; an existing file without it is never replaced. Checkpoints are written
 through a temp file, so a full disk or an interrupt leaves no partial one.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import OptionError
-from ..core.folders import atomic_write, claim, claim_file, lock, mark, marker, owner
+from ..core.folders import atomic_write, claim, claim_file, mark, marker, owner
+from ..core.locks import hold
 
 COMMAND = "train_drafter"
 CHECKPOINTS = "train_drafter.checkpoints"     # the checkpoint folder's marker: never mistaken for a drafter folder
@@ -49,15 +50,20 @@ def claim_outputs(out: str, checkpoint_dir: str | None, curve: str | None, force
 
 
 @contextmanager
-def checkpoints(ck: Path, resume: bool) -> Iterator[Path]:
-    """The checkpoint folder for the run's duration: created and marked if new, locked against a second run."""
+def held(outs: Outputs) -> Iterator[None]:
+    """--out and the checkpoint folder held for the run (core.locks): a second run on either is one line."""
+    with hold(outs.out, COMMAND), hold(outs.ckdir, CHECKPOINTS, "checkpoint_dir"):
+        yield
+
+
+def checkpoints(ck: Path, resume: bool) -> Path:
+    """The checkpoint folder for the run: created and marked if new."""
     if resume and not (ck / "ckpt.pt").is_file():
         raise OptionError("resume", f": no checkpoint in {ck}")
     ck.mkdir(parents=True, exist_ok=True)
     if owner(ck) != CHECKPOINTS:
         mark(ck, CHECKPOINTS)
-    with lock(ck / ".lock", "out", f"the checkpoint folder {ck}"):
-        yield ck
+    return ck
 
 
 def remove_checkpoints(ck: Path) -> None:

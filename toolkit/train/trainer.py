@@ -36,7 +36,7 @@ from .data import CATEGORIES
 from .distill import target_taps
 from .objective import GAMMA, chunked_loss, position_weights, sample_anchors
 from .optim import OptimState, optimize
-from .outputs import checkpoints, claim_outputs, remove_checkpoints, save_torch
+from .outputs import checkpoints, claim_outputs, held, remove_checkpoints, save_torch
 from .prepare import group, heldout_answers, read_inputs, training_answers
 from .tf_tau import eval_set, tf_tau
 
@@ -203,6 +203,12 @@ def train_drafter(target: str, out: str, **options) -> dict:
     cfg = TrainConfig(target, out, **options)
     cfg.check()
     outs = claim_outputs(cfg.out, cfg.checkpoint_dir, cfg.curve, cfg.force)   # before any reading or loading
+    with held(outs):                                                          # one run per folder at a time
+        return train_held(cfg, outs)
+
+
+def train_held(cfg: TrainConfig, outs) -> dict:
+    """The run once --out is held: read the inputs, train in the checkpoint folder, remove it after the final save."""
     t0 = time.time()
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
@@ -212,8 +218,8 @@ def train_drafter(target: str, out: str, **options) -> dict:
     conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
     init = initial_weights(cfg.init, dcfg) if cfg.init is not None and not cfg.resume else None
     dev = pick_device(cfg.device)
-    with checkpoints(outs.ckdir, cfg.resume) as ckdir:
-        info = train(cfg, outs, inputs, ckdir, tcfg, tok, dcfg, conf, vocab, init, dev, t0, budget)
+    ckdir = checkpoints(outs.ckdir, cfg.resume)
+    info = train(cfg, outs, inputs, ckdir, tcfg, tok, dcfg, conf, vocab, init, dev, t0, budget)
     remove_checkpoints(outs.ckdir)
     return info
 
