@@ -28,7 +28,7 @@ staged on the same warm machine (experiments/smol_device.py: calls carry the GGU
 
     source .device/on-device.sh && timeout 570 python -m experiments.speed pair                 (carry [".device"])
 
-pads both to hidden 768 (toolkit.assets.padding, as experiments/smol_exl3.py does) and runs toolkit.bench on
+pads both to hidden 768 (toolkit.assets.padding, as `smol_device exl3` does) and runs toolkit.bench on
 exllamav3: AR, fixed B=16, fixed B=8 and auto at c in {1, 4, 8} on the held-out prompts, >= 10 repetitions
 interleaved, greedy output checked against AR (the lossless column), `--levers` as extra cells; bench.json
 and bench.png go to $OUT/pair, the summary and the pair's targets to $OUT/speed.json ("within 3 % of the best
@@ -330,8 +330,8 @@ def run_shape(run: Run, a) -> None:
 
 
 def identical(be, a) -> dict:
-    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match (experiments/lossless.py)."""
-    from experiments.lossless import graphs_identical
+    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match (experiments/exl3_loop.py)."""
+    from experiments.exl3_loop import graphs_identical
     from toolkit.exl3.calibrate import dummy_prompts
 
     return graphs_identical(be, dummy_prompts(a.identical, 300, be.vocab_size), B=8, max_new=40)
