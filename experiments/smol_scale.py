@@ -46,7 +46,7 @@ Device, call 4 (optional), carry [".device"]:
 Here, afterwards:   python -m experiments.smol_device install FILES_AT   (the drafter into toolkit/data/smollm2_dflash)
 
 SMOL_QUICK=1 (--quick) runs each step tiny on the CPU (with --target and --pool), as
-tests/test_experiments_models.py does.
+experiments/selftest/test_models.py does.
 """
 
 from __future__ import annotations
