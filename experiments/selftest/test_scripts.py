@@ -139,3 +139,12 @@ def test_run_goes_to_dollar_out(tmp_path, monkeypatch):
     run = Run("x.json")
     run.save()
     assert (tmp_path / "o" / "x.json").is_file()
+
+
+def test_auto_cpu_app_takes_one_mode_and_no_cold_or_poison(capsys):
+    from experiments import auto_cpu
+
+    for argv in (["--app", "--modes", "auto,fixed16"], ["--app", "--cold"], ["--app", "--poison", "0.2"]):
+        with pytest.raises(SystemExit) as e:
+            auto_cpu.main(argv)
+        assert e.value.code == 2 and "--app takes one mode" in capsys.readouterr().err
