@@ -9,8 +9,12 @@ same answer (greedy, identical tokens checked). Modes:
   long-running server's does;
 - `fixedN`: every round verifies N-1 drafts.
 Runs on a CPU (not on the device): `python -m experiments.auto_cpu --pair smollm2 --threads 1` (`--poison 0.2`:
-from a cached table whose drafting costs read 5x too cheap); writes
-`$OUT/auto_cpu.json` (default /tmp/out).
+from a cached table whose drafting costs read 5x too cheap); writes `$OUT/auto_cpu.json` (default /tmp/out).
+
+`--app` measures the app's own ratio against this lockstep comparison instead, interleaved on one backend: for
+each prompt and repetition one chat turn through the app's handler, then one comparison of the same prompt and
+mode (one of --modes), e.g. `python -m experiments.auto_cpu --app --modes fixed16 --reps 3`; writes
+`$OUT/app_cpu.json`.
 """
 
 from __future__ import annotations
@@ -93,6 +97,43 @@ def compare(be, pair: str, modes: list[str], reps: int, max_new: int, cold: bool
     return out
 
 
+def app_turn(handler, prompt: str, block: int | str, max_new: int) -> dict:
+    """One chat turn through the app's handler, as the page sends it; its result JSON."""
+    last = None
+    for out in handler.respond(prompt, [], block, max_new, 0.0, 0, "", False):
+        last = out
+    return last[-1]
+
+
+def against_app(be, pair: str, block: int | str, reps: int, max_new: int) -> dict:
+    """`--app`: per prompt, a chat turn through the app's handler (`ChatHandler.respond` as the page calls it: both
+    runs in lockstep, every turn from the start-up policy state) and a lockstep comparison of the same prompt and
+    block size, back to back so both see the same load; the app's `speedup` against the comparison's `speed_vs_ar`."""
+    from toolkit.app.handlers import ChatHandler
+    from toolkit.app.models import Loaded
+    from toolkit.app.policy_view import PolicyStart
+
+    be.warm_up(be.encode("Hello"))                     # the app's start-up; every turn starts from what it left
+    handler = ChatHandler(Loaded(be, backend_name="torch", device="cpu", policy_start=PolicyStart(be)))
+    mode = "auto" if block == "auto" else f"fixed{block}"
+    out = {}
+    for p in PROMPTS[pair]:
+        app, exp = [], []
+        for _ in range(reps):
+            res = app_turn(handler, p, block, max_new)
+            if not res["lossless"]:
+                raise AssertionError(f"the app's turn differs from AR on {p!r}")
+            app.append(res["speedup"])
+            exp.append(lockstep(be, mode, be.encode(p), max_new, cold=False)["speed_vs_ar"])
+        med = [statistics.median(x) if None not in x else None for x in (app, exp)]
+        out[p] = {"app": [None if x is None else round(x, 3) for x in app], "experiment": [round(x, 3) for x in exp],
+                  "app_median": med[0] and round(med[0], 3), "experiment_median": round(med[1], 3),
+                  "app_over_experiment": med[0] and round(med[0] / med[1], 3)}
+        print(f"{p[:40]!r:44s} app {out[p]['app_median']} experiment {out[p]['experiment_median']} "
+              f"(app {out[p]['app']}, experiment {out[p]['experiment']})", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.auto_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=sorted(PROMPTS), default="smollm2")
@@ -104,13 +145,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poison", type=float, default=None, metavar="F",
                     help="decode from the cached table with every drafting cost times F (a table timed under other "
                          "load), corrected by observed rounds as a cached table is")
+    ap.add_argument("--app", action="store_true", help="the app's own ratio against the lockstep comparison of "
+                    "the same prompt, interleaved (one mode)")
     a = ap.parse_args(argv)
     if any(m != "auto" and not (m.startswith("fixed") and m[5:].isdigit()) for m in a.modes.split(",")):
         ap.error(f"--modes {a.modes}: each one auto or fixedN")
+    if a.app and ("," in a.modes or a.cold or a.poison is not None):
+        ap.error("--app takes one mode in --modes, and neither --cold nor --poison")
     import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.app:
+        run = Run("app_cpu.json", section="results")
+        block = "auto" if a.modes == "auto" else int(a.modes[5:])
+        run.results.update(pair=a.pair, block=str(block), threads=torch.get_num_threads(),
+                           max_new_tokens=a.max_new_tokens, reps=a.reps)
+        be = run.step("load", load_pair, a.pair, keep=False)
+        if be is not None:
+            run.step("compare", against_app, be, a.pair, block, a.reps, a.max_new_tokens)
+        return run.finish()
     run = Run("auto_cpu.json", section="results")
     run.results.update(pair=a.pair, threads=torch.get_num_threads(), cold=a.cold, max_new_tokens=a.max_new_tokens)
     be = run.step("load", load_pair, a.pair, keep=False)

@@ -5,6 +5,9 @@ Parts: `moe` (a BlockSparseMLP call, everything it launches), `attention` (Atten
 GatedDeltaNet calls less the linears inside them), `linears` (the other EXL3 linears: projections and the dense
 MLPs), `lm_head`, `drafter` (the DFlash drafter's forward and sampling), `other` (norms, embeddings, sampling,
 cache and bookkeeping kernels), and `host_gaps` (wall less GPU busy: the GPU waiting on the host).
+
+`profile_host` (`speed shape`'s `profile` step): the host time our code adds per round, exllamav3's own Generator
+against our recording subclass and our whole policy path at c=1, w=7, interleaved windows, GPU busy and idle.
 """
 
 from __future__ import annotations
@@ -211,4 +214,94 @@ def distinct_experts(be, rows: tuple[int, ...] = (8, 16), calls: int = 8) -> dic
             sel, _ = moe.routing_fn(r, moe.routing_cfg, x, {})
             counts.append(int(sel.unique().numel()))
         out[str(r)] = sum(counts) / len(counts)
+    return out
+
+
+# -- the host time our code adds ---------------------------------------------------------------------------
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_window(step, rounds: int) -> float:
+    """ms per call of step() over `rounds` calls, the device drained before and after."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / rounds * 1000.0
+
+
+def profile_rounds(step, rounds: int) -> dict:
+    """Wall, GPU-busy and GPU-idle ms per round over `rounds` calls of step(), under torch.profiler (CUDA)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    plain = timed_window(step, rounds)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed_window(step, rounds)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    gpu = busy_us(spans) / 1e3 / rounds
+    return {"rounds": rounds, "wall_ms": round(plain, 3), "profiled_wall_ms": round(wall, 3), "gpu_busy_ms": round(gpu, 3),
+            "gpu_idle_ms": round(wall - gpu, 3), "gpu_events": len(spans)}
+
+
+VARIANTS = ("exllamav3", "recording", "policy")
+
+
+def start_variant(be, name: str, prompts, st, w: int):
+    """(step, close) of one variant at width w, past 4 warm rounds: exllamav3's own Generator, our recording
+    subclass, or our whole policy path (decode_many with a policy forced to w)."""
+    from toolkit.policy.chooser import Policy
+    from toolkit.costs.table import CostTable
+
+    if name == "policy":
+        class Forced(Policy):
+            def width(self, jobs: int = 1) -> int:
+                return w
+
+        it = be.decode_many(prompts, be._jobs(prompts, st), 0, Forced(be.block_size, CostTable({1: {0: 1.0, 1: 1.0}})))
+        step, close = (lambda: next(it)), it.close
+    else:
+        gen = be.generator(w, hooked=name == "recording")
+        gen.enqueue(be._jobs(prompts, st))
+        step, close = gen.iterate, gen.clear_queue
+    for _ in range(4):
+        step()
+    return step, close
+
+
+def profile_host(be, a) -> dict:
+    """Wall ms per round at c=1, w=7 of the three variants, `a.profile_reps` interleaved windows each (the order
+    rotating), their medians and what our code adds to them; the last window of each also under torch.profiler
+    (GPU busy and idle). GPU busy is the same kernels in every variant, so wall differences are host time."""
+    import statistics
+
+    from toolkit.runtime.backend import GenSettings
+    from toolkit.exl3.calibrate import dummy_prompts
+
+    n, w, reps = a.profile_rounds, 7, max(1, a.profile_reps)
+    prompts = dummy_prompts(1, a.context, be.vocab_size)
+    st = GenSettings(max_new_tokens=(n * 2 + 8) * (w + 1), block_size=None, stop_ids=())
+    walls, out = {v: [] for v in VARIANTS}, {}
+    for rep in range(reps):
+        for name in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
+            step, close = start_variant(be, name, prompts, st, w)
+            try:
+                if rep == reps - 1:
+                    out[name] = profile_rounds(step, n)
+                    walls[name].append(out[name]["wall_ms"])
+                else:
+                    walls[name].append(round(timed_window(step, n), 3))
+            finally:
+                close()
+    for name in VARIANTS:
+        out[name].update(wall_ms=round(statistics.median(walls[name]), 3), wall_ms_reps=walls[name])
+    for key, name in (("capture", "recording"), ("policy_path", "policy")):
+        out[f"added_by_{key}_ms"] = round(out[name]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
+        out[f"added_wall_by_{key}_ms"] = round(out[name]["wall_ms"] - out["exllamav3"]["wall_ms"], 3)
     return out

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.harness import Run, convert_exl3, device_name, free_cuda, tail
-from experiments.hook_overhead import check_overhead
-from experiments.lossless import doc_prompts, lossless, reference_agreement
+from experiments.exl3_loop import check_overhead, doc_prompts, lossless, reference_agreement
 from tests.stream_shape import assert_stream_shape
 from toolkit.exl3.options import ADOPTED
 from toolkit.runtime.backend import GenSettings
@@ -358,7 +357,7 @@ STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", chec
          "moe_union": ("moe_union", lambda ctx: check_moe_lever(ctx, "union_moe")),
          "moe_graphs": ("moe_graphs", lambda ctx: check_moe_lever(ctx, "forward_graphs", ADOPTED)), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
-         "overhead": ("hook_overhead", check_overhead), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
+         "overhead": ("hook_overhead", lambda ctx: check_overhead(ctx.fix, ctx.quick)), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
 
 
 def main(argv: list[str] | None = None) -> int:

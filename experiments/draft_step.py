@@ -118,7 +118,7 @@ def step_accounting(events, mark: str = "dflash_draft_step") -> dict:
     exclude it (else it counts as one long kernel and every step twice)."""
     from torch.autograd import DeviceType
 
-    from experiments.speed import busy
+    from experiments.budget import busy_us as busy
 
     steps = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.name == mark and e.device_type == DeviceType.CPU)

@@ -1,14 +1,18 @@
 """`python -m experiments.speed pair`'s library: the SmolLM2 pair (padded for exllamav3, optionally with an EXL3 copy
-of the drafter) through toolkit.bench, and the pair's targets read from its result."""
+of the drafter: `exl3_draft`, since exllamav3's graph-captured attention, the `graph_draft_swa` lever, takes only
+EXL3 projections) through toolkit.bench, and the pair's targets read from its result."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
 from experiments.harness import Run
 from experiments.round_trace import RoundTrace, summarize
+from toolkit.core.errors import ToolkitError
+from toolkit.quant.convert import converter_args, pin_tap_shift, run_converter
 
 
 def pair_targets(result: dict) -> dict:
@@ -65,8 +69,6 @@ def run_pair(run: Run, a) -> None:
 
     run.step("pad", padded)
     if a.draft_bits:                               # graph_draft_swa needs EXL3 projections
-        from experiments.draft_exl3 import exl3_draft
-
         pd = run.step("draft_exl3", exl3_draft, pd, pd.with_name(f"draft-{a.draft_bits:g}bpw"), a.draft_bits, keep=False, need_s=60)
         if pd is None:
             return
@@ -92,3 +94,29 @@ def run_pair(run: Run, a) -> None:
             trace.write(run.path.parent / "trace.jsonl")
             run.results["trace"] = summarize(trace.rows)
             run.save()
+
+
+def exl3_draft(source: Path, out: Path, bits: float) -> Path:
+    """`out`, an EXL3 copy of the drafter `source` at `bits` bpw, uncalibrated, by exllamav3's convert_model (reused
+    when complete; written to a temp folder renamed when complete, nothing left on failure)."""
+    if (out / "config.json").is_file():
+        return out
+    part, work = out.with_name(out.name + ".part"), out.with_name(out.name + ".work")
+    for p in (part, work):
+        shutil.rmtree(p, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        rc = run_converter(converter_args(source, part, work, bits, None, None, None), out.with_name(out.name + ".log"))
+        if rc != 0 or not (part / "config.json").is_file():
+            raise ToolkitError(f"converting {source} at {bits} bpw failed (exit {rc}); log {out.name}.log")
+        tap_shift = (json.loads((source / "config.json").read_text()).get("dflash_config") or {}).get("tap_shift", 0)
+        pin_tap_shift(part, int(tap_shift or 0))
+        if (source / "heldout.json").is_file():      # the bench reads the held-out prompts beside the drafter
+            shutil.copy(source / "heldout.json", part / "heldout.json")
+        part.rename(out)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out

@@ -10,11 +10,12 @@
   (a slow stretch of the device slows every width for a while; tests/replay.py can play it back over the steady
   medians: the medians with the card's slow stretches taken out, so a width used mostly in one is not slowed twice).
 - `table`: `auto`, exllamav3 1.6.5's own window and `auto` without each of its mechanisms over AR and every
-  calibrated fixed width, on every committed trace (the results page's table, as markdown).
+  calibrated fixed width, on every committed trace (the results page's table, as markdown); `--write` refreshes its
+  tracked cache (tests/replay_cache.py) and full table, and prints the results page's summary.
 
     python -m experiments.policy_replay lengths --limit 8 --out /tmp/replay/lengths.json
-    python -m experiments.policy_replay costs experiments/results/traces/pair_call4_trace.jsonl.gz \
-        --bench experiments/results/traces/pair_call4_bench.json --out tests/data/replay/costs_h100_call4.json.gz
+    python -m experiments.policy_replay costs experiments/results/traces/pair_1206-1042_trace.jsonl.gz \
+        --bench experiments/results/traces/pair_1206-1042_bench.json --out tests/data/replay/costs_h100_1206-1042.json.gz
     python -m experiments.policy_replay table --seeds 16 --reps 10
 
 The CPU drafter is the BF16 drafter in fp32, not the device's EXL3 6 bpw one, so the lengths are close to the
@@ -187,13 +188,19 @@ def slope(groups) -> float:
     return num / den if den else 0.0
 
 
-def table(seeds: int, reps: int) -> str:
-    """The replay's table of rivals and ablations (tests/replay_table.py) as markdown."""
+def table(seeds: int, reps: int, write: bool = False) -> str:
+    """The replay's table of rivals and ablations (tests/replay_table.py) as markdown; with `write`, also its cache,
+    its full table under tests/data/replay/ and the results page's summary (tests/replay_cache.py)."""
+    from tests import replay_cache as C
     from tests import replay_table as T
     from tests.replay_rivals import ROWS
 
     cells = T.evaluate(T.modes_of(ROWS), seeds=seeds, reps=reps)
-    return T.markdown(cells, {m: label for m, (label, _) in ROWS.items()})
+    rows = {m: label for m, (label, _) in ROWS.items()}
+    if not write:
+        return T.markdown(cells, rows)
+    C.write(cells, rows)
+    return f"wrote {C.CACHE.relative_to(C.ROOT)} and {C.FULL.relative_to(C.ROOT)}; docs/results.md's summary:\n\n" + T.summary(cells, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,12 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table", help="auto, its rivals and its ablation on every committed trace, as markdown")
     t.add_argument("--seeds", type=int, default=16, help="cost draws per scenario (default 16)")
     t.add_argument("--reps", type=int, default=10, help="interleaved repetitions per draw (default 10)")
+    t.add_argument("--write", action="store_true", help="refresh the tracked cache and full table (tests/data/replay/"
+                   "table.json, table.md; the default seeds and repetitions) and print the results page's summary")
     a = p.parse_args(argv)
     try:
         if a.cmd == "table":
             if a.seeds < 1 or a.reps < 1:
                 raise ValueError("--seeds and --reps must be >= 1")
-            print(table(a.seeds, a.reps))
+            if a.write and (a.seeds, a.reps) != (16, 10):
+                raise ValueError("--write keeps the cache of the results page's table: 16 seeds, 10 repetitions")
+            print(table(a.seeds, a.reps, a.write))
             return 0
         if a.cmd == "lengths":
             if (a.target is None) != (a.draft is None):

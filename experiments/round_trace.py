@@ -4,7 +4,7 @@ policy also what its choice saw (`rates`: the acceptance estimate a_1.., `curve`
 medians say that `auto` trails the best fixed width by 3 %; the trace says where (rounds at exploratory widths,
 dearer rounds at the same width, or time between rounds).
 
-    python -m experiments.round_trace experiments/results/traces/trace_call10_trace.jsonl.gz     (on the CPU)
+    python -m experiments.round_trace experiments/results/traces/pair_1206-0942_trace.jsonl.gz     (on the CPU)
 
 prints, per bench cell, its rounds and tokens, the summed iterate() ms, the host time between iterates, tokens
 per ms over both, its slow rounds (>= 1.4x the median of their shape, decoding jobs and width, over the whole

@@ -18,6 +18,14 @@ with a --minutes budget (the target's own greedy answers to ~4000 prompts, batch
 tau at B=8 and 16 on the held-out chat and code prompts (torch backend, fp16), (e) writes the drafter (its
 safetensors in two shards, each < 16 MiB), results.json and tau.json into $OUT. Partial results are written
 after each stage, so a timeout still returns what was done. SMOL_QUICK=1 (--quick) runs the same flow tiny, on CPU.
+
+`exl3`: the pair on exllamav3, right after `run` on the same warm machine, reading the prepared target and the
+trained drafter from /tmp/smol-run (or SMOL_TARGET / SMOL_DRAFT; `source .device/on-device.sh && python -m
+experiments.smol_device exl3`, carry [".device"], writes $OUT/exl3.json): (1) `toolkit.assets.padding` both to
+hidden 768 (exllamav3 needs 128-aligned widths), (2) `toolkit.eval_tau --backend exllamav3` on all held-out
+prompts, B = 8 and 16, (3) `toolkit.bench --backend exllamav3`: AR and speculative in one process, c = 1 and 8,
+(4) `toolkit.quant` with quantize/smollm2-135m-dflash.toml at 2, 3, 4, 5, 6 and 8 bpw, calibrated and not, (5) tau
+of every EXL3 drafter on exllamav3 itself. Results are written after each stage.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ CHAT_NEEDED = 5200                                          # ShareGPT prompts r
 SMOL, WHL = ROOT / ".smol", ROOT / ".whl"                  # .smol1, .smol2, ...: the earlier calls' parts
 CARRY_MIB = 64                                              # what one device call carries, the working tree included
 WORK = Path("/tmp/smol-run")
+RECIPE = ROOT / "quantize" / "smollm2-135m-dflash.toml"
 
 
 def tree_bytes() -> int:
@@ -209,6 +218,74 @@ def install(files_at: str, to: str = str(ROOT / "toolkit" / "data" / "smollm2_df
     print(f"wrote {to}")
 
 
+def tau_only(res: dict) -> dict:
+    return {"tau": res["tau"], "prompts": res["prompts"], "complete": res["complete"],
+            "accept_16": {c: d.get("16", {}).get("accept_per_position", [])[:4] for c, d in res["detail"].items()}}
+
+
+def measure_exl3(run: Run, target: Path, draft: Path) -> None:
+    """`exl3`: the pair padded, tau per backend, the bench against AR, the recipe per bitrate, tau per EXL3 drafter."""
+    from experiments.pair_mode import heldout_jsonl
+    from toolkit.assets.padding import pad
+    from toolkit.bench import BenchOptions, bench
+    from toolkit.core.errors import ToolkitError
+    from toolkit.eval_tau import eval_tau
+    from toolkit.quant import quantize
+
+    out = run.path.parent
+    pt, pd = WORK / "pad" / "target", WORK / "pad" / "draft"
+    run.step("pad", lambda: [str(pad(str(target), str(pt))), str(pad(str(draft), str(pd)))])
+    held = draft / "heldout.json"
+    kw = dict(heldout=str(held), block_sizes=[8, 16], max_new_tokens=128, backend="exllamav3", concurrency=24, quiet=True)
+    run.step("tau_exl3_bf16", lambda: tau_only(eval_tau(str(pt), str(pd), out=str(WORK / "tau_exl3.json"), **kw)), need_s=30)
+    prompts = heldout_jsonl(held, WORK / "heldout.jsonl")
+
+    def run_bench() -> dict:
+        r = bench(BenchOptions(target=str(pt), draft=str(pd), backend="exllamav3", prompts=str(prompts), block_sizes=[8, 16], concurrency=[1, 8],
+                  max_new_tokens=128, limit=16, out=str(out / "bench"), quiet=True))
+        return {"ar": r["ar"], "cells": [{k: c[k] for k in ("block_size", "concurrency", "tau", "tok_s", "ar_tok_s", "speedup", "lossless")
+                                          if k in c} for c in r["cells"]]}
+
+    run.step("bench_exl3", run_bench, need_s=40)
+    q = WORK / "q"
+
+    def run_quantize() -> dict:
+        try:
+            rep = quantize(recipe=str(RECIPE), model=str(pd), target=str(pt), out=str(q), also_uncalibrated=True, force=True,
+                           progress=False)
+            verdict = "pass"
+        except ToolkitError as e:                       # below a threshold: the report is still written
+            verdict = str(e)[:600]
+            rep = json.loads((q / "report.json").read_text()) if (q / "report.json").is_file() else None
+        for name in ("report.md", "report.json", "tau_top1.png"):
+            if (q / name).is_file():
+                shutil.copy(q / name, out / name)
+        return {"verdict": verdict, "bf16_tau": (rep or {}).get("bf16", {}).get("tau"),
+                "results": [{k: r.get(k) for k in ("folder", "bits", "calibrated", "size_bytes", "kl", "top1", "tau", "passed")}
+                            for r in (rep or {}).get("results", [])]}
+
+    qr = run.step("quantize", run_quantize, need_s=200)
+    if qr:
+        per: dict = {}
+        run.results["tau_exl3_per_bitrate"] = per
+        for r in qr["results"]:
+            folder = q / r["folder"]
+            res = run.step(f"tau_exl3_{r['folder']}", lambda f=folder: tau_only(eval_tau(str(pt), str(f), **kw)), need_s=15)
+            if res:
+                per[r["folder"]] = res["tau"]
+
+
+def exl3(target: Path, draft: Path, budget_s: float) -> int:
+    run = Run("exl3.json", budget_s=budget_s, section="stages")
+    run.results.update(device=device_name(), inputs={"target": str(target), "draft": str(draft)})
+    missing = [p for p in (target, draft) if not (p / "config.json").is_file()]
+    if missing:
+        run.errors["inputs"] = f"{missing[0]} is missing: run python -m experiments.smol_device run first, on this warm machine"
+        return run.finish()
+    measure_exl3(run, target, draft)
+    return run.finish()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.smol_device", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -224,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same flow tiny, on CPU (default: SMOL_QUICK=1)")
     st = sub.add_parser("stage", help="on the device: join the GGUF and prepare the target in /tmp/smol-run (no training)")
     st.add_argument("--budget-s", type=float, default=300, help="seconds for the call (default 300)")
+    x = sub.add_parser("exl3", help="on the device, after run: the pair on exllamav3 (tau, bench, tau per bitrate)")
+    x.add_argument("--target", type=Path, default=Path(os.environ.get("SMOL_TARGET", WORK / "smollm2-135m-instruct")),
+                   help="the prepared SmolLM2 target (default: SMOL_TARGET, else /tmp/smol-run/smollm2-135m-instruct)")
+    x.add_argument("--draft", type=Path, default=Path(os.environ.get("SMOL_DRAFT", WORK / "smollm2_dflash")),
+                   help="the trained drafter (default: SMOL_DRAFT, else /tmp/smol-run/smollm2_dflash)")
+    x.add_argument("--budget-s", type=float, default=env_float("SMOL3_BUDGET_S", 560),
+                   help="start no stage that does not fit in what is left of it (default: SMOL3_BUDGET_S, else 560)")
     i = sub.add_parser("install", help="here, afterwards: the device's files into toolkit/data/smollm2_dflash")
     i.add_argument("files_at", help="the folder the device call's files were fetched to")
     i.add_argument("--to", default=str(ROOT / "toolkit" / "data" / "smollm2_dflash"), help="drafter folder to write")
@@ -234,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "install":
         install(a.files_at, a.to)
         return 0
+    if a.cmd == "exl3":
+        return exl3(a.target, a.draft, a.budget_s)
     if a.cmd == "stage":
         return run(a.budget_s, 0, 0, False, train=False)
     return run(a.budget_s, a.eval_reserve_s, a.eval_limit, a.quick)

@@ -42,11 +42,11 @@ Device, call 3 (~9.5 min), carry [".device"]:
 Device, call 4 (optional), carry [".device"]:
     source .device/on-device.sh && python3 -m experiments.smol_scale eval      (torch backend, one prompt at a time,
     ~3 s a prompt and block size on 2026-12-02/03: all 24 + 24 at B=16 and 8 fit one call)
-    source .device/on-device.sh && python3 -m experiments.smol_exl3 --draft /tmp/smol-scale/draft   (exllamav3)
+    source .device/on-device.sh && python3 -m experiments.smol_device exl3 --draft /tmp/smol-scale/draft   (exllamav3)
 Here, afterwards:   python -m experiments.smol_device install FILES_AT   (the drafter into toolkit/data/smollm2_dflash)
 
 SMOL_QUICK=1 (--quick) runs each step tiny on the CPU (with --target and --pool), as
-tests/test_experiments_models.py does.
+experiments/selftest/test_models.py does.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
 
 
 def exl3_tau(target: Path, draft: Path, work: Path, run: Run) -> dict:
-    """tau on exllamav3 on all held-out prompts (24 jobs at a time), through the padded pair (experiments.smol_exl3's
+    """tau on exllamav3 on all held-out prompts (24 jobs at a time), through the padded pair (experiments.smol_device exl3's
     first two stages; exllamav3 1.6.5 needs 128-aligned widths). In results.json: $OUT holds 8 files already."""
     from toolkit.assets.padding import pad
     from toolkit.eval_tau import eval_tau

@@ -28,7 +28,7 @@ staged on the same warm machine (experiments/smol_device.py: calls carry the GGU
 
     source .device/on-device.sh && timeout 570 python -m experiments.speed pair                 (carry [".device"])
 
-pads both to hidden 768 (toolkit.assets.padding, as experiments/smol_exl3.py does) and runs toolkit.bench on
+pads both to hidden 768 (toolkit.assets.padding, as `smol_device exl3` does) and runs toolkit.bench on
 exllamav3: AR, fixed B=16, fixed B=8 and auto at c in {1, 4, 8} on the held-out prompts, >= 10 repetitions
 interleaved, greedy output checked against AR (the lossless column), `--levers` as extra cells; bench.json
 and bench.png go to $OUT/pair, the summary and the pair's targets to $OUT/speed.json ("within 3 % of the best
@@ -41,7 +41,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from statistics import median
 
@@ -58,18 +57,6 @@ SHAPE_LEVERS = (ADOPTED_LEVERS,)                    # `--levers` times others ag
 
 
 # -- pure helpers (tested on the CPU) --------------------------------------------------------------------------
-
-
-def busy(intervals) -> float:
-    """Length of the union of (start, end) intervals: the time the GPU ran anything."""
-    total, cur = 0.0, None
-    for s, e in sorted(intervals):
-        if cur is None or s > cur[1]:
-            total += (cur[1] - cur[0]) if cur else 0.0
-            cur = [s, e]
-        else:
-            cur[1] = max(cur[1], e)
-    return total + ((cur[1] - cur[0]) if cur else 0.0)
 
 
 def cell_summary(samples: dict) -> dict:
@@ -205,96 +192,8 @@ def time_shape(run: Run, be, a, key: str = "timing", share: float = 1.0) -> dict
     return {"ar": ar, "sets": per, "own_ar": own_ar}
 
 
-def sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed_window(step, rounds: int) -> float:
-    """ms per call of step() over `rounds` calls, the device drained before and after."""
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        step()
-    sync()
-    return (time.perf_counter() - t0) / rounds * 1000.0
-
-
-def profile_rounds(step, rounds: int) -> dict:
-    """Wall, GPU-busy and GPU-idle ms per round over `rounds` calls of step(), under torch.profiler (CUDA)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    plain = timed_window(step, rounds)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = timed_window(step, rounds)
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    gpu = busy(spans) / 1e3 / rounds
-    return {"rounds": rounds, "wall_ms": round(plain, 3), "profiled_wall_ms": round(wall, 3), "gpu_busy_ms": round(gpu, 3),
-            "gpu_idle_ms": round(wall - gpu, 3), "gpu_events": len(spans)}
-
-
-VARIANTS = ("exllamav3", "recording", "policy")
-
-
-def start_variant(be, name: str, prompts, st, w: int):
-    """(step, close) of one variant at width w, past 4 warm rounds: exllamav3's own Generator, our recording
-    subclass, or our whole policy path (decode_many with a policy forced to w)."""
-    from toolkit.policy.chooser import Policy
-    from toolkit.costs.table import CostTable
-
-    if name == "policy":
-        class Forced(Policy):
-            def width(self, jobs: int = 1) -> int:
-                return w
-
-        it = be.decode_many(prompts, be._jobs(prompts, st), 0, Forced(be.block_size, CostTable({1: {0: 1.0, 1: 1.0}})))
-        step, close = (lambda: next(it)), it.close
-    else:
-        gen = be.generator(w, hooked=name == "recording")
-        gen.enqueue(be._jobs(prompts, st))
-        step, close = gen.iterate, gen.clear_queue
-    for _ in range(4):
-        step()
-    return step, close
-
-
-def profile_host(be, a) -> dict:
-    """Wall ms per round at c=1, w=7 of the three variants, `a.profile_reps` interleaved windows each (the order
-    rotating), their medians and what our code adds to them; the last window of each also under torch.profiler
-    (GPU busy and idle). GPU busy is the same kernels in every variant, so wall differences are host time."""
-    import statistics
-
-    from toolkit.runtime.backend import GenSettings
-    from toolkit.exl3.calibrate import dummy_prompts
-
-    n, w, reps = a.profile_rounds, 7, max(1, a.profile_reps)
-    prompts = dummy_prompts(1, a.context, be.vocab_size)
-    st = GenSettings(max_new_tokens=(n * 2 + 8) * (w + 1), block_size=None, stop_ids=())
-    walls, out = {v: [] for v in VARIANTS}, {}
-    for rep in range(reps):
-        for name in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
-            step, close = start_variant(be, name, prompts, st, w)
-            try:
-                if rep == reps - 1:
-                    out[name] = profile_rounds(step, n)
-                    walls[name].append(out[name]["wall_ms"])
-                else:
-                    walls[name].append(round(timed_window(step, n), 3))
-            finally:
-                close()
-    for name in VARIANTS:
-        out[name].update(wall_ms=round(statistics.median(walls[name]), 3), wall_ms_reps=walls[name])
-    for key, name in (("capture", "recording"), ("policy_path", "policy")):
-        out[f"added_by_{key}_ms"] = round(out[name]["gpu_idle_ms"] - out["exllamav3"]["gpu_idle_ms"], 3)
-        out[f"added_wall_by_{key}_ms"] = round(out[name]["wall_ms"] - out["exllamav3"]["wall_ms"], 3)
-    return out
-
-
 def run_shape(run: Run, a) -> None:
-    from experiments.budget import budgets, distinct_experts
+    from experiments.budget import budgets, distinct_experts, profile_host
     from experiments.harness import free_cuda
     from toolkit.benchmark.projection import ASSUMPTION, PUBLISHED
 
@@ -330,8 +229,8 @@ def run_shape(run: Run, a) -> None:
 
 
 def identical(be, a) -> dict:
-    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match (experiments/lossless.py)."""
-    from experiments.lossless import graphs_identical
+    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match (experiments/exl3_loop.py)."""
+    from experiments.exl3_loop import graphs_identical
     from toolkit.exl3.calibrate import dummy_prompts
 
     return graphs_identical(be, dummy_prompts(a.identical, 300, be.vocab_size), B=8, max_new=40)

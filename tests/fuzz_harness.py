@@ -1,6 +1,7 @@
 """How tests/slow/test_fuzz.py runs a case: the user's inputs built once (broken files, folders and runs), the stubs that
 stand in for the heavy work once the checks pass (Reached), a command line run in-process under run_cli in a fresh
-folder, and the verdict on what it did. tests/slow/test_bad_input_round3.py and test_bad_input_files.py use them too.
+folder, and the verdict on what it did; `cli` and `refused` for a single case. tests/slow/test_bad_numbers.py,
+test_bad_places.py and tests/test_bad_input_files.py use them too.
 """
 
 from __future__ import annotations
@@ -234,3 +235,18 @@ def fill(text: str, names: dict) -> str:
 def main_of(cmd: str, app_main):
     return app_main if cmd == "app" else importlib.import_module(COMMANDS[cmd].module).main
 
+
+def cli(cmd: str, argv: list[str], folder: Path, monkeypatch, app_main=None) -> dict:
+    """One command line run in-process in `folder` (run_case), with its last stderr line; never a traceback."""
+    folder.mkdir(exist_ok=True)
+    r = run_case(main_of(cmd, app_main), argv, folder, monkeypatch)
+    lines = r["stderr"].strip().splitlines()
+    r["last"] = lines[-1] if lines else ""
+    assert r["exc"] is None and "Traceback" not in r["stderr"], r
+    return r
+
+
+def refused(r: dict, *words: str) -> None:
+    """Exit 2, one `error:` line as the last line, before any work, naming each of `words`."""
+    assert r["code"] == 2 and r["last"].startswith("error: "), r
+    assert all(w in r["last"] for w in words), (r["last"], words)

@@ -1,10 +1,11 @@
 """The policy replay's scenarios and its table: `auto`, its rivals and its ablation on every committed trace.
 
-A scenario is a device trace (tests/data/replay/costs_h100_*.json.gz) at the concurrencies its bench ran, over the
-SmolLM2 pair's full-width lengths; `useless` replays call4's costs with a drafter that accepts nothing and AR rounds
-of the speculative engine 20 % dearer than plain steps; `switch` 4 requests where the drafter accepts nothing, then
-4 where it works, `drop` the reverse (c=4); `fresh` replays call4 at c=1 with a new policy for every request (all 8
-prompts), as every `generate` run and app turn starts. Every mode runs on common draws (tests/replay.py) beside AR
+A scenario is a device trace (tests/data/replay/costs_h100_*.json.gz, named as its experiments/results/traces/
+file: the date and UTC time its bench started, or `noisy`, `1207`, `1207c`) at the concurrencies its bench ran, over
+the SmolLM2 pair's full-width lengths; `useless` replays 1206-1042's costs with a drafter that accepts nothing and
+AR rounds of the speculative engine 20 % dearer than plain steps; `switch` 4 requests where the drafter accepts
+nothing, then 4 where it works, `drop` the reverse (c=4); `fresh` replays 1206-1042 at c=1 with a new policy for
+every request (all 8 prompts), as every `generate` run and app turn starts. Every mode runs on common draws (tests/replay.py) beside AR
 and every fixed width the calibration times; a cell is the mean over seeds of each mode's paired median ratio over
 the best of those fixed widths and over AR.
 """
@@ -25,12 +26,14 @@ SWITCH = dict(FIRST4, prompts=USELESS["prompts"] + FIRST4["prompts"])    # usele
 DROP = dict(FIRST4, prompts=FIRST4["prompts"] + USELESS["prompts"])      # good on 4 requests, then useless on 4
 # name -> (lengths, costs file, concurrencies, noise in time, AR rounds of a speculative request over plain ones,
 # a fresh policy per request)
-SCENARIOS = {"call4": (FIRST4, "call4", [1, 4, 8], False, 1.0, False), "call6": (LENGTHS, "call6", [4, 8], False, 1.0, False),
-             "call9": (LENGTHS, "call9", [4, 8], False, 1.0, False), "call10": (FIRST4, "call10", [1, 4, 8], False, 1.0, False),
-             "call13": (FIRST4, "call13", [1], False, 1.0, False), "noisy": (FIRST4, "noisy", [1, 4, 8], True, 1.0, False),
+SCENARIOS = {"1206-1042": (FIRST4, "1206-1042", [1, 4, 8], False, 1.0, False),
+             "1206-1049": (LENGTHS, "1206-1049", [4, 8], False, 1.0, False),
+             "1206-1121": (LENGTHS, "1206-1121", [4, 8], False, 1.0, False),
+             "1206-0942": (FIRST4, "1206-0942", [1, 4, 8], False, 1.0, False),
+             "1206-0952": (FIRST4, "1206-0952", [1], False, 1.0, False), "noisy": (FIRST4, "noisy", [1, 4, 8], True, 1.0, False),
              "1207": (FIRST4, "1207", [1, 4, 8], True, 1.0, False), "1207c": (FIRST4, "1207c", [1, 4, 8], True, 1.0, False),
-             "useless": (USELESS, "call4", [1, 4, 8], False, 1.2, False), "switch": (SWITCH, "call4", [1], False, 1.0, False),
-             "drop": (DROP, "call4", [4], False, 1.0, False), "fresh": (LENGTHS, "call4", [1], False, 1.0, True)}
+             "useless": (USELESS, "1206-1042", [1, 4, 8], False, 1.2, False), "switch": (SWITCH, "1206-1042", [1], False, 1.0, False),
+             "drop": (DROP, "1206-1042", [4], False, 1.0, False), "fresh": (LENGTHS, "1206-1042", [1], False, 1.0, True)}
 FIXED = {"ar": 0, **{f"w{w}": w for w in (1, 3, 5, 7, 11, 15)}}     # the calibration's widths (timed, traced)
 COSTS = {name: R.load(R.DATA / f"costs_h100_{name}.json.gz") for name in {s[1] for s in SCENARIOS.values()}}
 
@@ -101,6 +104,34 @@ def markdown(cells: Cells, rows: dict[str, str], base: str = "auto") -> str:
         lines.append("| " + " | ".join([label] + [f"{x:.3f}" for x in vals] + [v]) + " |")
     best = "| best fixed width | " + " | ".join(cells[k]["best"].lstrip("w") if k[0] != "useless" else "AR" for k in keys) + " | |"
     return "\n".join(lines[:2] + [best] + lines[2:])
+
+
+SPECIAL = ("useless", "switch", "drop", "fresh")          # the scenarios that are not a bench trace as it ran
+
+
+def summary(cells: Cells, rows: dict[str, str], base: str = "auto") -> str:
+    """The results page's compact form of markdown(): per mode, the range of its cells over the bench traces at each
+    concurrency, the special scenarios, and for an ablation row what `base` gains and loses against it."""
+    traces = [k for k in cells if k[0] not in SPECIAL]
+    cs = sorted({c for _, c in traces})
+    head = (["mode"] + [f"traces c={c}" for c in cs] + ["`useless` (of AR)", "`switch`", "`drop`", "`fresh`",
+            "`auto` gains / loses; target cells only it holds"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def span(keys: list[tuple[str, int]], m: str, i: int) -> str:
+        vals = [cells[k][m][i] for k in keys]
+        return f"{min(vals):.3f}" if min(vals) == max(vals) else f"{min(vals):.3f}-{max(vals):.3f}"
+
+    for m, label in rows.items():
+        vals = [span([k for k in traces if k[1] == c], m, 0) for c in cs]
+        vals.append(span([k for k in cells if k[0] == "useless"], m, 1))
+        vals += [span([k for k in cells if k[0] == name], m, 0) for name in SPECIAL[1:]]
+        v = ""
+        if m.startswith("-"):
+            g, loss, held = verdict(cells, base, m)
+            v = f"+{100 * g:.1f} % / -{100 * max(0.0, loss):.1f} %" + (f"; holds {len(held)}" if held else "")
+        lines.append("| " + " | ".join([label] + vals + [v]) + " |")
+    return "\n".join(lines)
 
 
 def modes_of(rows: dict[str, tuple[str, Callable]]) -> dict[str, R.Factory]:

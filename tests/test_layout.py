@@ -1,16 +1,24 @@
-"""The tree's rules: no import circles between toolkit's modules, no Python file over 400 lines (in toolkit/, tests/
-and experiments/), libraries never import a command (a module at toolkit's root), tests import experiments/ only in
-the experiment tests, and the policy stays small."""
+"""The tree's rules, held here so that they cannot drift: no import circles among toolkit/, experiments/ and tests/
+(imports under `if TYPE_CHECKING:` count), no Python file over 400 lines, libraries never import a command (a module
+at toolkit's root), no test imports experiments/ (its self-check is `python -m experiments.selftest`), at most 20
+experiment scripts, docs/ at most 1,500 lines with docs/results.md at most 300, no tracked file named by a run
+number, and the policy stays small."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 PKG = ROOT / "toolkit"
 COMMANDS = {p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__")}
+FIRST_PARTY = ("toolkit", "experiments", "tests")
+MAX_SCRIPTS = 20            # experiments/*.py, __init__ aside
+MAX_DOCS_LINES, MAX_RESULTS_LINES = 1500, 300
 
 
 def module_name(path: Path) -> str:
@@ -18,32 +26,52 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """The toolkit modules `path` imports, at any depth of its code (lazy imports count too)."""
+HELPERS = {p.stem for p in (ROOT / "tests").glob("*.py")}       # tests import their helpers by bare name
+
+
+def first_party(name: str) -> str | None:
+    """`name` as a module path of this tree (a helper of tests/ imported by its bare name is tests.<name>)."""
+    top = name.split(".")[0]
+    if top in FIRST_PARTY:
+        return name
+    return f"tests.{name}" if top in HELPERS else None
+
+
+def imports(path: Path, source: str | None = None) -> set[str]:
+    """The first-party modules `path` imports, at any depth of its code: lazy imports and imports under
+    `if TYPE_CHECKING:` count too (a type-only circle is still a circle a reader must untangle)."""
     name = module_name(path)
     package = name if path.stem == "__init__" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("toolkit")}
+            out |= {n for a in node.names if (n := first_party(a.name))}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            if base.startswith("toolkit"):
+            if base := first_party(base):
                 out.add(base)
                 out |= {f"{base}.{a.name}" for a in node.names}
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+def graph(folders: tuple[str, ...] = ("toolkit",)) -> dict[str, set[str]]:
+    mods = {module_name(p): p for d in folders for p in (ROOT / d).rglob("*.py")}
     return {m: {i for i in imports(p) if i in mods and i != m} for m, p in mods.items()}
 
 
+def test_imports_under_type_checking_and_relative_ones_count():
+    code = ("from typing import TYPE_CHECKING\nfrom . import harness\nif TYPE_CHECKING:\n"
+            "    from experiments.speed import WORK\n    import stream_shape\n    import numpy\n")
+    got = imports(ROOT / "experiments" / "x.py", code)
+    assert got == {"experiments", "experiments.harness", "experiments.speed", "experiments.speed.WORK",
+                   "tests.stream_shape"}, got
+
+
 def test_no_import_circles():
-    g = graph()
+    g = graph(FIRST_PARTY)
     state: dict[str, int] = {}
     cycles = []
 
@@ -89,14 +117,35 @@ def test_no_module_over_400_lines():
     assert not long, long
 
 
-def test_tests_import_experiments_only_in_the_smoke_test():
+def test_no_test_imports_experiments():
+    """tests/ checks the product; the measurement scripts check themselves (`python -m experiments.selftest`, in
+    CI), so retiring a script never breaks a test."""
     users = set()
-    for p in Path(__file__).parent.glob("*.py"):
+    for p in (ROOT / "tests").rglob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             if any(n.split(".")[0] == "experiments" for n in names):
-                users.add(p.name)
-    assert users <= {"test_experiments.py", "test_experiments_timing.py", "test_experiments_models.py"}, users
+                users.add(str(p.relative_to(ROOT)))
+    assert not users, users
+
+
+def test_at_most_20_experiment_scripts():
+    scripts = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem != "__init__")
+    assert len(scripts) <= MAX_SCRIPTS, (len(scripts), scripts)
+
+
+def test_docs_stay_short():
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "docs").rglob("*.md")}
+    assert lines["docs/results.md"] <= MAX_RESULTS_LINES, lines["docs/results.md"]
+    assert sum(lines.values()) <= MAX_DOCS_LINES, (sum(lines.values()), lines)
+
+
+def test_no_tracked_file_is_named_by_a_run_number():
+    git = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if git.returncode != 0 or not git.stdout:
+        pytest.skip("git is not at hand: the tracked files are unknown")
+    named = [n for n in git.stdout.splitlines() if re.search(r"call\d+", Path(n).name)]
+    assert not named, named
 
 
 def test_runtime_imports_no_engine_and_no_consumer_compares_backend_names():

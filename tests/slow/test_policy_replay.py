@@ -1,6 +1,7 @@
 """The drafting policy against its simplest rivals and without each of its mechanisms, replayed on the CPU over
 committed device traces (tests/replay.py, tests/replay_table.py; `python -m experiments.policy_replay table`
-prints the same table).
+prints the same table). The table is cached by the hash of what it depends on (tests/replay_cache.py): unchanged
+inputs read it, changed ones replay it again and must give the same table.
 
 Targets on every trace, the noisy one included: `auto` >= 0.97 of the best fixed width and >= exllamav3's own
 window at c = 1, 4 and 8; >= 0.98 of AR with a drafter that accepts nothing. Each mechanism, switched off, costs
@@ -17,13 +18,25 @@ import statistics
 import pytest
 
 from tests import replay as R
+from tests import replay_cache as C
 from tests import replay_table as T
 from tests.replay_rivals import ROWS, Exl3Window, kept_costs
 
 
 @functools.cache
 def cells() -> T.Cells:
-    return T.evaluate(T.modes_of(ROWS), seeds=16, reps=10)
+    """The cached table when nothing it depends on changed, else the replay run again (about a minute)."""
+    return C.fresh_cells() or T.evaluate(T.modes_of(ROWS), seeds=C.SEEDS, reps=C.REPS)
+
+
+def test_the_cached_table_is_the_replays_table():
+    """A cache whose hash no longer matches is stale; it matters when the replay now gives another table: the results
+    page and tests/data/replay/table.md would then show numbers the code no longer gives."""
+    data = C.stored()
+    assert data is not None and (data["seeds"], data["reps"]) == (C.SEEDS, C.REPS)
+    assert C.to_json(cells()) == data["cells"], (
+        "the policy replay's table changed: run `python -m experiments.policy_replay table --write` and put the "
+        "summary it prints into docs/results.md")
 
 
 def test_auto_holds_the_targets_on_every_trace():
@@ -100,7 +113,7 @@ def test_common_draws_give_every_mode_of_a_slot_the_same_costs():
 
 
 def test_fixed_widths_replay_their_tokens():
-    costs = R.Costs(R.load(R.DATA / "costs_h100_call4.json.gz"))
+    costs = R.Costs(R.load(R.DATA / "costs_h100_1206-1042.json.gz"))
     row = {"answer": list(range(40)), "lengths": [3] * 39}
     tokens, ms, rounds = R.replay_request([row], 40, 7, costs, 15, host_ms=0.0, switch_ms=0.0)
     assert tokens == 40 and ms > 0 and rounds == 10         # 1 at prefill, then rounds of 4 (3 accepted + 1), capped

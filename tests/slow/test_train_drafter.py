@@ -219,7 +219,7 @@ def test_eval_tau_cli_exits_with_one_line(tmp_path):
 
 def test_eval_tau_exllamav3_without_a_gpu_is_one_line(setup):
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the exllamav3 path is covered by the smol_exl3 device script")
+        pytest.skip("a GPU is present: the exllamav3 path is covered by the `smol_device exl3` device script")
     from toolkit.eval_tau import eval_tau
 
     root, target, _ = setup

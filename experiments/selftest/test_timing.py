@@ -1,4 +1,4 @@
-"""The timing scripts of experiments/ on stand-ins: the Generator-loop timing (exl3_timing, on a stand-in Generator),
+"""The timing scripts of experiments/ on stand-ins: the Generator-loop timing (exl3_loop, on a stand-in Generator),
 speed's interleaved timing and projection, the pair's targets (pair_mode), draft_step's timing loop, round_trace
 and budget's split of a round's kernels."""
 
@@ -12,7 +12,7 @@ import pytest
 from exl3_fakes import FakeGenerator, ar_reference, make_backend, timed_backend
 from stream_shape import assert_stream_shape
 
-from experiments.exl3_timing import run_jobs
+from experiments.exl3_loop import run_jobs
 from experiments.harness import Run
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
@@ -60,7 +60,7 @@ def test_max_steps_stops_early_and_frees_the_jobs(fake_backend):
 
 
 def test_capture_errors_raise_or_are_recorded(fake_backend, monkeypatch):
-    import experiments.exl3_timing as timing
+    import experiments.exl3_loop as timing
 
     def broken(*a, **k):
         raise RuntimeError("capture out of step")

@@ -1,8 +1,7 @@
 """experiments/ on the CPU, so the device scripts do not rot between device runs: every module imports without
 exllamav3 or CUDA, every script answers --help and is listed in experiments/README.md, none edits sys.path; and the
-shared harness (Run, Repetitions). Each script's own logic on stand-ins is checked in test_experiments_timing.py
-(the timing scripts) and test_experiments_models.py (the scripts that convert, quantize and train); these three
-are the only tests that import experiments."""
+shared harness (Run, Repetitions). Each script's own logic on stand-ins is checked in test_timing.py (the timing
+scripts) and test_models.py (the scripts that convert, quantize and train)."""
 
 from __future__ import annotations
 
@@ -21,18 +20,17 @@ import pytest
 import experiments
 from experiments.harness import Run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "experiments"
-MODULES = sorted(m.name for m in pkgutil.iter_modules([str(HERE)]))
-LIBRARIES = {"harness", "exl3_timing", "lossless", "draft_exl3", "pair_mode", "budget", "moe_decode",
-             "hook_overhead"}                                    # imported by the scripts, not run
+MODULES = sorted(m.name for m in pkgutil.iter_modules([str(HERE)]) if not m.ispkg)     # the selftest package aside
+LIBRARIES = {"harness", "exl3_loop", "pair_mode", "budget", "moe_decode"}     # imported by the scripts, not run
 SCRIPTS = [m for m in MODULES if m not in LIBRARIES]
 
 
 def test_the_package_holds_the_expected_modules():
     assert LIBRARIES <= set(MODULES)
     assert {"device_check", "speed", "draft_step", "app_device", "quantize_device", "quantize_exl3", "smol_device",
-            "smol_scale", "smol_exl3", "two_gpu", "round_trace", "policy_replay"} <= set(SCRIPTS)
+            "smol_scale", "two_gpu", "auto_cpu", "round_trace", "policy_replay"} <= set(SCRIPTS)
     assert Path(experiments.__file__).parent == HERE
 
 
@@ -141,3 +139,12 @@ def test_run_goes_to_dollar_out(tmp_path, monkeypatch):
     run = Run("x.json")
     run.save()
     assert (tmp_path / "o" / "x.json").is_file()
+
+
+def test_auto_cpu_app_takes_one_mode_and_no_cold_or_poison(capsys):
+    from experiments import auto_cpu
+
+    for argv in (["--app", "--modes", "auto,fixed16"], ["--app", "--cold"], ["--app", "--poison", "0.2"]):
+        with pytest.raises(SystemExit) as e:
+            auto_cpu.main(argv)
+        assert e.value.code == 2 and "--app takes one mode" in capsys.readouterr().err

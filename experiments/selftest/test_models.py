@@ -1,5 +1,5 @@
 """The experiments/ scripts that convert, quantize and train, on stand-ins: quantize_exl3's archive for $OUT and its
-step table when SIGTERM cuts the call, draft_exl3's folder protocol, smol_scale's device calls run tiny on the CPU."""
+step table when SIGTERM cuts the call, pair_mode's EXL3 drafter and its folder protocol, smol_scale's device calls run tiny on the CPU."""
 
 from __future__ import annotations
 
@@ -75,11 +75,11 @@ def test_quantize_exl3_cut_off_by_sigterm_returns_its_step_table(tmp_path, pair,
     assert signal.getsignal(signal.SIGTERM) is before                   # the handler is the script's only while it runs
 
 
-# -- draft_exl3: the converter replaced, the folder protocol checked ---------------------------------------------
+# -- pair_mode.exl3_draft: the converter replaced, the folder protocol checked ---------------------------------------------
 
 
-def test_draft_exl3_converts_once_pins_tap_shift_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
-    import experiments.draft_exl3 as dx
+def test_exl3_draft_converts_once_pins_tap_shift_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    import experiments.pair_mode as dx
 
     src = tmp_path / "draft"
     src.mkdir()
