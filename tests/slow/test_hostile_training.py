@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import test_quantize_fakes as quantize_fakes
 import toolkit.train.trainer as td
 from toolkit.core.errors import OptionError, ToolkitError
-from toolkit.core.folders import mark, owner
+from toolkit.core.folders import owner
 from toolkit.train.optim import Divergence, optimize
 
 ROOT = Path(__file__).resolve().parents[2]
