@@ -182,21 +182,35 @@ def lossless(be, prompts: list[list[int]], B: int, label: str, max_new: int) -> 
 
 
 def graphs_identical(be, prompts: list[list[int]], B: int, max_new: int) -> dict:
-    """forward_graphs off and on over the toolkit's defaults: greedy speculative (block B) and AR tokens per prompt,
-    which must be identical token for token (a replay runs the eager forward's kernels), and how the forwards ran."""
+    """forward_graphs off, on, and on for the target alone, two passes each over the toolkit's defaults: per prompt
+    the first token where greedy speculative (block B) and AR output leave the first eager pass's, and the first
+    round whose drafted ids do (a replay runs the eager forward's kernels, so every entry should be None)."""
     from dataclasses import replace
 
+    from toolkit.exl3.graphs import set_forward_graphs
     from toolkit.exl3.options import ADOPTED
 
-    st, toks = GenSettings(max_new_tokens=max_new, block_size=B), {}
-    for on in (False, True):
-        be.set_options(replace(ADOPTED, forward_graphs=on))
-        for _ in range(2):                              # the second pass replays every shape the first met
-            toks[on] = [(tokens_of(list(be.generate(p, st))), tokens_of(list(be.generate(p, st, speculative=False))))
-                        for p in prompts]
-    same = sum(a == b for a, b in zip(toks[False], toks[True]))
-    return {"identical": f"{same}/{len(prompts)}", "tokens": sum(len(s) + len(a) for s, a in toks[True]),
-            "engine": be.engine_report()}
+    st, runs = GenSettings(max_new_tokens=max_new, block_size=B), {}
+    for variant in ("eager", "graphs", "target_graphs"):
+        be.set_options(replace(ADOPTED, forward_graphs=variant != "eager"))
+        if variant == "target_graphs" and be._graphs.get("draft") is not None:
+            set_forward_graphs(be.draft, False, be._graphs["draft"])        # the drafter runs eagerly
+        for k in range(2):                          # the second pass replays every shape the first met
+            got = []
+            for p in prompts:
+                spec = list(be.generate(p, st))
+                got.append((tokens_of(spec), tokens_of(be.generate(p, st, speculative=False)),
+                            [r.drafted for r in spec]))
+            runs[f"{variant}{k}"] = got
+
+    def first(x, y):
+        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None if len(x) == len(y) else min(len(x), len(y)))
+
+    base = runs["eager0"]
+    diffs = {name: [{"spec": first(b[0], r[0]), "ar": first(b[1], r[1]), "drafts": first(b[2], r[2])}
+                    for b, r in zip(base, got)] for name, got in runs.items()}
+    same = sum(all(v is None for d in diffs[name] for v in d.values()) for name in ("graphs0", "graphs1"))
+    return {"identical": f"{same}/2 passes", "first_difference": diffs, "engine": be.engine_report()}
 
 
 # -- the hook's overhead -------------------------------------------------------------------------------------
