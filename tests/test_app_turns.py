@@ -18,9 +18,9 @@ from app_fakes import OUT, AutoFake, FakeBackend, run  # noqa: E402
 from toolkit.app.handlers import ChatHandler  # noqa: E402
 from toolkit.app.models import Loaded  # noqa: E402
 from toolkit.app.policy_view import PolicyStart, learnt_text  # noqa: E402
-from toolkit.benchmark import lockstep  # noqa: E402
+from toolkit.benchmark import lockstep, ratio  # noqa: E402
 from toolkit.policy.chooser import Policy  # noqa: E402
-from toolkit.runtime.events import Round  # noqa: E402
+from toolkit.runtime.events import NO_DRAFT, Round  # noqa: E402
 
 
 class OrderFake(FakeBackend):
@@ -79,11 +79,12 @@ def test_the_drafted_share_rule():
     def rounds(drafted: int, total: int) -> list[Round]:
         return [Round((), 0, 1, prefill=True)] + [Round((2,) if i < drafted else (), 0, 3) for i in range(total)]
 
-    assert lockstep.too_few_drafted(rounds(0, 50)) == lockstep.NO_DRAFT
-    assert "only 4 of 50 rounds" in lockstep.too_few_drafted(rounds(4, 50))
-    assert lockstep.too_few_drafted(rounds(5, 50)) is None                    # 1 in 10: a ratio
-    assert "only 2 of 4" in lockstep.too_few_drafted(rounds(2, 4))            # fewer than 3 drafted rounds
-    assert lockstep.too_few_drafted(rounds(3, 4)) is None
+    assert ratio.too_few_drafted(rounds(0, 50)) == NO_DRAFT
+    assert "only 4 of 50 rounds drafted, too few" in ratio.too_few_drafted(rounds(4, 50))
+    assert ratio.too_few_drafted(rounds(5, 50)) is None                       # 1 in 10: a ratio
+    assert "only 2 of 4" in ratio.too_few_drafted(rounds(2, 4))               # fewer than 3 drafted rounds
+    assert ratio.too_few_drafted(rounds(3, 4)) is None
+    assert "only 4 of 150 rounds drafted over 3 repetitions" in ratio.no_ratio(4, 150, reps=3)
 
 
 def test_timed_lockstep_alternates_and_times_each_side():

@@ -6,7 +6,7 @@ import time
 
 import gradio as gr
 
-from ..benchmark import lockstep
+from ..benchmark import ratio
 from . import render
 from .handlers import ChatHandler
 from .models import Loaded, ModelSpec, gpu_wrap, load, say
@@ -17,7 +17,7 @@ DEMO_EXAMPLES = ["pathlib.Path", "shutil.copy", "json.dumps", "textwrap.wrap"]  
 # The SmolLM2 pair on a GPU, as docs/results.md measured it (a test checks every ratio a page shows is there).
 GPU_DEMO = ("in the benchmark on an H100 this pair decodes 2.16× faster than plain AR with <i>auto</i> and 2.19× at block 8, one "
             "request at a time; on the example prompts below, where its drafter accepts less, the page measured a median 1.31×")
-NO_RATIO = (f"when fewer than 1 round in {round(1 / lockstep.MIN_DRAFTED_SHARE)} drafts, the page shows no ratio and "
+NO_RATIO = (f"when fewer than 1 round in {round(1 / ratio.MIN_DRAFTED_SHARE)} drafts, the page shows no ratio and "
             "says the answer decoded as plain AR (a ratio of two AR runs is noise).")
 REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
                  "Write a Python function that checks whether a string is a palindrome.",
