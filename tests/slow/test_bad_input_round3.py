@@ -51,7 +51,7 @@ def refused(r: dict, *words: str) -> None:
 @pytest.mark.parametrize("edit", [["ms", "1", "0"], ["ms", "1", "1"], ["ms", "4"], ["ms", "1", "-3"],
                                   ["ms", "1", "99999999999999"]])
 def test_a_cost_cache_entry_out_of_range_is_timed_again(tmp_path, edit):
-    from toolkit.policy.observed import RoundCosts
+    from toolkit.costs.book import RoundCosts
 
     d = {"device": "cpu", "ms": {"1": {"0": 1.0, "1": 2.0}, "4": {"0": 2.0, "3": 3.0}}}
     node = d

@@ -3,8 +3,8 @@
 On a GPU the two runs happen one after the other inside one call (and the GPU events share one concurrency id),
 so they never skew each other. On a CPU, where the machine's load moves a run's speed more than drafting does,
 they run in lockstep, one round of each in turn, so the load falls on both alike (benchmark/lockstep.py). Timing
-counts only the time spent inside the backend's generator, not the UI updates. Every turn starts from the policy
-state the start-up left (policy_view.py). Every failure becomes a visible message in the page; the server keeps
+counts only the time spent inside the backend's generator, not the UI updates. Every turn starts its acceptance
+from the state the start-up left, with the round costs of every turn so far (policy_view.SHARED). Every failure becomes a visible message in the page; the server keeps
 serving. The console gets one line per request: prompt tokens, rounds, the ratio or "plain AR", and whether it
 was stopped or its client left.
 """
@@ -235,7 +235,7 @@ class ChatHandler:
             yield self._refuse(friendly(e), text=text)
             return
         if self.loaded.policy_start is not None:
-            self.loaded.policy_start.restore(be)       # every turn decodes from the same policy state
+            self.loaded.policy_start.restore(be)       # acceptance afresh, the round costs carried (SHARED)
         mode = "" if think is None else f" · thinking {'on' if think else 'off'}"
         chat += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
         spec = Run(be, ids, settings, True)

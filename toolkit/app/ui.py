@@ -10,6 +10,7 @@ from ..benchmark import ratio
 from . import render
 from .handlers import ChatHandler
 from .models import Loaded, ModelSpec, gpu_wrap, load, say
+from .policy_view import SHARED
 from .style import CSS
 
 TITLE = "DFlash speculative decoding"
@@ -19,6 +20,10 @@ GPU_DEMO = ("in the benchmark on an H100 this pair decodes 2.16× faster than pl
             "request at a time; on the example prompts below, where its drafter accepts less, the page measured a median 1.31×")
 NO_RATIO = (f"when fewer than 1 round in {round(1 / ratio.MIN_DRAFTED_SHARE)} drafts, the page shows no ratio and "
             "says the answer decoded as plain AR (a ratio of two AR runs is noise).")
+FOOTER = ("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a CPU the two "
+          "take turns (lockstep: the one behind in the answer goes next), so the machine's load falls on both alike. "
+          f"{SHARED} If someone else is generating you see your place in the queue. tok/s counts the time inside the "
+          "decoder, prefill included.")
 REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
                  "Write a Python function that checks whether a string is a palindrome.",
                  "List five facts about the Moon."]
@@ -126,11 +131,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             blocks = gr.HTML(render.rounds_table_html(render.Transcript(str)), elem_id="dfl-blocks")
         result = gr.JSON(visible=False)   # the turn as data, for API clients: text, ar_text, tau, speedup, rounds, ...
         sent = gr.Textbox(visible=False, label="message")     # the message being answered (Send empties the box)
-        gr.Markdown("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a "
-                    "CPU the two take turns (lockstep: the one behind in the answer goes next), so the machine's load "
-                    "falls on both alike. "
-                    "Every turn starts from the same policy state. If someone else is generating you see your place "
-                    "in the queue. tok/s counts the time inside the decoder, prefill included.")
+        gr.Markdown(FOOTER)
 
         inputs = [sent, chat, block, max_new, temperature, seed, system, thinking]
         outputs = [chat, box, banner, spec_html, ar_html, tau, blocks, acc, hist, message, result]
