@@ -207,7 +207,7 @@ ROWS["-prefill"] = ("- keeping exllamav3's prefill blocks from the policy (each 
 class UnscaledCosts(RoundCosts):
     """The table's values as timed, whatever the live AR rounds say of the load it was timed under."""
 
-    def rescale(self, jobs):
+    def rescale(self, jobs, got):
         return False
 
 

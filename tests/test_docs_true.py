@@ -184,3 +184,51 @@ def test_the_screenshots_show_todays_page(kind):
 
     assert stamped(SHOTS[kind]) == fingerprint(kind), f"{SHOTS[kind].name} shows an older page: {REGENERATE[kind]}"
     assert REGENERATE[kind] in (ROOT / "docs" / "app.md").read_text().replace("\n", " ")
+
+
+COMMANDS = ("bench", "card", "demo", "eval_tau", "fixtures", "generate", "pad", "preview_run", "push", "quantize",
+            "space", "synth", "tiny_pair", "train_drafter")
+MEASURE = re.compile(r"(?<![\w.])~?(\d[\d,]*(?:\.\d+)?(?:-\d+(?:\.\d+)?)?)\s?(?:ms|s|seconds?|minutes?|min|hours?|GiB|GB|MiB|MB)\b")
+VAGUE = re.compile(r"a minute or two|half a minute|a few (?:seconds|minutes)|(?<!delay )in seconds|\((?:seconds|minutes)\)|"
+                   r"(?<!--)minutes\)|about \w+ minutes")
+
+
+def settings() -> dict[str, float]:
+    """Numbers with a unit that pages quote as settings of the code, not measurements: each checked against it."""
+    from toolkit.app.handlers import UI_INTERVAL
+
+    return {f"{UI_INTERVAL:g} s": UI_INTERVAL}
+
+
+def help_texts() -> dict[str, str]:
+    import contextlib
+    import importlib
+    import io
+
+    out = {}
+    for name in COMMANDS:
+        buf = io.StringIO()
+        for argv in (["--help"], ["export", "--help"]) if name == "space" else (["--help"],):
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), contextlib.suppress(SystemExit):
+                importlib.import_module(f"toolkit.{name}").main(argv)
+        out[f"--help of {name}"] = buf.getvalue()
+    return out
+
+
+def test_every_time_and_size_a_page_or_help_shows_is_in_results_with_its_card():
+    """Times and sizes, like ratios, come from a row of docs/results.md (the card, or the CPU and its load); a time
+    said in words ("a minute or two") has none, so no page says one."""
+    sections, known = result_sections(), settings()
+    checked = 0
+    for page, text in {**pages(), **help_texts()}.items():
+        assert not VAGUE.search(text), f"{page}: {VAGUE.search(text).group(0)!r} is a time with no measurement"
+        for para in re.split(r"\n\s*\n", text):
+            for m in MEASURE.finditer(para):
+                if m.group(0).lstrip("~") in known:
+                    continue
+                where = [s for s in sections if re.search(rf"(?<![\d.]){re.escape(m.group(1))}(?![\d])", s)]
+                assert where, f"{page}: {m.group(0)} is not in docs/results.md"
+                for card in (c for c in CARDS if c in para):
+                    assert any(card in s for s in where), f"{page}: {m.group(0)} on {card}, but results.md has it elsewhere"
+                checked += 1
+    assert checked >= 10

@@ -2,9 +2,9 @@
 
 A table is cached only when it holds together: one that contradicts itself (a narrower width dearer than a wider
 one: the load moved while it was timed) is timed again, up to TRIES times, and kept out of the cache if it still
-does. A cached table is timed again when it contradicts itself, lacks the rounds behind its values (an older
-cache), or disagrees with a few rounds timed now; and it is removed from the cache when the live AR rounds
-disagree with it (the policy's cost book, book.py), so the next start times it again."""
+does (and the file it replaces is removed). A cached table is timed again when it contradicts itself, lacks the
+rounds behind its values (an older cache), or disagrees with a few rounds timed now; and it leaves the cache when
+the live AR rounds run far cheaper (the policy's cost book, book.py), so the next start times it again."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
             ms = number_table(d.get("ms"), (Num(1, 4096, "jobs", whole=True), Num(0, 4096, "drafts", whole=True)),
                               Num(0, 1e9, "ms", above=True), str(path), "ms")   # out of range: re-timed below
             cached = CostTable.from_json({**d, "ms": ms}, f"cached {path}")
-            if not cached.counts or cached.contradiction():       # an older cache, or timed while the load moved
+            if "rounds" not in d or cached.contradiction():        # an older cache, or timed while the load moved
                 cached = None
         except (ToolkitError, ValueError, KeyError, TypeError, AttributeError):
             pass                                 # broken or foreign: time it again and overwrite
@@ -80,6 +80,7 @@ def cached_costs(key: str, measure: Callable[[], CostTable], folder: str | Path 
     table.timed_at = table.timed_at or time.time()
     if odd:
         table.source = f"timed now, not cached: {odd} in {TRIES} timings"
+        forget(path)                             # nor is a broken or stale file left for the next start
         return table
     table.source = f"timed now ({why})" if why else "timed now"
     try:
