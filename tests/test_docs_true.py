@@ -222,7 +222,8 @@ def test_every_time_and_size_a_page_or_help_shows_is_in_results_with_its_card():
     checked = 0
     for page, text in {**pages(), **help_texts()}.items():
         assert not VAGUE.search(text), f"{page}: {VAGUE.search(text).group(0)!r} is a time with no measurement"
-        for para in re.split(r"\n\s*\n", text):
+        text = re.sub(r"```.*?```|`[^`]*`", "", text, flags=re.S)          # commands and example messages aside
+        for para in re.split(r"\n\s*\n|\n(?=\d+\. |- |\| )", text):          # paragraphs, list items, table rows
             for m in MEASURE.finditer(para):
                 if m.group(0).lstrip("~") in known:
                     continue
