@@ -46,6 +46,18 @@ def pair_backend(pair):
 
 
 @pytest.fixture
+def steady_costs(monkeypatch):
+    """Tables timed on this machine count as steady: the tiny pair's few-ms rounds, timed on a loaded CPU, can
+    contradict themselves or disagree with the live rounds (such a table is timed again and not cached, or leaves the
+    cache: tested in test_policy_costs.py); the tests that take this fixture test the caching itself."""
+    from toolkit.costs.table import CostTable
+
+    monkeypatch.setattr(CostTable, "contradiction", lambda self: "")
+    monkeypatch.setattr("toolkit.costs.cache.forget", lambda path: None)
+    monkeypatch.setattr("toolkit.costs.cache.stale", lambda table, now: "")
+
+
+@pytest.fixture
 def interrupt_training(monkeypatch):
     """`with interrupt_training(step):` train_drafter stops with KeyboardInterrupt right after saving the checkpoint
     of `step` (expected inside the block), as a killed device call would; the real save comes back afterwards."""

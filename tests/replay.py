@@ -28,6 +28,7 @@ import random
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.benchmark.grid import job_list
@@ -45,10 +46,25 @@ def load(path: Path) -> dict:
     return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
 
 
+@dataclass(frozen=True)
+class Load:
+    """A busy machine: the table timed under load (each width's factor; -1: every other drafting width's), and a load
+    burst over rounds burst_from+1..burst_to of each slot (x `burst`, whatever the mode runs then)."""
+
+    table: dict = field(default_factory=dict)
+    burst_from: int = 0
+    burst_to: int = 0
+    burst: float = 1.0
+
+    def factor(self, w: int) -> float:
+        return self.table.get(w, self.table.get(-1, 1.0) if w else 1.0)
+
+
 class Costs:
     """Round ms per (jobs, width) drawn from traced rounds, plus a cost per emitted token beyond one per job."""
 
-    def __init__(self, data: dict, seed: int = 0, timed_noise: bool = False):
+    def __init__(self, data: dict, seed: int = 0, timed_noise: bool = False, load: Load | None = None):
+        self.load = load or Load()
         self.noise = data.get("noise") if timed_noise else None
         if timed_noise and not self.noise:
             raise ValueError("these costs carry no noise series")
@@ -102,6 +118,8 @@ class Costs:
             base = self.shape_median(jobs, w) * self.noise[self.k % len(self.noise)]
         else:
             base = self.rng.choice(self.shape(jobs, w))
+        if self.load.burst_from < self.k - self.origin <= self.load.burst_to:     # a load burst in the slot
+            base *= self.load.burst
         return base + self.per_token * extra_tokens
 
     def prefill_ms(self, c: int) -> float:
@@ -177,9 +195,11 @@ def replay_request(rows: list[dict], max_new: int, mode, costs: Costs, positions
 
 def start_table(costs: Costs, block_size: int) -> CostTable:
     """The calibration table the bench's `auto` cells started from (the bench records its whole curve: only the
-    widths calibration times are kept)."""
+    widths calibration times are kept), as timed under the scenario's load (Load.table)."""
     widths = calibration_widths(block_size)
-    return CostTable({c: {w: t for w, t in pts.items() if int(w) in widths} for c, pts in costs.start.items()})
+    return CostTable({c: {w: t * costs.load.factor(int(w)) for w, t in pts.items() if int(w) in widths}
+                      for c, pts in costs.start.items()},
+                     counts={c: {int(w): 5 for w in pts} for c, pts in costs.start.items()})
 
 
 def make_policy(costs: Costs, block_size: int, **kw) -> Policy:
@@ -192,12 +212,13 @@ Factory = Callable[[Costs, int], object]      # (costs, block size) -> a policy,
 
 def run_modes(lengths: dict, cost_data: dict, concurrency: list[int], modes: dict[str, int | Factory],
               reps: int = 10, seed: int = 0, host_ms: float = 0.05, policy_host_ms: float = 0.05,
-              spec_ar: float = 1.0, timed_noise: bool = False, fresh: bool = False) -> dict[int, dict[str, list[float]]]:
+              spec_ar: float = 1.0, timed_noise: bool = False, fresh: bool = False,
+              load: Load | None = None) -> dict[int, dict[str, list[float]]]:
     """tok/ms of every mode (a fixed width or a policy factory) per concurrency and repetition, interleaved rep by
     rep as the bench runs them (one policy per mode for every cell; with `fresh` a new one per request, as every
     `generate` run and app turn starts), each slot on common draws."""
     B, max_new, rows = lengths["block_size"], lengths["max_new_tokens"], lengths["prompts"]
-    costs = Costs(cost_data, seed, timed_noise)
+    costs = Costs(cost_data, seed, timed_noise, load)
     made = {m: f if isinstance(f, int) else f(costs, B) for m, f in modes.items()}
     got: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     slot = 0

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from tests import replay as R
 from toolkit.policy.chooser import DECAY, Policy
-from toolkit.policy.observed import RoundCosts
+from toolkit.costs.book import RoundCosts
 
 
 class Exl3Window:
@@ -202,6 +202,16 @@ class LearnsPrefillBlocks(Policy):
 
 
 ROWS["-prefill"] = ("- keeping exllamav3's prefill blocks from the policy (each learnt as a miss)", variant(LearnsPrefillBlocks))
+
+
+class UnscaledCosts(RoundCosts):
+    """The table's values as timed, whatever the live AR rounds say of the load it was timed under."""
+
+    def rescale(self, jobs, got):
+        return False
+
+
+ROWS["-scale"] = ("- scaling a table timed under heavier load to the live AR step", variant(costs=UnscaledCosts))
 
 
 def kept_costs(c: R.Costs, block_size: int) -> Policy:

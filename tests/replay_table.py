@@ -33,7 +33,11 @@ SCENARIOS = {"1206-1042": (FIRST4, "1206-1042", [1, 4, 8], False, 1.0, False),
              "1206-0952": (FIRST4, "1206-0952", [1], False, 1.0, False), "noisy": (FIRST4, "noisy", [1, 4, 8], True, 1.0, False),
              "1207": (FIRST4, "1207", [1, 4, 8], True, 1.0, False), "1207c": (FIRST4, "1207c", [1, 4, 8], True, 1.0, False),
              "useless": (USELESS, "1206-1042", [1, 4, 8], False, 1.2, False), "switch": (SWITCH, "1206-1042", [1], False, 1.0, False),
-             "drop": (DROP, "1206-1042", [4], False, 1.0, False), "fresh": (LENGTHS, "1206-1042", [1], False, 1.0, True)}
+             "drop": (DROP, "1206-1042", [4], False, 1.0, False), "fresh": (LENGTHS, "1206-1042", [1], False, 1.0, True),
+             "poisoned": (SWITCH, "1206-1042", [1], False, 1.0, False)}
+# a busy machine: `poisoned`'s table was timed under load (the AR step x5, drafting widths x5, the 1-draft round
+# x8: out of order), and a load burst (x4) meets the first rounds after the warm-up wave
+LOADS = {"poisoned": R.Load({0: 5.0, 1: 8.0, -1: 5.0}, burst_from=8, burst_to=12, burst=4.0)}
 FIXED = {"ar": 0, **{f"w{w}": w for w in (1, 3, 5, 7, 11, 15)}}     # the calibration's widths (timed, traced)
 COSTS = {name: R.load(R.DATA / f"costs_h100_{name}.json.gz") for name in {s[1] for s in SCENARIOS.values()}}
 
@@ -48,7 +52,8 @@ def draw(task: tuple[str, int, int]) -> dict:
     name, seed, reps = task
     lengths, costs, cs, noise, spec_ar, fresh = SCENARIOS[name]
     return R.ratios(R.run_modes(lengths, COSTS[costs], cs, {**FIXED, **_MODES}, reps=reps, seed=seed,
-                                timed_noise=noise, spec_ar=spec_ar, fresh=fresh), [m for m in FIXED if m != "ar"])
+                                timed_noise=noise, spec_ar=spec_ar, fresh=fresh, load=LOADS.get(name)),
+                    [m for m in FIXED if m != "ar"])
 
 
 def evaluate(modes: dict[str, int | R.Factory], scenarios: list[str] | None = None, seeds: int = 4,

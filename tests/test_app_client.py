@@ -18,7 +18,7 @@ from gradio_client.utils import Status  # noqa: E402
 
 from toolkit.app.models import Hardware, Loaded, ModelSpec, load  # noqa: E402
 from toolkit.app.ui import build_app, serve  # noqa: E402
-from toolkit.benchmark import lockstep  # noqa: E402
+from toolkit.benchmark import ratio  # noqa: E402
 
 OUT = ["chat", "box", "banner", "spec", "ar", "tau", "blocks", "acc", "hist", "message", "result"]
 
@@ -77,7 +77,7 @@ def test_block_auto_on_the_tiny_pair(real_app):
     banner = html.unescape(out["banner"])
     assert "block auto:" in banner and "block per round" in out["blocks"]
     drafted = sum(1 for r in steps if r["drafted"])    # a ratio only when enough rounds drafted, else none and why
-    if drafted >= lockstep.MIN_DRAFTED_ROUNDS and drafted >= lockstep.MIN_DRAFTED_SHARE * len(steps):
+    if drafted >= ratio.MIN_DRAFTED_ROUNDS and drafted >= ratio.MIN_DRAFTED_SHARE * len(steps):
         assert "×" in banner and res["speedup"] > 0
     else:
         assert "No speedup to report" in banner and "×" not in banner and res["speedup"] is None

@@ -1,5 +1,5 @@
-"""A turn as a visitor meets it: both runs in lockstep on a CPU, a ratio only when enough rounds drafted, every
-turn from the same policy state, what the policy learnt, Send busy while a turn runs, refusals that change only
+"""A turn as a visitor meets it: both runs in lockstep on a CPU, a ratio only when enough rounds drafted, what
+carries from turn to turn (and says so), what the policy learnt, Send busy while a turn runs, refusals that change only
 the message line."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from app_fakes import OUT, AutoFake, FakeBackend, run  # noqa: E402
 
 from toolkit.app.handlers import ChatHandler  # noqa: E402
 from toolkit.app.models import Loaded  # noqa: E402
-from toolkit.app.policy_view import PolicyStart, learnt_text  # noqa: E402
-from toolkit.benchmark import lockstep  # noqa: E402
+from toolkit.app.policy_view import SHARED, PolicyStart, learnt_text  # noqa: E402
+from toolkit.benchmark import lockstep, ratio  # noqa: E402
 from toolkit.policy.chooser import Policy  # noqa: E402
-from toolkit.runtime.events import Round  # noqa: E402
+from toolkit.runtime.events import NO_DRAFT, Round  # noqa: E402
 
 
 class OrderFake(FakeBackend):
@@ -79,11 +79,12 @@ def test_the_drafted_share_rule():
     def rounds(drafted: int, total: int) -> list[Round]:
         return [Round((), 0, 1, prefill=True)] + [Round((2,) if i < drafted else (), 0, 3) for i in range(total)]
 
-    assert lockstep.too_few_drafted(rounds(0, 50)) == lockstep.NO_DRAFT
-    assert "only 4 of 50 rounds" in lockstep.too_few_drafted(rounds(4, 50))
-    assert lockstep.too_few_drafted(rounds(5, 50)) is None                    # 1 in 10: a ratio
-    assert "only 2 of 4" in lockstep.too_few_drafted(rounds(2, 4))            # fewer than 3 drafted rounds
-    assert lockstep.too_few_drafted(rounds(3, 4)) is None
+    assert ratio.too_few_drafted(rounds(0, 50)) == NO_DRAFT
+    assert "only 4 of 50 rounds drafted, too few" in ratio.too_few_drafted(rounds(4, 50))
+    assert ratio.too_few_drafted(rounds(5, 50)) is None                       # 1 in 10: a ratio
+    assert "only 2 of 4" in ratio.too_few_drafted(rounds(2, 4))               # fewer than 3 drafted rounds
+    assert ratio.too_few_drafted(rounds(3, 4)) is None
+    assert "only 4 of 150 rounds drafted over 3 repetitions" in ratio.no_ratio(4, 150, reps=3)
 
 
 def test_timed_lockstep_alternates_and_times_each_side():
@@ -142,12 +143,27 @@ def test_every_turn_starts_from_the_start_up_policy(device):
 
 def test_the_page_says_what_the_policy_learnt():
     info = {"acceptance": [0.54, 0.28, 0.15, 0.07, 0.02], "proposals": 12, "round_ms": [36.0] + [50.0] * 14 + [113.0],
-            "best_block": 1}
+            "best_block": 1,
+            "costs": [{"block": 1, "ms": 36.2, "rounds": 32, "source": "live", "age_s": 1.0, "scale": 1.0},
+                      {"block": 16, "ms": 113.0, "rounds": 5, "source": "scaled", "age_s": 200.0, "scale": 0.17}]}
     text = learnt_text(info)
-    assert "positions 1-4: 54 %, 28 %, 15 %, 7 % (from 12 proposals)" in text
-    assert "a block-16 round costs 3.1 AR rounds (113 vs 36 ms)" in text and "plain AR (block 1)" in text
-    assert "every turn starts its acceptance afresh" in text
+    assert "positions 1-4: 54 %, 28 %, 15 %, 7 % (from 12 proposals)" in text and "plain AR (block 1)" in text
+    assert "block 1 (AR) 36 ms (median of 32 live rounds, newest 1 s ago)" in text
+    assert "block 16 113 ms (timed, median of 5 rounds, 3 min ago, x0.17 to the live AR rounds)" in text
+    assert text.endswith(SHARED)
     assert learnt_text(None) == "" and "still its prior" in learnt_text({**info, "proposals": 0, "best_block": 8})
+
+
+def test_the_page_and_its_footer_say_what_carries_and_it_does():
+    """The footer, the banner and docs/app.md say the same of what is shared; two visitors' turns show it: the round
+    costs are one book that grows over both, the acceptance starts over each turn."""
+    from toolkit.app.ui import build_app
+
+    assert "Round costs" not in SHARED and "round costs" in SHARED and "acceptance" in SHARED
+    assert SHARED in " ".join((Path(__file__).parents[1] / "docs" / "app.md").read_text().split())
+    demo = build_app(Loaded(FakeBackend(step_s=0)))
+    footer = [b.value for b in demo.blocks.values() if type(b).__name__ == "Markdown"]
+    assert any(SHARED in f for f in footer) and not any("same policy state" in f for f in footer)
 
 
 def test_a_real_auto_turn_shows_what_its_policy_learnt():
@@ -156,7 +172,8 @@ def test_a_real_auto_turn_shows_what_its_policy_learnt():
     from toolkit.runtime.torch_backend import TorchBackend
 
     be = TorchBackend.from_dirs(*tiny_pair())
-    be.costs = CostTable({1: {w: 10.0 + w for w in range(16)}}, source="given")   # no timing in a unit test
+    be.costs = CostTable({1: {w: 10.0 + w for w in range(16)}}, source="given",   # no timing in a unit test
+                         counts={1: {w: 5 for w in range(16)}})
     be.warm_up(be.encode("Hello"))
     start = pickle.dumps(be.policies)
     h = ChatHandler(Loaded(be, device="cpu", policy_start=PolicyStart(be)))
@@ -164,9 +181,16 @@ def test_a_real_auto_turn_shows_what_its_policy_learnt():
     assert pickle.dumps(be.policies) != start                                   # it learnt in the turn
     pol = last["result"]["policy"]
     assert len(pol["acceptance"]) == 15 and pol["proposals"] > 0 and len(pol["round_ms"]) == 16
-    assert "What the policy learnt this turn" in html.unescape(last["banner"])
+    assert [c["block"] for c in pol["costs"]] == list(range(1, 17)) and all(c["rounds"] for c in pol["costs"])
+    banner = html.unescape(last["banner"])
+    assert "What the policy knows after this turn" in banner and SHARED in banner and "median of" in banner
     learnt = {k: p.costs for k, p in be.policies.items()}
     assert learnt and all(c.seen for c in learnt.values())                     # it timed its rounds too
+    seen = {k: sum(map(len, c.seen.values())) for k, c in learnt.items()}
+    h2 = ChatHandler(h.loaded)                                                  # another visitor's turn
+    [dict(zip(OUT, o)) for o in h2.respond("json.dumps", [], "auto", 40, 0.0, 0, "", False)]
+    for k, p in be.policies.items():                                            # it started over on acceptance,
+        assert p.costs is learnt[k] and sum(map(len, p.costs.seen.values())) > seen[k]   # and added to the costs
     h.loaded.policy_start.restore(be)
     for k, p in be.policies.items():                                            # the next turn starts over,
         new = Policy(p.block_size, p.costs.table, learn_costs=p.costs.learn)

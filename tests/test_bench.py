@@ -353,5 +353,6 @@ def test_a_cell_that_never_drafted_has_no_speedup(capsys):
         {"concurrency": 1, "block_size": None, "speedup": 1.0}]
     print_table({"backend": "torch", "target": "t", "draft": "d", "reps": 2, "ar": ar, "cells": cells, "best": []})
     out = capsys.readouterr().out
-    assert "no draft" in out and "every round was plain AR" in out and "B=16 c=1: 0.90-1.10x" in out
+    assert "no ratio, auto c=1: every round was plain AR" in out and "B=16 c=1: 0.90-1.10x" in out
     assert "1.20x" not in out
+    assert fixed["speedup"] == pytest.approx(0.9) and fixed["pair"] == {"rep": 0, "tok_s": 45.0, "ar_tok_s": 50.0}

@@ -21,7 +21,7 @@ def curves_ok(costs: dict, concurrencies: set[str], widths: int) -> None:
             assert all(t > 0 for t in ms) and all(a <= b for a, b in zip(ms[1:], ms[2:]))
 
 
-def test_auto_cells_record_their_cost_curves_on_the_torch_backend(tmp_path, monkeypatch):
+def test_auto_cells_record_their_cost_curves_on_the_torch_backend(tmp_path, monkeypatch, steady_costs):
     monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path / "costs"))
     r = bench(BenchOptions(backend="torch", block_sizes=["auto", 4], concurrency=[1], max_new_tokens=8, limit=2,
               out=str(tmp_path / "o"), warmup=False, quiet=True))

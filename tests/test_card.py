@@ -251,7 +251,7 @@ def test_card_without_upstream_readme_says_so(tmp_path):
     assert "holds no README.md" in original and f"(https://huggingface.co/{report['model']})" in original
     assert "upstream model card is reproduced" not in card.text
     assert "names no license" in card.text and f"[LICENSE](https://huggingface.co/{report['model']}/blob/main/LICENSE)" in card.text
-    assert "**exllamav3 version: unknown.**" in card.text and "Requires exllamav3" not in card.text
+    assert "**exllamav3 version: none recorded.**" in card.text and "Requires exllamav3" not in card.text
     (tabby,) = yaml_blocks(card.text)
     assert "draft_num_tokens" not in tabby["draft_model"] and "num_draft_tokens" not in card.text
     assert "recommends no draft length" in card.text

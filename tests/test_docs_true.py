@@ -148,3 +148,88 @@ def test_app_md_lists_the_keys_of_a_turns_json():
     text = (ROOT / "docs/app.md").read_text().split("the turn as JSON:", 1)[1].split("; each round has", 1)[0]
     documented = set(re.findall(r"`(\w+)`", text.split("(under `auto`", 1)[0] + text.split("else null)", 1)[1]))
     assert set(result) == documented, (set(result) - documented, documented - set(result))
+
+
+def test_generated_files_state_only_what_is_so(tmp_path, capsys):
+    """The Space's README stands alone (a Space holds none of the docs), the export says what it copied and how big
+    it is, and a report names exllamav3's version only when exllamav3 made or measured something."""
+    from toolkit.hub import space
+    from toolkit.hub.howto import requires_line
+    from toolkit.quant.report import build_report
+    from toolkit.space import main
+
+    for hw in ("cpu-basic", "l4x1", "zero-a10g"):
+        lines = space.requirements(hw) if not hw.startswith("l4") else ["torch==2.8.0+cu128"]
+        assert "docs/" not in space.readme(hw, None, None, "T", "3.11", lines)
+        assert "docs/" not in space.readme(hw, "USER/T", "USER/D", "T", "3.11", lines)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+    (draft / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    capsys.readouterr()
+    space.export(str(tmp_path / "s"), target="USER/T@main", draft=str(draft), hardware="cpu-basic")
+    assert re.search(r"; the draft folder copied into it, 2\.0 MB\)", capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    assert "copied whole into the Space" in capsys.readouterr().out
+    report = build_report("m", None, None, 16, 1, None, None, 0, [])
+    assert report["exllamav3_version"] is None and "made and measured with" not in requires_line(report)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "smollm2"])
+def test_the_screenshots_show_todays_page(kind):
+    """Each screenshot in docs/ was made by the browser test from the page as it is today (its stamp matches the
+    page text the page shows now); a header, legend or footer changed since means: run the command again."""
+    from screenshots import REGENERATE, SHOTS, fingerprint, stamped
+
+    assert stamped(SHOTS[kind]) == fingerprint(kind), f"{SHOTS[kind].name} shows an older page: {REGENERATE[kind]}"
+    assert REGENERATE[kind] in (ROOT / "docs" / "app.md").read_text().replace("\n", " ")
+
+
+COMMANDS = ("bench", "card", "demo", "eval_tau", "fixtures", "generate", "pad", "preview_run", "push", "quantize",
+            "space", "synth", "tiny_pair", "train_drafter")
+MEASURE = re.compile(r"(?<![\w.])~?(\d[\d,]*(?:\.\d+)?(?:-\d+(?:\.\d+)?)?)\s?(?:ms|s|seconds?|minutes?|min|hours?|GiB|GB|MiB|MB)\b")
+VAGUE = re.compile(r"a minute or two|half a minute|a few (?:seconds|minutes)|(?<!delay )in seconds|\((?:seconds|minutes)\)|"
+                   r"(?<!--)minutes\)|about \w+ minutes")
+
+
+def settings() -> dict[str, float]:
+    """Numbers with a unit that pages quote as settings of the code, not measurements: each checked against it."""
+    from toolkit.app.handlers import UI_INTERVAL
+
+    return {f"{UI_INTERVAL:g} s": UI_INTERVAL}
+
+
+def help_texts() -> dict[str, str]:
+    import contextlib
+    import importlib
+    import io
+
+    out = {}
+    for name in COMMANDS:
+        buf = io.StringIO()
+        for argv in (["--help"], ["export", "--help"]) if name == "space" else (["--help"],):
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), contextlib.suppress(SystemExit):
+                importlib.import_module(f"toolkit.{name}").main(argv)
+        out[f"--help of {name}"] = buf.getvalue()
+    return out
+
+
+def test_every_time_and_size_a_page_or_help_shows_is_in_results_with_its_card():
+    """Times and sizes, like ratios, come from a row of docs/results.md (the card, or the CPU and its load); a time
+    said in words ("a minute or two") has none, so no page says one."""
+    sections, known = result_sections(), settings()
+    checked = 0
+    for page, text in {**pages(), **help_texts()}.items():
+        assert not VAGUE.search(text), f"{page}: {VAGUE.search(text).group(0)!r} is a time with no measurement"
+        text = re.sub(r"```.*?```|`[^`]*`", "", text, flags=re.S)          # commands and example messages aside
+        for para in re.split(r"\n\s*\n|\n(?=\d+\. |- |\| )", text):          # paragraphs, list items, table rows
+            for m in MEASURE.finditer(para):
+                if m.group(0).lstrip("~") in known:
+                    continue
+                where = [s for s in sections if re.search(rf"(?<![\d.]){re.escape(m.group(1))}(?![\d])", s)]
+                assert where, f"{page}: {m.group(0)} is not in docs/results.md"
+                for card in (c for c in CARDS if c in para):
+                    assert any(card in s for s in where), f"{page}: {m.group(0)} on {card}, but results.md has it elsewhere"
+                checked += 1
+    assert checked >= 10

@@ -1,6 +1,7 @@
 """The generate CLI's JSON contract and its one-line errors, run as a user would run it."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -117,14 +118,18 @@ def test_drafting_run_reports_the_median_ratio_and_its_spread(monkeypatch, capsy
     assert res["speedup_reason"] is None and sp["n"] == 3 and sp["min"] <= res["speedup"] <= sp["max"]
     ratios = sorted(s / a for s, a in zip(res["tok_s_reps"], res["ar_tok_s_reps"]))
     assert res["speedup"] == pytest.approx(ratios[1])                  # the median of the paired ratios
-    assert "over 3 lockstep runs" in capsys.readouterr().err and res["lockstep"]      # the torch backend on a CPU
+    assert res["tok_s"] / res["ar_tok_s"] == pytest.approx(res["speedup"])   # the rates beside it are that pair's
+    err = capsys.readouterr().err
+    assert "the median of 3 lockstep pairs" in err and res["lockstep"]       # the torch backend on a CPU
+    shown = [float(x) for x in re.findall(r"([\d.]+) tok/s", err)]
+    assert shown[0] / shown[1] == pytest.approx(res["speedup"], rel=0.02) and "of repetition" in err
     from toolkit.runtime.backend import Capabilities
 
     gpu_be = FakeBackend(answer_len=40)
     gpu_be.caps = Capabilities(batching=True, gpu_only=True)                  # an engine that runs on a GPU only
     monkeypatch.setattr(gen, "load", lambda *a, **k: gpu_be)
     gpu = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=2, backend="exllamav3")
-    assert gpu["lockstep"] is False and "over 2 alternating runs" in capsys.readouterr().err
+    assert gpu["lockstep"] is False and "the median of 2 alternating pairs" in capsys.readouterr().err
     monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(answer_len=40))
     one = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=1)
     assert one["speedup_spread"] is None and "no spread measured" in capsys.readouterr().err

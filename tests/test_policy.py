@@ -182,7 +182,7 @@ def test_cost_cache_round_trip_and_corrupt_file(tmp_path, monkeypatch):
 
     def measure():
         calls.append(1)
-        return CostTable({1: {0: 1.5, 3: 4.0}}, device="test")
+        return CostTable({1: {0: 1.5, 3: 4.0}}, device="test", counts={1: {0: 5, 3: 5}})
 
     monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path / "c"))
     assert cost_dir() == tmp_path / "c"
@@ -202,7 +202,7 @@ def test_a_cached_table_that_no_longer_holds_is_timed_again(tmp_path):
 
     def measure():
         calls.append(1)
-        return CostTable({1: {0: 10.0, 15: 30.0}})
+        return CostTable({1: {0: 10.0, 15: 30.0}}, counts={1: {0: 5, 15: 5}})
 
     cached_costs("k", measure, tmp_path)
     same = cached_costs("k", measure, tmp_path, check=lambda: {1: {0: 12.0, 15: 22.0}})      # within x1.5: kept

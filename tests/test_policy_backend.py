@@ -74,7 +74,8 @@ def test_gen_settings_block_size_is_auto_or_a_fixed_block():
             GenSettings(block_size=bad)
 
 
-def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pair_backend, tmp_path, monkeypatch):
+def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pair_backend, tmp_path, monkeypatch,
+                                                                       steady_costs):
     from toolkit.runtime.backend import GenSettings
     monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path))
     be = fresh_backend(pair_backend, pair)
@@ -173,7 +174,8 @@ def test_the_ar_baseline_never_touches_the_drafter(pair, pair_backend, monkeypat
     assert len(rounds) == len(tokens_of(rounds)) and seen and not any(seen) and not be.policies
 
 
-def test_the_cost_source_is_reported_and_retiming_skips_the_cache(pair, pair_backend, tmp_path, monkeypatch):
+def test_the_cost_source_is_reported_and_retiming_skips_the_cache(pair, pair_backend, tmp_path, monkeypatch,
+                                                                  steady_costs):
     import toolkit.costs.cache as cost_cache
     from toolkit.runtime.backend import GenSettings
 

@@ -13,7 +13,7 @@ from toolkit.runtime.events import Round, ar_verdict, tokens_of
 from toolkit.runtime.loop import decode
 from toolkit.policy.chooser import CARRY, MIN_GAP, PROBE_BUDGET, Policy
 from toolkit.costs.table import CostTable
-from toolkit.policy.observed import MIN_SEEN
+from toolkit.costs.book import KEEP, MIN_SEEN
 from toolkit.runtime.sampling import Sampler
 
 B = 16
@@ -96,6 +96,63 @@ def test_a_given_table_is_taken_as_is_and_slow_rounds_move_a_learnt_one_little()
     assert q.costs.curve(1)[0] == pytest.approx(10.0)             # the median of the recent rounds
     feed(q, 7, 30.0, n=MIN_SEEN - 1)
     assert q.costs.curve(1)[7] == pytest.approx(12.7)             # the table's until a width was seen MIN_SEEN times
+
+
+def test_a_poisoned_table_and_a_probe_under_a_load_burst_recover():
+    """The table timed under load (the AR step 770 ms, the 1-draft round dearer than the 15-draft one: it contradicts
+    itself), live AR rounds at 130 ms, and the first probe slowed by a burst (3306 ms): the live AR rounds scale the
+    table to the machine's load, the slow probe is one round of the MIN_SEEN a cost needs, and drafting resumes
+    with every cost in use a median of several rounds."""
+    poisoned = CostTable({1: {0: 770.0, 1: 4032.0, 2: 2700.0, 3: 2750.0, 4: 2760.0, 8: 2790.0, 15: 2825.0}},
+                         counts={1: {w: 5 for w in (0, 1, 2, 3, 4, 8, 15)}})
+    assert "the 1-draft round took 4.03e+03 ms, more than the 2-draft round" in poisoned.contradiction()
+    true = {0: 130.0, 1: 180.0, 2: 190.0, 3: 200.0, 4: 210.0, 8: 250.0, 15: 330.0}   # drafting 1.4-2.5 AR steps
+
+    def run(p: Policy) -> list[int]:
+        widths: list[int] = []
+        for _ in range(300):
+            widths.append(p.width())                              # the drafter is right 3 positions out of 15
+            feed(p, widths[-1], 3306.0 if widths[-1] and not any(widths[:-1]) else true[widths[-1]], accepted=3)
+        return widths
+
+    p = started(B, poisoned, learn_costs=True)
+    widths = run(p)
+    probes = [i for i, w in enumerate(widths) if w]
+    assert probes[0] == 0 and p.costs.scale[1] == pytest.approx(130 / 770)          # the burst probe, then scaled
+    assert all(widths[-100:])                                     # drafting again, every round of the last 100
+    book = {c.width: c for c in p.costs.book(1)}
+    assert book[0].source == "live" and book[0].rounds == KEEP and book[0].ms == pytest.approx(130.0)
+    assert book[15].source == "live" and book[15].ms == pytest.approx(330.0)        # the burst: 1 round of many
+    assert book[2].source == "scaled" and book[2].rounds == 5 and book[2].ms == pytest.approx(2700 * 130 / 770)
+    assert "its AR step took 770 ms, the live AR rounds 130 ms: scaled to them" in p.costs.table.source
+
+    unscaled = started(B, poisoned, learn_costs=True)             # the table as timed beside live AR rounds:
+    unscaled.costs.rescale = lambda jobs, got: False                   # the burst probe is the last one
+    assert [i for i, w in enumerate(run(unscaled)) if w] == [0]
+
+
+def test_a_table_that_contradicts_itself_is_timed_again_and_a_disagreeing_one_leaves_the_cache(tmp_path):
+    from toolkit.costs.cache import TRIES, cached_costs
+
+    timings = iter([{0: 10.0, 1: 50.0, 15: 30.0}] * TRIES + [{0: 10.0, 1: 12.0, 15: 30.0}])
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return CostTable({1: next(timings)}, counts={1: {0: 5, 1: 5, 15: 5}})
+
+    odd = cached_costs("k", measure, tmp_path)
+    assert len(calls) == TRIES and not (tmp_path / "k.json").exists()          # out of order every time: not kept
+    assert odd.source.startswith("timed now, not cached: the 1-draft round took 50 ms, more than the 15-draft")
+    good = cached_costs("k", measure, tmp_path)
+    assert (tmp_path / "k.json").is_file() and good.source == "timed now" and good.timed_at is not None
+    again = cached_costs("k", measure, tmp_path)
+    assert again.source.startswith("cached") and again.counts == {1: {0: 5, 1: 5, 15: 5}}
+    p = started(B, again, learn_costs=True)
+    feed(p, 0, 40.0, n=MIN_SEEN)                                  # the moment's load (4x): the table holds
+    assert (tmp_path / "k.json").exists() and p.costs.scale.get(1, 1.0) == 1.0
+    feed(p, 0, 2.5, n=KEEP)                                       # 4x cheaper: it was timed under heavier load
+    assert not (tmp_path / "k.json").exists() and p.costs.scale[1] == pytest.approx(0.25)
 
 
 def test_probe_spacing_is_net_of_expected_tokens_and_follows_learnt_costs():

@@ -52,3 +52,13 @@ def test_without_shapes_a_missing_model_is_still_one_error_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "toolkit.quantize", "--model", "nobody/Nothing-DFlash", "--dry-run"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --model: nobody/Nothing-DFlash")
+
+
+def test_a_plan_without_the_targets_weights_never_says_it_fits():
+    from toolkit.quant import memory as mem
+    from toolkit.quant.offline import config_weights
+
+    assert config_weights({"model_type": "nothing-known"}, "hf") is None
+    text = mem.format_memory([mem.Need("target", {"target weights": 0})], weights_known=False)
+    assert "fits" not in text.replace("whether it fits", "") and "whether it fits a 24 GB card is not known" in text
+    assert " fits a 24 GB card" in mem.format_memory([mem.Need("target", {"target weights": 0})])

@@ -14,9 +14,11 @@ bench.png into --out; each cell of bench.json holds its tok/s per repetition ("t
 learned at the cell's end (on exllamav3 also the rounds observed per width and "new_shape_excess_ms", what a
 new (jobs, width) shape's warm-up rounds took beyond steady ones), and "auto_over_best_fixed": its tok/s over
 the best fixed block's (by median) in each repetition, paired because both ran in it (median, min-max printed).
-A cell whose rounds never drafted (an `auto` cell the policy ran
-all as plain AR) reports no speedup: "speedup" is null and "speedup_reason" says why; every other cell with more than
-one repetition has "spread"."speedup", its per-repetition ratios to AR (both ran in the repetition) as min/max.
+Speedups follow the one ratio rule of generate and the app
+(benchmark/ratio.py): a cell where fewer than 1 decode round in 10 drafted over all repetitions (an `auto` cell the
+policy ran as plain AR) has none ("speedup" null, "speedup_reason" says why); every other cell's is the ratio of
+the repetition with the median spec/AR ratio ("pair": that repetition and its two tok/s, printed beside it), with
+"spread"."speedup" the min-max over the repetitions.
 Without --target/--draft it uses the shipped tiny pair. On the torch backend jobs run one after another (it has
 no batching): use it for small models.
 """
@@ -36,7 +38,7 @@ from .core.cli import check_values, entry, like, option, run
 from .core.errors import OptionError, ToolkitError
 from .core.folders import atomic_dir, claim
 from .runtime.backend import GenSettings
-from .runtime.events import NO_DRAFT
+from .benchmark import ratio
 from .benchmark.grid import (  # noqa: F401
     Cell,
     best_per_concurrency,
@@ -84,14 +86,18 @@ def print_table(result: dict, file=None) -> None:
           + (" | timing only (synthetic weights: no tau, no losslessness)" if timing else ""), file=file)
     print(f"{'B':>4} {'conc':>5} {'tau':>6} {'spec tok/s':>11} {'AR tok/s':>10} {'speedup':>8} {'lossless':>9}  "
           "t_round ms | t_AR ms | widths | accept per position", file=file)
+    if reps > 1:
+        print("spec tok/s, AR tok/s and speedup: the repetition whose spec/AR ratio is the median (bench.json's "
+              "\"pair\"; its \"tok_s\" is the median of the cell's own)", file=file)
     for c in result["cells"]:
         loss = "-" if c["lossless"] is None else f"{c['lossless']:.0%}"
-        speed = "no draft" if c["speedup"] is None else f"{c['speedup']:.2f}x"
+        speed = "none" if c["speedup"] is None else f"{c['speedup']:.2f}x"
+        pair = c.get("pair") or {"tok_s": c["tok_s"], "ar_tok_s": ar[c["concurrency"]]["tok_s"]}
         tau = "-" if c["tau"] is None else f"{c['tau']:.2f}"
         acc = " ".join(f"{a:.2f}" for a in c["accept_per_position"])
         B = c["block_size"]
         widths = ",".join(f"{w}:{n}" for w, n in c.get("width_histogram", {}).items()) if B == "auto" else ""
-        print(f"{B:>4} {c['concurrency']:>5} {tau:>6} {c['tok_s']:>11.1f} {ar[c['concurrency']]['tok_s']:>10.1f} "
+        print(f"{B:>4} {c['concurrency']:>5} {tau:>6} {pair['tok_s']:>11.1f} {pair['ar_tok_s']:>10.1f} "
               f"{speed:>8} {loss:>9}  {span(c, 'round_ms', '{:.2f}')} | {span(c, 't_ar_ms', '{:.2f}')} | "
               f"{widths} | {acc}" + (f"  [{c['lever']}]" if c.get("lever") else ""), file=file)
     print_ratio_notes(result, file)
@@ -108,8 +114,9 @@ def print_table(result: dict, file=None) -> None:
 
 def print_ratio_notes(result: dict, file) -> None:
     """Why a cell shows no speedup, and how far each speedup moved between repetitions (or that it was not measured)."""
-    if any(c["speedup"] is None for c in result["cells"]):
-        print(f"no draft: {NO_DRAFT}", file=file)
+    for c in result["cells"]:
+        if c["speedup"] is None:
+            print(f"no ratio, {setting_name(c)} c={c['concurrency']}: {c.get('speedup_reason')}", file=file)
     spreads = [f"{setting_name(c)} c={c['concurrency']}: {sp['min']:.2f}-{sp['max']:.2f}x"
                for c in result["cells"] if (sp := c.get("spread", {}).get("speedup"))]
     if spreads:
@@ -120,17 +127,22 @@ def print_ratio_notes(result: dict, file) -> None:
 
 
 def mark_ratios(ar_cells: list[dict], cells: list[dict]) -> None:
-    """No speedup (null, with the reason) for a cell that drafted in no round; the per-repetition speedups' min-max
-    in "spread" for the others (each repetition ran the cell and its AR cell back to back)."""
+    """Each cell's speedup by the one ratio rule (benchmark/ratio.py): none, with the reason, when too few of its
+    decode rounds drafted over all repetitions; else the ratio of the repetition with the median spec/AR ratio
+    (both ran in it), whose tok/s go in "pair", and the min-max over the repetitions in "spread"."""
     ar = {a["concurrency"]: a for a in ar_cells}
     for c in cells:
-        if not any(int(w) and n for w, n in c.get("width_histogram", {}).items()):
-            c.update(speedup=None, speedup_reason=NO_DRAFT)
-            continue
-        ratios = [s / a for s, a in zip(c["tok_s_reps"], ar[c["concurrency"]]["tok_s_reps"]) if a > 0]
-        if len(ratios) > 1:
-            c.setdefault("spread", {})["speedup"] = {"min": min(ratios), "max": max(ratios), "n": len(ratios),
-                                                      "ratios": ratios}
+        hist, reps = c.get("width_histogram", {}), len(c["tok_s_reps"])
+        why = ratio.no_ratio(sum(n for w, n in hist.items() if int(w)), sum(hist.values()), reps)
+        ar_reps = ar[c["concurrency"]]["tok_s_reps"]
+        speed = ratio.paired(c["tok_s_reps"], ar_reps, why)
+        c.update(speedup=speed.value, speedup_reason=speed.reason)
+        k = ratio.median_pair(c["tok_s_reps"], ar_reps)
+        if k is not None:
+            c["pair"] = {"rep": k, "tok_s": c["tok_s_reps"][k], "ar_tok_s": ar_reps[k]}
+        if speed.low is not None:
+            ratios = [s / a for s, a in zip(c["tok_s_reps"], ar_reps) if s > 0 and a > 0]
+            c.setdefault("spread", {})["speedup"] = {"min": speed.low, "max": speed.high, "n": speed.n, "ratios": ratios}
 
 
 def paired_ratio(p: dict) -> str:

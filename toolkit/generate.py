@@ -3,10 +3,11 @@
 With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU.
 The --json output is a stable contract (docs/generate.md): tokens, text, rounds, tau, tok_s, and with
 --compare-ar also ar_tokens, ar_tok_s, speedup (null, with speedup_reason, when fewer than 1 round in 10
-drafted), speedup_spread, lossless, lockstep. --block-size auto (the default) lets the drafting policy pick each
+drafted over all repetitions), speedup_spread, lossless, lockstep. --block-size auto (the default) lets the drafting policy pick each
 round's verify width (0 = a plain AR round); a number N verifies N-1 drafts every round. With --compare-ar the
 speculative and AR decodes run --reps times each, in lockstep on a CPU (one round of each in turn), one after the
-other on a GPU; the speedup is the median of the paired ratios, with their min-max.
+other on a GPU; the speedup is the ratio of the median pair, with the min-max of all (benchmark/ratio.py), and
+the tokens, rounds and tok/s reported are that pair's.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from .core.cli import entry, like, option
 from .core.cli import run as run_cli_options
 from .core.errors import ToolkitError
 from .runtime.backend import Backend, GenSettings
-from .benchmark import lockstep
-from .runtime.events import Round, Speedup, Summary, ar_verdict, paired_speedup, summarize, tokens_of
+from .benchmark import lockstep, ratio
+from .runtime.events import Round, Speedup, Summary, ar_verdict, summarize, tokens_of
 from .runtime.factory import load_backend
 from .runtime.registry import BACKENDS
 from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
@@ -66,14 +67,17 @@ def decode_runs(be: Backend, ids: list[int], settings: GenSettings, compare_ar: 
 
 
 def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, system: str | None,
-        raw: bool, reps: int = 1, paired: bool = False) -> tuple[dict, Summary]:
+        raw: bool, reps: int = 1, paired: bool = False) -> tuple[dict, Summary, int]:
     """Decode the prompt speculatively (and with compare_ar plain AR too, `reps` pairs, in lockstep when `paired`);
-    the JSON-contract dict and its summary (of the first speculative run)."""
+    the JSON-contract dict, its summary and the index of the repetition both describe: the pair the speedup is the
+    ratio of (benchmark/ratio.py: the median one), the first without compare_ar."""
     ids = be.raw_encode(prompt) if raw else be.encode(prompt, system=system)
     be.check_prompts([ids], settings.max_new_tokens)       # the real length, not the warm-up's 4 tokens
     be.warm_up(ids, settings, (True, False) if compare_ar else (True,))   # outside the clock: a fair comparison
     spec_runs, ar_runs = decode_runs(be, ids, settings, compare_ar, reps, paired)
-    rounds, secs = spec_runs[0]
+    speed = compare_speed(spec_runs, ar_runs) if compare_ar else None
+    k = pair_of(spec_runs, ar_runs) if compare_ar else 0
+    rounds, secs = spec_runs[k]
     toks = tokens_of(rounds)
     s = summarize(rounds, secs)
     result = {
@@ -84,18 +88,31 @@ def run(be: Backend, prompt: str, settings: GenSettings, compare_ar: bool, syste
         "costs": be.cost_source() if settings.auto else None,
     }
     if compare_ar:
-        result.update(compare(spec_runs, ar_runs, paired))
-    return result, s
+        result.update(compare(spec_runs, ar_runs, paired, speed, k))
+    return result, s, k
 
 
-def compare(spec_runs: Runs, ar_runs: Runs, paired: bool) -> dict:
-    """The AR keys of the JSON contract: the speedup (the median of the paired ratios) with its spread, none when
-    too few rounds drafted for a ratio to measure drafting; lossless over every run."""
-    rate = lambda run: len(tokens_of(run[0])) / run[1] if run[1] > 0 else 0.0  # noqa: E731
-    why = lockstep.too_few_drafted([r for rounds, _ in spec_runs for r in rounds])
-    speed = Speedup(None, why) if why else paired_speedup([rate(r) for r in spec_runs], [rate(r) for r in ar_runs], True)
-    ar = tokens_of(ar_runs[0][0])
-    return {"ar_tokens": ar, "ar_tok_s": rate(ar_runs[0]), "ar_seconds": ar_runs[0][1], **speed.to_json(),
+def rate(run: tuple[list[Round], float]) -> float:
+    return len(tokens_of(run[0])) / run[1] if run[1] > 0 else 0.0
+
+
+def compare_speed(spec_runs: Runs, ar_runs: Runs) -> Speedup:
+    """The speedup by the one ratio rule (benchmark/ratio.py): drafted rounds counted over every repetition, the
+    ratio of the median pair."""
+    why = ratio.too_few_drafted([r for rounds, _ in spec_runs for r in rounds], len(spec_runs))
+    return ratio.paired([rate(r) for r in spec_runs], [rate(r) for r in ar_runs], why)
+
+
+def pair_of(spec_runs: Runs, ar_runs: Runs) -> int:
+    """The repetition reported: the one with the median spec/AR ratio (the first when none has a ratio)."""
+    k = ratio.median_pair([rate(r) for r in spec_runs], [rate(r) for r in ar_runs])
+    return 0 if k is None else k
+
+
+def compare(spec_runs: Runs, ar_runs: Runs, paired: bool, speed: Speedup, k: int) -> dict:
+    """The AR keys of the JSON contract, of repetition `k` beside the speedup; lossless over every run."""
+    ar = tokens_of(ar_runs[k][0])
+    return {"ar_tokens": ar, "ar_tok_s": rate(ar_runs[k]), "ar_seconds": ar_runs[k][1], **speed.to_json(),
             "tok_s_reps": [rate(r) for r in spec_runs], "ar_tok_s_reps": [rate(r) for r in ar_runs],
             "lossless": all(tokens_of(rounds) == ar for rounds, _ in spec_runs + ar_runs), "lockstep": paired}
 
@@ -137,7 +154,7 @@ def generate(
     be.retime_costs = retime_costs
     paired = not be.caps.gpu_only and (device or "cpu") == "cpu"  # a CPU: load moves a run more than drafting does
     try:
-        result, s = run(be, prompt, settings, compare_ar, system, raw, reps, paired)
+        result, s, k = run(be, prompt, settings, compare_ar, system, raw, reps, paired)
     finally:
         be.close()
     if json_out:
@@ -145,11 +162,15 @@ def generate(
     else:
         print(result["text"])
         steps = sum(1 for r in result["rounds"] if not r["prefill"])
+        reps_n = len(result.get("tok_s_reps") or [1])
+        which = (f" (both of repetition {k + 1} of {reps_n}, the pair the speedup is the ratio of)"
+                 if compare_ar and reps_n > 1 else "")
         line = (f"\n[{be.name}] {len(result['tokens'])} tokens, {s.rounds} speculative round{'s' if s.rounds != 1 else ''}"
                 + (f" of {steps} (block auto; the rest plain AR)" if settings.auto else "")
                 + f", tau {s.tau:.2f}, {s.tok_s:.1f} tok/s")
         if compare_ar:
-            line += f"; AR {result['ar_tok_s']:.1f} tok/s; speedup {speed_text(result)}; lossless {result['lossless']}"
+            line += (f"; AR {result['ar_tok_s']:.1f} tok/s{which}; speedup {speed_text(result)}; "
+                     f"lossless {result['lossless']}")
         verdict = ar_verdict(steps - s.rounds, s.rounds) if settings.auto else ""
         costs = f"\n[{be.name}] round costs: {result['costs']} (--retime-costs times them again)" if result["costs"] else ""
         print(line + costs + (f"\n[{be.name}] {verdict}" if verdict else ""), file=sys.stderr)
@@ -163,7 +184,7 @@ def speed_text(result: dict) -> str:
     sp, how = result.get("speedup_spread"), "lockstep" if result.get("lockstep") else "alternating"
     if not sp:
         return f"{result['speedup']:.2f}x (one {how} run of each: no spread measured; --reps 3 or more measures it)"
-    return f"{result['speedup']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f}x over {sp['n']} {how} runs)"
+    return f"{result['speedup']:.2f}x (the median of {sp['n']} {how} pairs; {sp['min']:.2f}-{sp['max']:.2f}x over them)"
 
 
 @dataclass
@@ -180,8 +201,8 @@ class GenerateOptions:
     backend: str = option("torch", choices=list(BACKENDS))
     compare_ar: bool = option(False, "also decode plain AR on the same target; report speedup and lossless")
     reps: int = option(3, "with --compare-ar: this many speculative and AR decodes, in pairs (on a CPU each pair in "
-                       "lockstep: one round of each in turn); the speedup is the median of the paired ratios, printed "
-                       "with their min-max (default 3)", lo=1, hi=10**6)
+                       "lockstep: one round of each in turn); the speedup is the ratio of the pair with the median one, "
+                       "printed with that pair's tok/s and the min-max of all (default 3)", lo=1, hi=10**6)
     system: str | None = option(None, "system prompt")
     raw: bool = option(False, "tokenize the prompt as is, without the chat template")
     device: str | None = option(None, "torch device for the torch backend (default cpu)", kind="device")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class PreviewOptions:
     out: str = option(help="the run folder to write (report.json, report.md, one folder per bitrate, the cards)")
-    pair: str = option("tiny", "the shipped tiny pair (seconds), or the SmolLM2 demo pair (minutes)",
+    pair: str = option("tiny", "the shipped tiny pair, or the SmolLM2 demo pair (after python -m toolkit.demo prepare)",
                        choices=["tiny", "smollm2"])
     bits: str = option("3.0,4.0", "comma-separated bitrates, each 1-8")
     force: bool = option(False, "replace an existing --out once the new run is complete")

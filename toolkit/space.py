@@ -11,8 +11,11 @@ from .hub.space import CUDA_VERSION, HARDWARE, PYTHON_VERSION, TORCH_VERSION, __
 @dataclass
 class ExportOptions:
     dir: str = option(help="folder to write (must be empty or absent unless --force)", positional=True)
-    target: str | None = option(None, "target model Hub id the Space loads, REPO or REPO@REVISION (default: the embedded demo)")
-    draft: str | None = option(None, "DFlash drafter Hub id (with --target), REPO or REPO@REVISION")
+    target: str | None = option(None, "target model the Space loads: a Hub id REPO[@REVISION], fetched when the Space "
+                                "starts, or a local folder, copied whole into the Space (the export prints its size; "
+                                "default: the embedded demo)")
+    draft: str | None = option(None, "DFlash drafter (with --target): a Hub id REPO[@REVISION], or a local folder, "
+                               "copied whole into the Space")
     hardware: str = option("l4x1", "suggested_hardware; cpu-* leaves exllamav3 out, zero-* runs the torch backend under "
                            "@spaces.GPU, GPU hardware installs exllamav3's prebuilt wheel", choices=HARDWARE)
     backend: str = option("auto", "auto, torch or exllamav3; torch installs no exllamav3")

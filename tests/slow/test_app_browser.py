@@ -1,13 +1,13 @@
 """Real browser: Debian chromium driven by Playwright against the CPU app on the tiny pair: a short answer at the
 default block size auto, with a policy that never drafts (all plain AR: no ratio shown), then one at a fixed B = 16 (a
 lockstep ratio with its spread, coloured tokens, popups), at a desktop width and at a phone's; an auto answer with
-one drafted round (no verdict); a visitor's second turn (its prompt the whole conversation), and another visitor's
-first, from the same policy state; Send during a turn (disabled; Enter keeps the prompt) and an empty Send (nothing
-changes).
+one drafted round (no verdict); a visitor's second turn, and another visitor's first, each with its acceptance
+afresh and the round costs of the turns before; Send during a turn (disabled; Enter keeps the prompt) and an empty
+Send (nothing changes).
 
-Needs `apt-get install chromium` (no `playwright install`). Set DFLASH_SCREENSHOT=docs/img/screenshot.png to refresh
-the docs screenshot from this run; with DFLASH_DEMO=smollm2 the same test runs on the SmolLM2 demo pair
-(DFLASH_SCREENSHOT=docs/img/screenshot_smollm2.png refreshes that one).
+Needs `apt-get install chromium` (no `playwright install`). The docs' screenshots come from this test's run of the
+page (tests/screenshots.py has the commands; DFLASH_SCREENSHOT names the file, DFLASH_DEMO=smollm2 runs the SmolLM2
+demo pair): each is stamped with the page text it shows, which tests/test_docs_true.py checks against today's.
 """
 
 from __future__ import annotations
@@ -113,8 +113,10 @@ def test_browser_all_plain_ar_then_fixed_block(url, browser, tmp_path, monkeypat
     shot = tmp_path / "app.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
-    if os.environ.get("DFLASH_SCREENSHOT"):
-        shutil.copy(shot, os.environ["DFLASH_SCREENSHOT"])
+    if os.environ.get("DFLASH_SCREENSHOT"):                                       # the docs' screenshot, stamped
+        from screenshots import stamp
+
+        stamp(shot, Path(os.environ["DFLASH_SCREENSHOT"]), "tiny" if TINY else "smollm2")
 
 
 def test_browser_narrow_screen_keeps_the_plot_titles(url, browser):
@@ -144,7 +146,7 @@ def test_browser_one_drafted_round_gives_no_verdict(url, browser, monkeypatch):
     assert "faster" not in banner and "slower" not in banner and "×" not in banner
 
 
-def test_browser_every_turn_starts_from_the_same_policy_state(app, browser):
+def test_browser_turns_start_their_acceptance_afresh_and_carry_the_round_costs(app, browser):
     """A visitor's second turn, and another visitor's first, decode from the acceptance state the start-up left,
     with the round costs the earlier turns learnt."""
     import pickle
@@ -170,7 +172,7 @@ def test_browser_every_turn_starts_from_the_same_policy_state(app, browser):
         send(first, PROMPT, max_new=40)
         (key, pol), = be.policies.items()
         learnt, costs = state(pol), pol.costs
-        assert "What the policy learnt this turn" in first.locator(".dfl-banner.done").inner_text()
+        assert "What the policy knows after this turn" in first.locator(".dfl-banner.done").inner_text()
         send(first, "shutil.copy" if TINY else "List five facts about the Moon.", max_new=40)    # its second turn
         other = browser.new_page(viewport={"width": 1400, "height": 1000})
         other.goto(app.local_url)

@@ -45,6 +45,9 @@ def test_a_run_folder_on_the_cpu(run_dir):
 def test_the_card_and_a_push_dry_run_read_it(run_dir):
     card = cli("toolkit.card", "--from", str(run_dir), "--repo", "me/tiny")
     assert card.returncode == 0, card.stderr and "## Measured quality" in card.stdout
+    assert json.loads((run_dir / "report.json").read_text())["exllamav3_version"] is None    # no exllamav3 ran
+    assert "exllamav3 version: none recorded" in card.stdout and "Requires exllamav3" not in card.stdout
+    assert "the version these quants were made and measured with" not in card.stdout
     dry = cli("toolkit.push", "--repo", "me/tiny", "--from", str(run_dir), "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "3.0bpw" in dry.stdout and "main" in dry.stdout

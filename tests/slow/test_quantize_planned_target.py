@@ -1,12 +1,14 @@
 """The dry run for a target not on disk yet (README step 3 before step 1): every step planned from the recipe's
-shapes, the target's kind and size from its name, and what must be made or downloaded first."""
+shapes, the target's kind and size from its name (or, for a placeholder that is neither a folder nor a Hub id, the
+one-GPU path's EXL3 target, labelled as assumed), a folder without weights planned from its config, what must be
+made or downloaded first, and the pages quoting the plan's peak as it prints it."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from test_quantize_offline import dry_run
+from test_quantize_offline import ROOT, dry_run
 
 from toolkit.quant.offline import named_bits
 
@@ -52,3 +54,30 @@ def test_the_bf16_hint_for_one_24_gb_card(tmp_path):
     r = dry_run(tmp_path, "--target", "USER/Qwen3.6-35B-A3B-copy")
     assert re.search(r"on one 24 GB GPU pass an EXL3 quant of it as --target instead: at 4\.0 bpw about 17\.\d GiB",
                      r.stdout)
+
+
+def test_the_readme_placeholder_is_planned_as_the_one_gpu_exl3_target_and_the_pages_agree(tmp_path):
+    r = dry_run(tmp_path, "--target", "TARGET")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert ("note: target TARGET is neither a folder here nor a Hub id (USER/NAME): planned as an EXL3 quant at 4.0 bpw "
+            "(assumed: the one-GPU path) of Qwen/Qwen3.6-35B-A3B") in out
+    peak = re.search(r"peak: (\d+\.\d) GiB in step target: fits a 24 GB card", out).group(1)
+    readme = (ROOT / "README.md").read_text().split("3. **Dry run**", 1)[1].split("4. **Run**", 1)[0]
+    assert "--target TARGET --dry-run" in readme.replace("\n", " ").replace("   ", " ")
+    assert f"~{peak} GiB" in readme                                 # README step 3 quotes what it prints
+    assert f"about {peak} GiB" in (ROOT / "docs" / "quantize.md").read_text()
+    assert re.search(rf"the dry run of README step 3, [^|]*: peak {re.escape(peak)} GiB", (ROOT / "docs/results.md").read_text())
+
+
+def test_a_target_folder_without_weights_is_planned_from_its_config(tmp_path):
+    import json
+
+    target = tmp_path / "t"
+    target.mkdir()
+    cfg = json.loads((ROOT / "quantize/shapes/qwen3.6-35b-a3b.json").read_text())
+    (target / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if not k.startswith("_")}))
+    r = dry_run(tmp_path, "--target", str(target))
+    assert r.returncode == 0, r.stderr
+    assert "note: the target's folder holds no weights: they are planned from its config.json, about 6" in r.stdout
+    assert "does not fit a 24 GB card" in r.stdout and re.search(r"target weights 6\d\.\d GiB", r.stdout)

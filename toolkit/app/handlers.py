@@ -3,11 +3,12 @@
 On a GPU the two runs happen one after the other inside one call (and the GPU events share one concurrency id),
 so they never skew each other. On a CPU, where the machine's load moves a run's speed more than drafting does,
 they run in lockstep, one round of each in turn, so the load falls on both alike (benchmark/lockstep.py). Timing
-counts only the time spent inside the backend's generator, not the UI updates. Every turn starts from the policy
-state the start-up left (policy_view.py). What a request holds is checked first (turn.py): a refused one is one
-sentence in the page, the result's `error` for an API client and one console line. Every failure becomes a
-visible message in the page; the server keeps serving. The console gets one line per request: prompt tokens,
-rounds, the ratio or "plain AR", and whether it was stopped or its client left.
+counts only the time spent inside the backend's generator, not the UI updates. Every turn starts its acceptance
+from the state the start-up left, with the round costs of every turn so far (policy_view.SHARED). What a request
+holds is checked first (turn.py): a refused one is one sentence in the page, the result's `error` for an API client
+and one console line. Every failure becomes a visible message in the page; the server keeps serving. The console
+gets one line per request: prompt tokens, rounds, the ratio or "plain AR", and whether it was stopped or its
+client left.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class ChatHandler:
         block = settings.fixed_block(be.block_size)          # the widest block a round may verify: the plots' axes
         note = dropped_note(t, be.max_context)
         if self.loaded.policy_start is not None:
-            self.loaded.policy_start.restore(be)       # every turn decodes from the same policy state
+            self.loaded.policy_start.restore(be)       # acceptance afresh, the round costs carried (SHARED)
         mode = "" if think is None else f" · thinking {'on' if think else 'off'}"
         chat += [{"role": "user", "content": t.text}, {"role": "assistant", "content": ""}]
         spec = Run(be, ids, settings, True)

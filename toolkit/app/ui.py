@@ -6,10 +6,11 @@ import time
 
 import gradio as gr
 
-from ..benchmark import lockstep
+from ..benchmark import ratio
 from . import render
 from .handlers import ChatHandler
 from .models import Loaded, ModelSpec, gpu_wrap, load, say
+from .policy_view import SHARED
 from .style import CSS
 
 TITLE = "DFlash speculative decoding"
@@ -17,8 +18,12 @@ DEMO_EXAMPLES = ["pathlib.Path", "shutil.copy", "json.dumps", "textwrap.wrap"]  
 # The SmolLM2 pair on a GPU, as docs/results.md measured it (a test checks every ratio a page shows is there).
 GPU_DEMO = ("in the benchmark on an H100 this pair decodes 2.16× faster than plain AR with <i>auto</i> and 2.19× at block 8, one "
             "request at a time; on the example prompts below, where its drafter accepts less, the page measured a median 1.31×")
-NO_RATIO = (f"when fewer than 1 round in {round(1 / lockstep.MIN_DRAFTED_SHARE)} drafts, the page shows no ratio and "
+NO_RATIO = (f"when fewer than 1 round in {round(1 / ratio.MIN_DRAFTED_SHARE)} drafts, the page shows no ratio and "
             "says the answer decoded as plain AR (a ratio of two AR runs is noise).")
+FOOTER = ("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a CPU the two "
+          "take turns (lockstep: the one behind in the answer goes next), so the machine's load falls on both alike. "
+          f"{SHARED} If someone else is generating you see your place in the queue. tok/s counts the time inside the "
+          "decoder, prefill included.")
 REAL_EXAMPLES = ["Explain speculative decoding to a ten-year-old in three sentences.",
                  "Write a Python function that checks whether a string is a palindrome.",
                  "List five facts about the Moon."]
@@ -128,11 +133,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
         sent = gr.Textbox(visible=False, label="message")     # the message being answered (Send empties the box)
         # the earlier turns as the handler reads them: any JSON, so an API client's history is checked by the app
         history = gr.JSON([], visible=False, label="history")
-        gr.Markdown("Requests run one at a time on the model. On a GPU the speculative run goes first, then AR; on a "
-                    "CPU the two take turns (lockstep: the one behind in the answer goes next), so the machine's load "
-                    "falls on both alike. "
-                    "Every turn starts from the same policy state. If someone else is generating you see your place "
-                    "in the queue. tok/s counts the time inside the decoder, prefill included.")
+        gr.Markdown(FOOTER)
 
         inputs = [sent, history, block, max_new, temperature, seed, system, thinking]
         outputs = [chat, box, banner, spec_html, ar_html, tau, blocks, acc, hist, message, result]

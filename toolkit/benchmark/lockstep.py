@@ -4,8 +4,7 @@ On a shared CPU the load of the moment moves a run's speed by more than drafting
 other compare two loads. In lockstep the two decoders of the same prompt take turns, the one behind in the answer
 going next (a speculative round of five tokens, then five AR rounds), and each side is timed only inside its own
 rounds: whatever the machine does falls on both alike. experiments/auto_cpu.py alternates one round of each
-instead, which leaves the AR run alone once the speculative one has ended. A ratio is shown only when enough rounds drafted for it to measure drafting: when the
-policy decoded almost every round as plain AR, the two runs decoded the same way and their ratio is noise.
+instead, which leaves the AR run alone once the speculative one has ended. A ratio follows ratio.py's rule.
 """
 
 from __future__ import annotations
@@ -13,10 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 
-from ..runtime.events import NO_DRAFT, Round, Speedup, round_speedup
-
-MIN_DRAFTED_SHARE = 0.1     # a ratio needs at least this share of the decode rounds drafted,
-MIN_DRAFTED_ROUNDS = 3      # and at least this many of them
+from ..runtime.events import Round, Speedup, round_speedup
+from .ratio import too_few_drafted
 
 
 def alternate(gens: Mapping[str, Iterator[Round]]) -> Iterator[tuple[str, Round]]:
@@ -69,25 +66,8 @@ def timed_lockstep(gens: Mapping[str, Iterator[Round]]) -> tuple[dict[str, list[
     return rounds, secs
 
 
-def drafted_rounds(rounds: list[Round]) -> tuple[int, int]:
-    """(rounds that verified drafted ids, decode rounds), prefill left out."""
-    steps = [r for r in rounds if not r.prefill]
-    return sum(1 for r in steps if r.drafted), len(steps)
-
-
-def too_few_drafted(rounds: list[Round]) -> str | None:
-    """Why a ratio of this speculative run would measure noise rather than drafting, or None when it means
-    something: fewer than MIN_DRAFTED_SHARE of its rounds (or MIN_DRAFTED_ROUNDS) drafted."""
-    drafted, steps = drafted_rounds(rounds)
-    if not steps or (drafted >= MIN_DRAFTED_ROUNDS and drafted >= MIN_DRAFTED_SHARE * steps):
-        return None
-    if not drafted:
-        return NO_DRAFT
-    return (f"the answer decoded as plain AR: only {drafted} of {steps} rounds drafted, too few for a ratio to "
-            "measure drafting rather than the machine's noise")
-
-
 def speedup(spec: list[Round], ar: list[Round], seconds: tuple[float, float]) -> Speedup:
-    """The ratio of one run of each (with its spread over the rounds), or none when too few rounds drafted."""
+    """The ratio of one run of each (with its spread over the rounds), or none when too few rounds drafted
+    (ratio.py: the rule bench and generate follow too)."""
     why = too_few_drafted(spec)
     return Speedup(None, why) if why else round_speedup(spec, ar, seconds)

@@ -69,6 +69,7 @@ class Exl3Backend(Backend):
         self.options = Exl3Options()
         self._graphs: dict = {}           # each model's whole-forward graphs (forward_graphs), kept across toggles
         self.costs: dict[str, CostTable] = {}      # options tag -> its table, one concurrency added per calibration
+        self.cost_files: dict[str, dict[int, CostTable]] = {}   # tag -> {c: the table cached_costs gave for c}
         self.calibration_tokens: dict[str, dict[int, dict[int, float]]] = {}   # tag -> {c: {w: tokens a job emitted per round}}
         self.policies: dict[tuple[bool, str], Policy] = {}    # (greedy, options tag) -> its policy
         self.learn_costs = True           # auto policies correct the calibrated costs by observed rounds
@@ -212,16 +213,22 @@ class Exl3Backend(Backend):
         if table is None or concurrency not in table.ms:
             def measure() -> CostTable:             # a cached table comes without its calibration's token counts
                 emitted: dict[int, float] = {}
-                ms = calibrate(self, concurrency, emitted=emitted)
+                rounds: dict[int, int] = {}
+                ms = calibrate(self, concurrency, emitted=emitted, rounds=rounds)
                 self.calibration_tokens.setdefault(tag, {})[concurrency] = emitted
-                return CostTable({concurrency: ms}, device_name(self.device))
+                return CostTable({concurrency: ms}, device_name(self.device), counts={concurrency: rounds},
+                                 timed_at=time.time())
 
             got = cached_costs(self.cost_file_key(concurrency), measure, self.cost_cache, refresh=self.retime_costs,
                                check=lambda: {concurrency: spot_check(self, concurrency)})
             ms = got.ms.get(concurrency) or next(iter(got.ms.values()))
-            if table is None:
-                table = self.costs[tag] = CostTable({concurrency: ms}, got.device, got.source)
+            files = self.cost_files.setdefault(tag, {})
+            if table is None:                       # one table per options, one cache file per concurrency
+                table = self.costs[tag] = CostTable({concurrency: ms}, got.device, got.source, timed_at=got.timed_at,
+                                                    on_disagree=lambda c, why: tell(files.get(c), c, why))
             table.ms[concurrency] = ms              # the policies of this tag read the same table
+            table.counts[concurrency] = got.counts.get(concurrency) or next(iter(got.counts.values()), {})
+            files[concurrency] = got
         return table
 
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
@@ -337,3 +344,9 @@ class Exl3Backend(Backend):
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         for _, r in self.generate_many([list(prompt_ids)], settings, speculative):
             yield r
+
+
+def tell(got: CostTable | None, concurrency: int, why: str) -> None:
+    """Pass the policy's word that live rounds disagree with the table of `concurrency` to that table's cache."""
+    if got is not None and got.on_disagree is not None:
+        got.on_disagree(concurrency, why)

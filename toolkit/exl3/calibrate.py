@@ -115,10 +115,11 @@ def medians(times: dict[int, list[float]]) -> dict[int, float]:
 
 
 def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: Sequence[int] | None = None,
-              emitted: dict[int, float] | None = None) -> dict[int, float]:
+              emitted: dict[int, float] | None = None, rounds: dict[int, int] | None = None) -> dict[int, float]:
     """ms per round at each calibration width for `concurrency` jobs, the low quartile of its timed rounds (w = 0:
     an AR round of the speculative generator, drafter K/V kept up to date, which is what the policy's AR rounds
-    cost); `emitted`, when given, gets the mean tokens a job emitted per round per width."""
+    cost); `emitted`, when given, gets the mean tokens a job emitted per round per width, `rounds` how many rounds
+    each width timed."""
     ws = calibration_widths(be.block_size, CALIBRATION_WIDTHS if widths is None else widths)
     seen: dict[int, list[float]] = {}
     trace.emit("cell", label=f"calibrate/c{concurrency}")
@@ -127,6 +128,8 @@ def calibrate(be, concurrency: int, context: int = CALIBRATION_CONTEXT, widths: 
     finally:
         trace.emit("cell_end")
     ms = {w: low_quartile(ts) for w, ts in times.items()}
+    if rounds is not None:
+        rounds.update({w: len(ts) for w, ts in times.items()})
     if emitted is not None:
         emitted.update({w: round(statistics.mean(v), 2) for w, v in seen.items()})
     warm_tails(be, concurrency, ws, context)

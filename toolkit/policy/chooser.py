@@ -1,7 +1,7 @@
 """The drafting policy: each round's verify width, the one with the most expected tokens per ms.
 
 - A round of `jobs` jobs verifying w drafts emits E(w) = 1 + a_1 + ... + a_w tokens per job and costs t(w) ms
-  (observed.py); w = 0 is an AR round. The policy verifies argmax E(w) / t(w) over the widths its cost table timed.
+  (costs/book.py); w = 0 is an AR round. The policy verifies argmax E(w) / t(w) over the widths its cost table timed.
 - a_i = P(L >= i), L a proposal's full-width accepted length: the drafter proposes all B-1 ids whatever w is, and
   the target's later tokens show L. A request starts from the long-run rates (every proposal so far; 0 before
   any), weighing CARRY proposals. Each resolved proposal then weighs 1 and fades the older ones by
@@ -9,7 +9,8 @@
 - While AR wins nothing is proposed, so one round probes at full width: at once while no proposal was ever resolved
   and full acceptance would pay (a fresh policy knows nothing), then after `gap` AR rounds: MIN_GAP after a
   width that won, doubling after each probe, at most (and from a job's start, so a short answer never pays a
-  whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET of them.
+  whole probe) the spacing at which a probe's cost beyond the AR rounds it replaces is PROBE_BUDGET of them, from
+  the costs in use: a probe slowed by a load burst neither is a cost nor pushes the next probe away.
 - A batching engine asks `plain(jobs)` before a request: after a request at whose end no width beats AR by
   PLAIN_MARGIN at the long-run rates, the next 1, 4, then 16 requests of as many jobs decode without the drafter
   (its K/V upkeep makes AR rounds of a speculative engine dearer than plain steps).
@@ -29,8 +30,8 @@ from collections.abc import Hashable, Sequence
 from itertools import accumulate
 from typing import Any
 
+from ..costs.book import RoundCosts
 from ..costs.table import CostTable
-from .observed import RoundCosts
 
 CARRY = 2.0              # proposals a request's starting rates weigh
 DECAY = 0.93             # older proposals fade by DECAY ** jobs per resolved one

@@ -176,10 +176,12 @@ def format_memory(needs: list[Need], weights_known: bool = True) -> str:
         parts = ", ".join(f"{k} {gib(v)}" for k, v in nd.parts.items())
         lines.append(f"  {nd.step:<10} {gib(nd.total):>9}  {parts}")
     top = peak(needs)
+    if not weights_known:
+        lines.append(f"  peak: {gib(top.total)} in step {top.step} without the target's weights, which are not here "
+                     "and cannot be sized: whether it fits a 24 GB card is not known")
+        return "\n".join(lines)
     fits = "fits" if top.total <= CARD_24GB else "does not fit"
     lines.append(f"  peak: {gib(top.total)} in step {top.step}: {fits} a 24 GB card (about {gib(CARD_24GB)} usable)")
-    if not weights_known:
-        lines.append("  the target's weights are not here: their size is left out")
     return "\n".join(lines)
 
 

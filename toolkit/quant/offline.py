@@ -7,8 +7,10 @@ config from a local folder or the Hub cache reads its shapes instead, in a tempo
 at exit, and says so; sizes of what a real run fetches come from a cached safetensors index when there is one,
 else from the shapes (BF16, and an EXL3 target's size at 4.0 bpw for a single GPU). A target that is neither on
 disk nor cached (an EXL3 quant not made or downloaded yet) is planned as the recipe's [target] shape, as an EXL3
-quant at the bitrate its name says (`...-exl3-4.0bpw`, `@4.0bpw`) when it names one, else BF16: every step of the
-run is planned, and the plan says what must be made or downloaded first.
+quant at the bitrate its name says (`...-exl3-4.0bpw`, `@4.0bpw`) when it names one, else BF16 for a Hub id and
+EXL3 at 4.0 bpw (the one-GPU path) for a name that is neither a folder nor a Hub id, each labelled as assumed:
+every step of the run is planned, and the plan says what must be made or downloaded first. A target folder that
+holds only its config is planned from that config.
 """
 
 from __future__ import annotations
@@ -90,25 +92,63 @@ def named_bits(ref: str) -> float | None:
 
 
 def planned_target(run, ref: str) -> tuple[Path, None] | None:
-    """A dry run's target that is neither on disk nor in the Hub cache, planned as the recipe's [target] shape:
-    EXL3 at the bitrate its name says, else BF16 (None without the recipe's shapes). run.offline["target_plan"]
-    keeps what the plan assumed, for the downloads and notes."""
+    """A dry run's target that is neither on disk nor in the Hub cache, planned as the recipe's [target] shape: EXL3
+    at the bitrate its name says; else BF16 for a Hub id (USER/NAME), and for a name that is neither a folder here
+    nor a Hub id (`--target TARGET` as a placeholder) the recipe's EXL3 target at EXL3_BITS, the one-GPU path; each
+    labelled as such (None without the recipe's shapes). run.offline["target_plan"] keeps what the plan assumed."""
     recipe = run.s.recipe
     base = recipe.target if recipe is not None else None
     shapes = shapes_file(recipe, base) if base else None
     if shapes is None:
         return None
-    cfg, bits = read_shapes(shapes), named_bits(ref)
+    cfg, named, hub = read_shapes(shapes), named_bits(ref), is_hub_name(ref)
+    bits = named or (None if hub else EXL3_BITS)
     size = exl3_bytes(cfg, bits) if bits else bf16_bytes(cfg)
     if bits:
         cfg = {**cfg, "quantization_config": {"quant_method": "exl3", "bits": bits}}
     run.offline["target"] = cfg
-    run.offline["target_plan"] = {"base": base, "bits": bits, "bytes": size, "hub": is_hub_name(ref),
+    run.offline["target_plan"] = {"base": base, "bits": bits, "bytes": size, "hub": hub, "named": named is not None,
                                   "base_bytes": bf16_bytes(read_shapes(shapes))}
-    kind = f"an EXL3 quant at {bits:.1f} bpw (from its name)" if bits else "a BF16 checkpoint"
-    run.notes.append(f"target {ref} is not on disk and not in the Hub cache: planned as {kind} of {base}, from the "
-                     f"recipe's shapes ({shapes.parent.name}/{shapes.name}), {size_text(size)}")
+    kind = (f"an EXL3 quant at {bits:.1f} bpw (from its name)" if named else
+            f"an EXL3 quant at {bits:.1f} bpw (assumed: the one-GPU path)" if bits else "a BF16 checkpoint")
+    where = "is not on disk and not in the Hub cache" if hub else "is neither a folder here nor a Hub id (USER/NAME)"
+    run.notes.append(f"target {ref} {where}: planned as {kind} of {base}, from the recipe's shapes "
+                     f"({shapes.parent.name}/{shapes.name}), {size_text(size)}")
     return config_folder(cfg, size), None
+
+
+def target_weights(run, folder: Path | None, cfg: dict) -> int | None:
+    """GPU bytes of the target's weights (memory.py), from its config when its folder holds none (noted once)."""
+    if folder is None or run.kind not in ("exl3", "hf"):
+        return None
+    got = (mem.exl3_weights if run.kind == "exl3" else mem.hf_weights)(folder, cfg)
+    if got is not None:
+        return got
+    got = config_weights(cfg, run.kind)
+    note = (f"the target's folder holds no weights: they are planned from its config.json, {size_text(got)}"
+            if got is not None else "the target's folder holds no weights and its config's family is not one the "
+            "plan can size")
+    if note not in run.notes:
+        run.notes.append(note)
+    return got
+
+
+def config_weights(cfg: dict, kind: str) -> int | None:
+    """GPU bytes of a target's weights from its config alone (a folder that holds only config.json), as the memory
+    plan counts them: an EXL3 target at its config's bitrate without the embedding table exllamav3 keeps on the
+    CPU; a transformers target in bf16, float32 below 2B parameters. None for a family the layout does not know."""
+    from ..core.target import TargetInfo
+
+    if kind == "exl3":
+        bits = ((cfg.get("quantization_config") or {}).get("bits")) or EXL3_BITS
+        size = exl3_bytes(cfg, float(bits))
+        info = TargetInfo(cfg)
+        return None if size is None else max(0, size - 2 * (info.vocab_size or 0) * (info.hidden_size or 0))
+    size = bf16_bytes(cfg)
+    if size is None:
+        return None
+    params = size // 2
+    return params * (4 if params < 2_000_000_000 else 2)
 
 
 def is_hub_name(ref: str) -> bool:
@@ -157,14 +197,15 @@ def missing_target(run) -> list[str]:
     """What must exist before a real run, for a target the plan did not find: a Hub quant it downloads, or a folder
     to make first (downloading the BF16 model, then exllamav3's converter)."""
     plan, ref = run.offline["target_plan"], run.s.target
-    what = f"EXL3 at {plan['bits']:.1f} bpw (from its name)" if plan["bits"] else "BF16 (transformers)"
+    why = "from its name" if plan["named"] else "assumed"
+    what = f"EXL3 at {plan['bits']:.1f} bpw ({why})" if plan["bits"] else "BF16 (transformers)"
     head = f"  {ref}: the target, {what}, {size_text(plan['bytes'])}"
     hint = [exl3_hint(run.offline["target"])] if not plan["bits"] and (plan["bytes"] or 0) > 20 * GIB else []
     if plan["hub"]:
         return [head, *hint]
     base = plan["base"]
     local = base.split("/")[-1] if plan["bits"] else ref
-    lines = [head + ": not on disk yet; make it first (a real run would look for a Hub model of that name and fail):",
+    lines = [head + ": not on disk yet; make it first (a real run stops at a name that is neither a folder nor a Hub id):",
              f"    hf download {base} --local-dir {local}      (BF16, {size_text(plan['base_bytes'])})"]
     if plan["bits"]:
         lines += [f"    python -m exllamav3.conversion.convert_model -i {local} -o {ref} -w exl3-work -b {plan['bits']:.1f}",

@@ -89,11 +89,7 @@ def plan(run: Run) -> None:
 
 def plan_memory(run: Run, max_prompt: int = mem.PROMPT_TOKENS) -> list[mem.Need]:
     r, folder, cfg = run.s.recipe, run.target_dir, run.target_config or {}
-    run.target_weights = None
-    if folder is not None and run.kind == "exl3":
-        run.target_weights = mem.exl3_weights(folder, cfg)
-    elif folder is not None and run.kind == "hf":
-        run.target_weights = mem.hf_weights(folder, cfg)
+    run.target_weights = offline.target_weights(run, folder, cfg)
     n = len(r.calibration_prompts) + len(r.check_prompts)
     sizes = mem.Sizes(run.kind, run.config, cfg, run.target_weights, max_prompt, r.max_new_tokens, n)
     return mem.plan_memory(sizes, run.calibrating, bool(run.todo), run.check)
@@ -334,7 +330,8 @@ def report(run: Run) -> None:
         results, model_sha=run.model_sha, target_sha=run.target_sha, target_kind=run.kind, bf16_exl3=run.bf16_exl3,
         target_model=s.target_model, model_local=s.model_local, target_local=s.target_local,
         exl3_widths=run.exl3_widths, recommended_draft_tokens=run.recommended, steps=list(run.timings),
-        memory=mem.summary(run.timings, run.needs))
+        memory=mem.summary(run.timings, run.needs),
+        engine_ran=bool(run.exl3 or run.bf16_exl3) or any(rep.made_by_exllamav3(run.dest / i.folder) for i in run.items))
     rep.write_report(run.dest, run.report, run.notes)
 
 

@@ -15,9 +15,19 @@ from .convert import write_text
 from .recipe import format_bits
 
 SCHEMA = 1
-def exllamav3_version() -> str:
-    """The installed exllamav3's version (the tested one where none is installed: a dry run's plan)."""
-    return seams.version() or seams.TESTED
+def exllamav3_version(ran: bool) -> str | None:
+    """The installed exllamav3's version when it made or measured something in this run (`ran`), else None: a
+    report names only the engine that did the work."""
+    return seams.version() if ran else None
+
+
+def made_by_exllamav3(folder: Path) -> bool:
+    """Whether a bitrate folder holds exllamav3's output (an EXL3 quantization_config that is not a CPU preview's)."""
+    try:
+        q = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return q.get("quant_method") == "exl3" and not q.get("preview")
 
 
 def result_row(item, size_bytes: int, metrics=None, passed: bool | None = None, exl3: dict | None = None) -> dict:
@@ -39,14 +49,15 @@ def result_row(item, size_bytes: int, metrics=None, passed: bool | None = None, 
 def build_report(model: str, revision: str | None, target: str | None, block_size: int, tap_shift: int,
                  device: str | None, bf16_tau: float | None, bf16_size: int, results: list[dict], **extra) -> dict:
     """report.json. `extra`: model_sha, target_sha, target_kind, target_model, model_local, target_local,
-    bf16_exl3, exl3_widths, recommended_draft_tokens, steps, memory (None or empty when not known)."""
+    bf16_exl3, exl3_widths, recommended_draft_tokens, steps, memory (None or empty when not known), engine_ran
+    (whether exllamav3 converted or measured anything: only then is its version recorded)."""
     return {
         "schema": SCHEMA, "model": model, "revision": revision, "model_sha": extra.get("model_sha"),
         "target": target, "target_sha": extra.get("target_sha"), "target_kind": extra.get("target_kind"),
         "target_model": extra.get("target_model"), "model_local": bool(extra.get("model_local")),
         "target_local": bool(extra.get("target_local")),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "toolkit_version": __version__, "exllamav3_version": exllamav3_version(),
+        "toolkit_version": __version__, "exllamav3_version": exllamav3_version(bool(extra.get("engine_ran"))),
         "block_size": int(block_size), "tap_shift": int(tap_shift), "device": device,
         "bf16": {"tau": bf16_tau, "size_bytes": int(bf16_size), "exl3": extra.get("bf16_exl3")},
         "results": results,
@@ -121,7 +132,8 @@ def render_markdown(report: dict, notes: list[str] | None = None) -> str:
              f"- revision: `{report['revision']}`{sha}", f"- target: `{report['target']}`{tsha}",
              f"- block size {report['block_size']}, tap_shift {report['tap_shift']} (toolkit convention: tap L reads "
              f"output of target layer L + tap_shift, exllamav3's convention)",
-             f"- exllamav3 {report['exllamav3_version']}, toolkit {report['toolkit_version']}, device {report['device']}",
+             f"- exllamav3 {report['exllamav3_version'] or 'not used'}, toolkit {report['toolkit_version']}, "
+             f"device {report['device']}",
              f"- created {report['created']}", "", markdown_table(report), "", *exl3_lines(report)]
     cal = {r["bits"] for r in report["results"] if r["calibrated"]}
     unc = {r["bits"] for r in report["results"] if not r["calibrated"]}

@@ -153,6 +153,7 @@ class Speedup:
     high: float | None = None
     n: int = 1
     basis: str = "runs"
+    pair: int | None = None       # the repetition the value is the ratio of (benchmark/ratio.py)
 
     @property
     def noisy(self) -> bool:
@@ -176,25 +177,6 @@ class Speedup:
     def to_json(self) -> dict:
         spread = None if self.low is None else {"min": self.low, "max": self.high, "n": self.n, "basis": self.basis}
         return {"speedup": self.value, "speedup_reason": self.reason, "speedup_spread": spread}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
-def paired_speedup(spec_tok_s: list[float], ar_tok_s: list[float], drafted: bool) -> Speedup:
-    """The median of per-repetition ratios spec/AR (each pair ran back to back, so slow drift cancels) and their
-    min-max; no value when nothing was drafted or a rate is missing."""
-    if not drafted:
-        return Speedup(None, NO_DRAFT)
-    ratios = [s / a for s, a in zip(spec_tok_s, ar_tok_s) if a > 0 and s > 0]
-    if not ratios:
-        return Speedup(None, "nothing was decoded")
-    if len(ratios) == 1:
-        return Speedup(ratios[0])
-    return Speedup(_median(ratios), None, min(ratios), max(ratios), len(ratios), "runs")
 
 
 def round_speedup(spec: list[Round], ar: list[Round], seconds: tuple[float, float], draws: int = 400,

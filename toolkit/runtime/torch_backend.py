@@ -37,6 +37,8 @@ from ..costs.cache import cached_costs, cost_key, device_name
 from ..costs.table import CostTable
 from .sampling import Sampler
 
+TIMED_ROUNDS = 5        # rounds per width a cost table takes the median of
+CHECK_ROUNDS = 3        # rounds per width a cached table is checked against
 BACKLOG_MAX = 256       # taps of this many accepted tokens at most wait for the drafter (AR rounds of a policy)
 
 
@@ -219,7 +221,7 @@ def measure_torch_costs(target, drafter: DFlashDraft, block_size: int | None = N
     dev = target.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     ms = measure_steps(TorchSteps(target, drafter), prompt, B, range(B) if widths is None else widths, reps, sync, stat)
-    return CostTable({1: ms}, device_name(dev), "timed now")
+    return CostTable({1: ms}, device_name(dev), "timed now", counts={1: {w: reps for w in ms}}, timed_at=time.time())
 
 
 class TorchBackend(Backend):
@@ -269,18 +271,19 @@ class TorchBackend(Backend):
         return cls.from_dirs(pair.target, pair.draft, device=device, dtype=dtype or torch.float32, pair=pair)
 
     def cost_table(self) -> CostTable:
-        """ms per round for each verify width on this target, drafter and device: timed once, cached on disk."""
+        """ms per round for each verify width on this target, drafter and device, the median of TIMED_ROUNDS
+        rounds each: timed once, cached on disk (costs/cache.py)."""
         if self.costs is None:
             B = self.block_size
             widths = sorted({0, 1, 2, 3, B - 1} | {1 << k for k in range(B.bit_length()) if 1 << k < B})
 
-            def timed(ws: Iterable[int]) -> CostTable:
-                return measure_torch_costs(self.target, self.drafter, B, reps=3, widths=ws, stat=min)
+            def timed(ws: Iterable[int], reps: int = TIMED_ROUNDS) -> CostTable:
+                return measure_torch_costs(self.target, self.drafter, B, reps=reps, widths=ws)
 
             if self.folders:                       # a cached table is checked against AR and the widest width now
                 key = cost_key(self.folders, self.target.device, self.target.dtype, B)
                 self.costs = cached_costs(key, lambda: timed(widths), refresh=self.retime_costs,
-                                          check=lambda: timed((0, B - 1)).ms)
+                                          check=lambda: timed((0, B - 1), CHECK_ROUNDS).ms)
             else:
                 self.costs = timed(widths)
         return self.costs
