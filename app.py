@@ -19,7 +19,7 @@ from pathlib import Path
 
 from toolkit.core.cli import Domain, Parser, check_device, check_number
 from toolkit.core.errors import ToolkitError, run_cli
-from toolkit.exl3.split import ENV, add_split_args
+from toolkit.runtime.placement import ENV, add_split_args
 from toolkit.runtime.registry import BACKENDS
 
 

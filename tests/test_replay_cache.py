@@ -36,7 +36,7 @@ def test_the_full_table_and_the_results_page_come_from_the_cache():
 def test_the_hash_covers_the_policy_the_rivals_and_every_trace():
     names = {p.relative_to(C.ROOT).as_posix() for p in C.inputs()}
     assert {"tests/replay.py", "tests/replay_table.py", "tests/replay_rivals.py", "toolkit/policy/chooser.py",
-            "toolkit/policy/observed.py", "toolkit/costs/table.py"} <= names
+            "toolkit/costs/book.py", "toolkit/costs/table.py"} <= names
     assert {f"tests/data/replay/costs_h100_{s[1]}.json.gz" for s in T.SCENARIOS.values()} <= names
     assert "tests/data/replay/lengths_smollm2.json.gz" in names
     assert not {"tests/replay_cache.py", "tests/data/replay/table.json", "tests/data/replay/table.md"} & names
