@@ -35,7 +35,7 @@ def test_recipe_dry_run_plans_offline_and_says_what_a_run_downloads(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("dflash-shapes-")]   # its temp config removed
 
 
-def test_local_target_downloads_only_the_drafter(tmp_path):
+def test_a_local_target_without_weights_downloads_only_the_drafter_and_is_planned_from_its_config(tmp_path):
     import json
 
     target = tmp_path / "t"
@@ -45,6 +45,8 @@ def test_local_target_downloads_only_the_drafter(tmp_path):
     r = dry_run(tmp_path, "--target", str(target))
     assert r.returncode == 0, r.stderr
     assert "the drafter's weights" in r.stdout and "the target," not in r.stdout
+    assert "note: the target's folder holds no weights: they are planned from its config.json, about 6" in r.stdout
+    assert "does not fit a 24 GB card" in r.stdout and re.search(r"target weights 6\d\.\d GiB", r.stdout)
 
 
 def test_without_shapes_a_missing_model_is_still_one_error_line(tmp_path):

@@ -68,16 +68,3 @@ def test_the_readme_placeholder_is_planned_as_the_one_gpu_exl3_target_and_the_pa
     assert f"~{peak} GiB" in readme                                 # README step 3 quotes what it prints
     assert f"about {peak} GiB" in (ROOT / "docs" / "quantize.md").read_text()
     assert re.search(rf"the dry run of README step 3, [^|]*: peak {re.escape(peak)} GiB", (ROOT / "docs/results.md").read_text())
-
-
-def test_a_target_folder_without_weights_is_planned_from_its_config(tmp_path):
-    import json
-
-    target = tmp_path / "t"
-    target.mkdir()
-    cfg = json.loads((ROOT / "quantize/shapes/qwen3.6-35b-a3b.json").read_text())
-    (target / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if not k.startswith("_")}))
-    r = dry_run(tmp_path, "--target", str(target))
-    assert r.returncode == 0, r.stderr
-    assert "note: the target's folder holds no weights: they are planned from its config.json, about 6" in r.stdout
-    assert "does not fit a 24 GB card" in r.stdout and re.search(r"target weights 6\d\.\d GiB", r.stdout)
