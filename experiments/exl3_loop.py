@@ -203,11 +203,9 @@ def graphs_identical(be, prompts: list[list[int]], B: int, max_new: int) -> dict
                             [r.drafted for r in spec]))
             runs[f"{variant}{k}"] = got
 
-    def first(x, y):
-        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None if len(x) == len(y) else min(len(x), len(y)))
-
     base = runs["eager0"]
-    diffs = {name: [{"spec": first(b[0], r[0]), "ar": first(b[1], r[1]), "drafts": first(b[2], r[2])}
+    diffs = {name: [{"spec": first_difference(r[0], b[0]), "ar": first_difference(r[1], b[1]),
+                     "drafts": first_difference(r[2], b[2])}
                     for b, r in zip(base, got)] for name, got in runs.items()}
     same = sum(all(v is None for d in diffs[name] for v in d.values()) for name in ("graphs0", "graphs1"))
     return {"identical": f"{same}/2 passes", "first_difference": diffs, "engine": be.engine_report()}
