@@ -211,6 +211,81 @@ def graphs_identical(be, prompts: list[list[int]], B: int, max_new: int) -> dict
     return {"identical": f"{same}/2 passes", "first_difference": diffs, "engine": be.engine_report()}
 
 
+def twin(fg) -> list[dict]:
+    """Make every replay of `fg` (a ForwardGraphs) run the same call eagerly first, on the live parameters, put the
+    recurrent states back, replay, and record where the two differ: outputs, tapped states, state tensors, host
+    records. Returns the list the findings go into (one dict per replay)."""
+    from toolkit.exl3.graphs import copy_out, records
+
+    found: list[dict] = []
+    replay = fg.replay
+
+    def tensors(objs):
+        return {(id(o), k): (o, k) for o in objs for k, v in vars(o).items()
+                if isinstance(v, torch.Tensor) and v.device.type == "cuda" and v.numel()}
+
+    def diff(a, b) -> float | None:
+        if isinstance(a, list):
+            ds = [diff(x, y) for x, y in zip(a, b)]
+            return None if len(a) == len(b) and all(d is None for d in ds) else max([d or 0 for d in ds] + [float("inf") * (len(a) != len(b))])
+        if isinstance(a, torch.Tensor):
+            return None if torch.equal(a, b) else float((a.float() - b.float()).abs().max())
+        return None if a == b else float("nan")
+
+    def checked(entry, hidden, params):
+        objs = list(fg.states(params))
+        ts = tensors(objs)
+        saved = {k: getattr(o, a).clone() for k, (o, a) in ts.items()}
+        host = records(objs)
+        p = dict(params)
+        eager = copy_out(fg.run_tail(hidden.clone(), p))
+        e_added = {k: copy_out(v) for k, v in p.items() if k not in params}
+        e_states = {k: getattr(o, a).clone() for k, (o, a) in ts.items()}
+        e_host = {k: v for k, (o, v) in records(objs).items()}
+        for k, (o, a) in ts.items():
+            getattr(o, a).copy_(saved[k])
+        for (i, k), (o, v) in host.items():
+            setattr(o, k, v)
+        out = replay(entry, hidden, params)
+        rec = {"call": len(found), "rows": list(hidden.shape[:2]), "out": diff(out, eager)}
+        rec["added"] = {k: diff(params.get(k), v) for k, v in e_added.items()}
+        rec["states"] = {f"{type(ts[k][0]).__name__}.{ts[k][1]}": d for k in ts
+                         if (d := diff(getattr(*ts[k]), e_states[k])) is not None}
+        rec["host"] = sorted(f"{k}" for (i, k), (o, v) in records(objs).items() if e_host.get((i, k)) != v)
+        if isinstance(out, torch.Tensor) and out.dim() == 3:
+            rec["argmax_same"] = bool(torch.equal(out.argmax(-1), eager.argmax(-1)))
+        found.append(rec)
+        return out
+
+    fg.replay = checked
+    return found
+
+
+def graphs_twin(be, prompts: list[list[int]], B: int, max_new: int) -> dict:
+    """forward_graphs on, every replay of the target's and the drafter's graphs checked against the same call run
+    eagerly (twin); per model the replays that differed, the first few in full."""
+    from dataclasses import replace
+
+    from toolkit.exl3.options import ADOPTED
+
+    st = GenSettings(max_new_tokens=max_new, block_size=B)
+    be.set_options(replace(ADOPTED, forward_graphs=True))
+    for p in prompts[:2]:                               # capture every shape first
+        list(be.generate(p, st))
+        list(be.generate(p, st, speculative=False))
+    found = {name: twin(fg) for name, fg in be._graphs.items() if fg is not None}
+    for p in prompts:
+        list(be.generate(p, st))
+        list(be.generate(p, st, speculative=False))
+    out = {}
+    for name, recs in found.items():
+        bad = [r for r in recs if r["out"] is not None or r["states"] or r["host"]
+               or any(v is not None for v in r["added"].values())]
+        out[name] = {"replays": len(recs), "differed": len(bad), "first": bad[:4],
+                     "shapes": sorted({tuple(r["rows"]) for r in recs})}
+    return out
+
+
 # -- the hook's overhead -------------------------------------------------------------------------------------
 
 def check_overhead(fix: dict, quick: bool) -> dict:

@@ -229,11 +229,13 @@ def run_shape(run: Run, a) -> None:
 
 
 def identical(be, a) -> dict:
-    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match (experiments/exl3_loop.py)."""
-    from experiments.exl3_loop import graphs_identical
+    """forward_graphs off and on over --identical dummy prompts: greedy tokens must match, and every replay must
+    equal the same call run eagerly (experiments/exl3_loop.py)."""
+    from experiments.exl3_loop import graphs_identical, graphs_twin
     from toolkit.exl3.calibrate import dummy_prompts
 
-    return graphs_identical(be, dummy_prompts(a.identical, 300, be.vocab_size), B=8, max_new=40)
+    prompts = dummy_prompts(a.identical, 300, be.vocab_size)
+    return {**graphs_identical(be, prompts, B=8, max_new=40), "twin": graphs_twin(be, prompts, B=8, max_new=40)}
 
 
 # -- entry -----------------------------------------------------------------------------------------------------
