@@ -215,7 +215,8 @@ def twin(fg) -> list[dict]:
     """Make every replay of `fg` (a ForwardGraphs) run the same call eagerly first, on the live parameters, put the
     recurrent states back, replay, and record where the two differ: outputs, tapped states, state tensors, host
     records. Returns the list the findings go into (one dict per replay)."""
-    from toolkit.exl3.graphs import copy_out, records
+    from toolkit.exl3.graphs import copy_out
+    from toolkit.exl3.host_writes import records
 
     found: list[dict] = []
     replay = fg.replay

@@ -211,7 +211,7 @@ def test_calls_the_graphs_do_not_take_run_eagerly_and_say_why_once(why, make, ca
     assert len([r for r in caplog.records if "forward graphs" in r.message]) == 1
 
 
-def test_a_capture_that_fails_leaves_the_shape_eager_with_one_line(caplog):
+def test_a_capture_that_fails_leaves_every_later_call_eager_with_one_line(caplog):
     def broken(graph, fn, pool):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
@@ -220,11 +220,12 @@ def test_a_capture_that_fails_leaves_the_shape_eager_with_one_line(caplog):
     eager = FakeModel()
     with caplog.at_level(logging.WARNING, logger=G.__name__):
         for step in range(G.WARM + 4):
-            assert torch.equal(model.forward(torch.tensor([[3]]), call_params([step])),
-                               eager.forward(torch.tensor([[3]]), call_params([step])))
-    assert fg.calls["replayed"] == 0
+            for ids in (torch.tensor([[3]]), torch.tensor([[3, 4]])):          # a second shape is not tried
+                assert torch.equal(model.forward(ids, call_params([step])), eager.forward(ids, call_params([step])))
+    assert fg.calls["replayed"] == 0 and fg.calls["captured"] == 0
     lines = [r.message for r in caplog.records if "forward graphs" in r.message]
-    assert len(lines) == 1 and "capture failed (RuntimeError: operation not permitted" in lines[0]
+    assert len(lines) == 1 and "a capture failed (RuntimeError: operation not permitted" in lines[0]
+    assert "test_forward_graphs.py:" in lines[0]                                # where it failed
 
 
 def test_uninstall_restores_exllamav3s_own_walk():

@@ -151,9 +151,12 @@ class Exl3Backend(Backend):
         if options.forward_graphs or self.options.forward_graphs:
             from .graphs import set_forward_graphs
 
+            from .moe import capture_refusal
+
             for name, model in (("target", self.model), ("draft", self.draft)):
                 if model is not None:
-                    self._graphs[name] = set_forward_graphs(model, options.forward_graphs, self._graphs.get(name))
+                    refuse = capture_refusal(model, self.moe_class()) if name == "target" else None
+                    self._graphs[name] = set_forward_graphs(model, options.forward_graphs, self._graphs.get(name), refuse)
         if options != self.options and self._gen is not None:
             self._gen.close()
             self._gen = None

@@ -14,7 +14,8 @@ in for a model's `forward_ls` (the layer walk) on decode-sized calls:
 A shape is the jobs, tokens, block-table width, dtypes and every scalar parameter of the call. Its first `WARM` calls
 run eagerly (kernels compile and tune, lazy buffers take their size); the next one runs eagerly once more on the
 static inputs and is captured. Calls the graphs do not take (prefill chunks, more than `MAX_JOBS` jobs, a parameter
-of an unknown kind, a capture that fails) run eagerly, and the first of each kind says why in one log line.
+of an unknown kind, a shape the caller refuses) run eagerly, and the first of each kind says why in one log line. A
+capture that fails leaves every later call of that model eager (what the failed capture touched is not trusted).
 
 Captured kernels read exactly what the eager forward read, so a replay's output equals the eager forward's on the
 same kernels. exllamav3's own per-module graphs cannot be launched inside a capture; run the process with
@@ -26,10 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from .host_writes import records, writes
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +109,6 @@ def copy_out(value):
     return value
 
 
-def records(objects) -> dict:
-    """The plain attributes of the host objects a forward may write (recurrent layer states)."""
-    plain = (bool, int, float, str, tuple, type(None))
-    return {(id(o), k): (o, v) for o in objects for k, v in vars(o).items() if isinstance(v, plain)}
-
-
 @dataclass
 class Entry:
     """One captured shape: the graph, its static inputs and outputs, and what the forward leaves on the host."""
@@ -135,12 +133,14 @@ class ForwardGraphs:
     `states(params)`: the host objects whose records a forward writes. `to_device(params, key, device)`: a
     parameter's tensor on the device (exllamav3's get_for_device). `windows(modules)`: a drafter's window-layer
     preparations (window_graphs.WindowPreps) over the captured modules, which lets its window states in. `blocker()`:
-    why nothing may be captured in this process, or None. Tests pass `capture` and `new_graph`.
+    why nothing may be captured in this process, or None. `refuse(x, params)`: why a call's shape must stay eager
+    (a layer that would sync with the host at its rows), asked once per shape. Tests pass `capture` and `new_graph`.
     """
 
     def __init__(self, model, to_device: Callable, states: Callable | None = None, head: int | None = None,
                  capture: Callable = cuda_capture, new_graph: Callable | None = None, pool=None,
-                 windows: Callable | None = None, blocker: Callable[[], str | None] | None = None):
+                 windows: Callable | None = None, blocker: Callable[[], str | None] | None = None,
+                 refuse: Callable[..., str | None] | None = None):
         self.model, self.to_device, self.states = model, to_device, states or (lambda params: ())
         self.capture, self.new_graph, self.pool = capture, new_graph or torch.cuda.CUDAGraph, pool
         self.original = type(model).forward_ls.__get__(model)
@@ -151,6 +151,8 @@ class ForwardGraphs:
         self.windows = windows([s for m, _, _ in self.tail_modules for s in submodules(m)]) if windows else None
         self.safe_states = SAFE_STATES + (("SWAState",) if self.windows else ())
         self.blocker = blocker or (lambda: None)
+        self.refuse = refuse or (lambda x, params: None)
+        self.broken: str | None = None     # why nothing more is captured (a capture failed)
         self.seen: dict[tuple, int] = {}
         self.graphs: dict[tuple, Entry] = {}
         self.failed: dict[tuple, str] = {}
@@ -186,9 +188,14 @@ class ForwardGraphs:
             return self.original(x, params)
         if len(self.graphs) >= MAX_GRAPHS:
             return self.eager(f"{MAX_GRAPHS} shapes captured already", x, params)
+        if why := self.refuse(x, params):
+            self.failed[key] = why
+            return self.eager(why, x, params)
         return self.record(key, self.run_head(x, params), params)
 
     def why_eager(self) -> str | None:
+        if self.broken:
+            return self.broken
         if why := self.blocker():
             return why
         if self.device is None:
@@ -256,9 +263,11 @@ class ForwardGraphs:
         hidden_s, base = hidden.clone(), dict(params)
         watched = list(self.states(params))
         before = records(watched)
-        out, run = self.run_static(hidden_s, base, statics)
+        with writes(watched) as written:
+            out, run = self.run_static(hidden_s, base, statics)
         after = records(watched)
-        effects = [(o, k, v) for (i, k), (o, v) in after.items() if before.get((i, k), (None, object()))[1] != v]
+        effects = [(o, k, v) for (i, k), (o, v) in after.items()
+                   if (i, k) in written or before.get((i, k), (None, object()))[1] != v]
         added = {k: v for k, v in run.items() if k not in base and k not in IGNORED}   # the tapped states
         params.update(added)
         reserved = reserved_bytes(self.device)
@@ -272,10 +281,10 @@ class ForwardGraphs:
                 gout, cap = self.capture(graph, lambda: self.run_static(hidden_s, base, statics), self.pool)
             finally:
                 windows = self.windows.stop() if self.windows else []
-        except Exception as e:                       # a kernel or a sync that cannot be captured: eager from now on
+        except Exception as e:       # a sync or a copy the capture cannot hold: this model's forwards stay eager
             first = str(e).splitlines()[0][:200] if str(e) else ""
-            self.failed[key] = f"capture failed ({type(e).__name__}: {first})"
-            self.note(self.failed[key])
+            self.broken = f"a capture failed ({type(e).__name__}: {first}, at {where(e)})"
+            self.note(self.broken)
             return out
         gadded = {k: cap[k] for k in added if k in cap}
         self.graphs[key] = Entry(graph, hidden_s, statics, gout, gadded, effects, windows)
@@ -310,6 +319,13 @@ class ForwardGraphs:
         allocator reserved more across them: a lower bound), and why calls ran eagerly."""
         return {**self.calls, "shapes": len(self.graphs), "capture_s": round(self.capture_s, 3),
                 "memory_mib": round(self.memory / 2**20, 1), "eager_because": sorted(self.said)}
+
+
+def where(e: Exception) -> str:
+    """The innermost file:line of an exception's traceback, for the one log line."""
+    tb = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename] or \
+        traceback.extract_tb(e.__traceback__)
+    return f"{'/'.join(tb[-1].filename.split('/')[-2:])}:{tb[-1].lineno}" if tb else "?"
 
 
 def reserved_bytes(device: torch.device) -> int:
@@ -351,9 +367,11 @@ def target_states(params: dict):
     return list(layers().values()) if layers else []
 
 
-def set_forward_graphs(model, on: bool, kept: ForwardGraphs | None = None) -> ForwardGraphs | None:
+def set_forward_graphs(model, on: bool, kept: ForwardGraphs | None = None,
+                       refuse: Callable[..., str | None] | None = None) -> ForwardGraphs | None:
     """Put the whole-forward graphs on `model` (on) or take them off; `kept`, the graphs an earlier install built,
-    comes back with what it captured. Returns the graphs object to keep."""
+    comes back with what it captured; `refuse(x, params)` says why a shape must stay eager. Returns the graphs
+    object to keep."""
     if not on:
         if kept is not None:
             kept.uninstall()
@@ -365,5 +383,6 @@ def set_forward_graphs(model, on: bool, kept: ForwardGraphs | None = None) -> Fo
 
         window = seams.get("SlidingAttention")
         kept = ForwardGraphs(model, seams.get("get_for_device"), states=target_states, blocker=exl3_graphs_blocker,
-                             windows=lambda modules: WindowPreps(modules, lambda m: isinstance(m, window)) or None)
+                             windows=lambda modules: WindowPreps(modules, lambda m: isinstance(m, window)) or None,
+                             refuse=refuse)
     return kept.install()

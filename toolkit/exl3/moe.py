@@ -201,6 +201,28 @@ def set_paths(model, moe_class: type, on: dict[str, bool]) -> int:
     return n
 
 
+STOCK_CAPTURABLE = 8     # rows up to which exllamav3's own MoE forward runs with no host sync (it graphs them itself)
+
+
+def capture_refusal(model, moe_class: type):
+    """`refuse(x, params)` for the whole-forward graphs: why a call of that many rows cannot be captured, because
+    an MoE layer would take exllamav3's own forward above `STOCK_CAPTURABLE` rows, which reads its expert counts
+    back to the host; None when every layer takes a path with no host sync."""
+    layers = [m for m in model if isinstance(m, moe_class)]
+
+    def refuse(x, params: dict) -> str | None:
+        rows = x.numel() // x.shape[-1] if x.dim() > 2 else x.numel()
+        if rows <= STOCK_CAPTURABLE:
+            return None
+        for m in layers:
+            wrap = vars(m).get("forward")
+            if not isinstance(wrap, MoeForward) or wrap.pick(rows, params) == "stock":
+                return f"{rows} rows take exllamav3's own MoE forward, which syncs with the host"
+        return None
+
+    return refuse
+
+
 def path_counts(model, moe_class: type) -> dict[str, int]:
     """Calls per path summed over the model's wrapped MoE layers: {"union": n, "grouped": m, "stock": k}."""
     total = {"union": 0, "grouped": 0, "stock": 0}
