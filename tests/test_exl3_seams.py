@@ -4,10 +4,8 @@ absent; live objects are checked for the attributes the toolkit reads."""
 
 from __future__ import annotations
 
-import ast
 import sys
 from collections import defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -172,44 +170,3 @@ def test_every_instance_kind_is_a_class_seam():
 
     assert set(SAFE_STATES) | {"SWAState"} <= set(seams.SEAMS)          # recurrent states named by their class
 
-
-ROOT = Path(__file__).parents[1]
-SEAMS_FILE = ROOT / "toolkit" / "exl3" / "seams.py"
-
-
-def reaches_exllamav3(path: Path) -> list[str]:
-    """Where a source file imports exllamav3 itself: an import statement, an import_module / __import__ /
-    find_spec of an exllamav3 name, or a seam's location read from the table (to import it by hand)."""
-    out = []
-    is_exl = lambda name: name == "exllamav3" or name.startswith("exllamav3.")
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import) and any(is_exl(a.name) for a in node.names):
-            out.append(f"line {node.lineno}: import")
-        elif isinstance(node, ast.ImportFrom) and not node.level and is_exl(node.module or ""):
-            out.append(f"line {node.lineno}: from-import")
-        elif isinstance(node, ast.ImportFrom) and any(a.name == "SEAMS" for a in node.names):
-            out.append(f"line {node.lineno}: imports the seam table")
-        elif isinstance(node, ast.Attribute) and node.attr == "SEAMS":
-            out.append(f"line {node.lineno}: reads the seam table")
-        elif isinstance(node, ast.Call):
-            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            arg = node.args[0] if node.args else None
-            if fn in ("import_module", "__import__", "find_spec") and isinstance(arg, ast.Constant) \
-                    and isinstance(arg.value, str) and is_exl(arg.value):
-                out.append(f"line {node.lineno}: {fn}({arg.value!r})")
-    return sorted(out, key=lambda hit: int(hit.split()[1].rstrip(":")))
-
-
-def test_the_toolkit_reaches_exllamav3_only_through_the_seams():
-    files = [p for p in (ROOT / "toolkit").rglob("*.py") if p != SEAMS_FILE] + [ROOT / "app.py"]
-    direct = {str(p.relative_to(ROOT)): hits for p in files if (hits := reaches_exllamav3(p))}
-    assert direct == {}, "import exllamav3 names through toolkit/exl3/seams.py (seams.get), never directly"
-
-
-def test_the_import_check_sees_each_way_in(tmp_path):
-    src = tmp_path / "x.py"
-    src.write_text("import exllamav3\nfrom exllamav3.modules import Linear\nimport importlib\n"
-                   "importlib.import_module('exllamav3.vendor.fla')\nfrom .seams import SEAMS\n"
-                   "path = seams.SEAMS['Model'].path\nfrom . import exllamav3_docs\n"
-                   "x = 'from exllamav3 import Model'\n")
-    assert [h.split(":")[0] for h in reaches_exllamav3(src)] == ["line 1", "line 2", "line 4", "line 5", "line 6"]

@@ -192,6 +192,7 @@ class Exl3Backend(Backend):
                 kw["max_chunk_size"] = self.max_chunk
             g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
             seams.check_instance("Generator", g)
+            seams.check_instance("Cache", self.cache)          # the Generator has taken it over
             self._gen_key = key
         if spec and hooked:
             g.set_width(width)

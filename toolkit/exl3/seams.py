@@ -84,6 +84,8 @@ SEAMS = {s.name: s for s in (
     Seam("exllamav3.generator.sampler:CategoricalSampler", "sampling at a temperature", ("temperature",)),
     # -- modules: the levers wrap some, forward_graphs walks them, the tap capture and the quantize check read them
     Seam("exllamav3.modules:Module", "every layer forward_graphs walks"),
+    Seam("exllamav3.modules:Module.forward", "a layer's forward: the host-side layers forward_graphs runs eagerly, "
+         "a shared expert and its gate the MoE paths leave to exllamav3", ("x", "params")),
     Seam("exllamav3.modules:Module.prepare_for_device", "the host-side layers forward_graphs runs eagerly",
          ("x", "params")),
     Seam("exllamav3.modules:Linear", "the drafter's linears, dequantized by the quantize check; the MoE experts"),
@@ -127,13 +129,14 @@ SEAMS = {s.name: s for s in (
          key="convert_model"),
 )}
 
-# Attributes of live objects the toolkit reads, per class seam: `check_loaded` checks a loaded model, its cache and
-# the first module of each kind in it; the backend checks its first Generator and Job the same way.
+# Attributes of live objects the toolkit reads or sets, per class seam: `check_loaded` checks a loaded model, its
+# cache and the first module of each kind in it; the backend checks each Generator it builds (and the cache it took
+# over) and the first Job of each request. tests/test_exl3_seams.py holds the toolkit's reads to this table.
 INSTANCE_ATTRS = {
     "Generator": ("active_jobs", "draft_model", "num_draft_tokens", "cache_owner_serial"),
     "Job": ("sequences", "draft_stats"),
     "Sequence": ("sequence_ids",),
-    "Cache": ("max_num_tokens",),
+    "Cache": ("max_num_tokens", "owner_serial"),
     "Config": ("vocab_size", "hidden_size"),
     "Model": ("config", "modules", "fwd_modules", "logit_layer_idx"),
     "Module": ("key", "device", "caps", "modules"),
@@ -150,6 +153,7 @@ INSTANCE_ATTRS = {
     "SlidingAttention": ("window_right", "sliding_window"),
     "DFlashInputLayer": ("attached_model",),
 }
+SET_BY_GENERATOR = {"Cache": ("owner_serial",)}     # checked once a Generator owns the cache, not at load
 MODULE_KINDS = ("Module", "Linear", "GatedMLP", "BlockSparseMLP", "SlidingAttention", "DFlashInputLayer")
 INNER_KINDS = ("LinearEXL3", "LinearFP16")      # what a Linear holds in `inner`
 CONVERTER = SEAMS["convert_model"].path.partition(":")[0]
@@ -253,9 +257,9 @@ def get(name: str):
         raise ToolkitError(f"exllamav3 {version()}: {seam.path} is missing; it is needed for {seam.purpose}") from None
 
 
-def check_instance(kind: str, obj) -> None:
-    """One-line ToolkitError when a live exllamav3 object lacks an attribute the toolkit reads."""
-    lacking = [a for a in INSTANCE_ATTRS[kind] if not hasattr(obj, a)]
+def check_instance(kind: str, obj, skip: tuple[str, ...] = ()) -> None:
+    """One-line ToolkitError when a live exllamav3 object lacks an attribute the toolkit reads (but `skip`)."""
+    lacking = [a for a in INSTANCE_ATTRS[kind] if a not in skip and not hasattr(obj, a)]
     if lacking:
         raise ToolkitError(f"exllamav3 {version()}: a {kind} has no {lacking[0]!r} (tested with exllamav3 {TESTED})")
 
@@ -266,7 +270,7 @@ def check_loaded(model, cache=None) -> None:
     that is missing, at load rather than deep inside a round."""
     check_instance("Model", model)
     if cache is not None:
-        check_instance("Cache", cache)
+        check_instance("Cache", cache, skip=SET_BY_GENERATOR["Cache"])
     pending: dict[str, type] | None = None
     for module in model:
         if pending is None:                          # resolved at the first module: a model may have none
