@@ -8,7 +8,8 @@ path that wins at its row count, and exllamav3's own forward everywhere else.
   Triton kernels once per block of its own rows.
 
 The wrap falls back to exllamav3's forward outside each path's rows and wherever the layer has something neither
-path implements (see `applies`); `path_counts` says how many calls took which path.
+path implements (see `applies`); `path_counts` says how many calls took which path. The paths never see an
+exllamav3 object: `module_layer` hands them the layer's tensors and formats (toolkit/moe/weights.py).
 """
 
 from __future__ import annotations
