@@ -20,6 +20,7 @@ def random_exl3(codebook: str, K: float, gen):
 def check_decode(moe) -> dict:
     import torch
 
+    from toolkit.exl3.moe import exl3_weight
     from toolkit.moe import grouped as gm
     from toolkit.moe.ref import RATES, dense_weight
 
@@ -34,17 +35,19 @@ def check_decode(moe) -> dict:
             row = {}
             for name, asm in (("ptx", True), ("portable", False)):
                 try:
-                    row[name] = int((gm.decode_inner(lin, asm=asm).view(torch.int16) != ref).sum())
+                    row[name] = int((gm.decode_inner(exl3_weight(lin), asm=asm).view(torch.int16) != ref).sum())
                     bad += row[name]
                 except Exception as e:                     # a compile failure is a result here, not the end of the run
                     row[name] = f"{type(e).__name__}: {e}"[:300]
                     bad += 1
-            row["dense_max_abs"] = float((dense_weight(lin).cuda() - lin.get_weight_tensor().double()).abs().max())
+            row["dense_max_abs"] = float((dense_weight(exl3_weight(lin)).cuda()
+                                          - lin.get_weight_tensor().double()).abs().max())
             out[f"{cb}-{K}"] = row
     own = {}
     for e in range(4):
         for name, ms in (("gate", moe.gates), ("up", moe.ups), ("down", moe.downs)):
             lin = ms[e].inner
-            own[f"{name}{e}"] = int((gm.decode_inner(lin).view(torch.int16) != lin.get_inner_weight_tensor().view(torch.int16)).sum())
+            own[f"{name}{e}"] = int((gm.decode_inner(exl3_weight(lin)).view(torch.int16)
+                                     != lin.get_inner_weight_tensor().view(torch.int16)).sum())
             bad += own[f"{name}{e}"]
     return {"mismatched_weights_total": bad, "formats": out, "layer_experts": own}

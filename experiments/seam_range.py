@@ -50,21 +50,39 @@ def absolute(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
 
 def find(tree: Tree, module: str, name: str, depth: int = 0):
     """The top-level def or class `name` of `module`, following `from X import` re-exports (and `*`)."""
+    hit = locate(tree, module, name, depth)
+    return hit[1] if hit else None
+
+
+def locate(tree: Tree, module: str, name: str, depth: int = 0) -> tuple[str, ast.AST] | None:
+    """(the module that defines it, the def or class) of `name` as `module` exports it."""
     mod = tree.module(module)
     if mod is None or depth > 6:
         return None
     is_pkg = f"{module.replace('.', '/')}/__init__.py" in tree.names
     for node in mod.body:
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
-            return node
+            return module, node
     for node in mod.body:
         if isinstance(node, ast.ImportFrom):
             src = absolute(module, node, is_pkg)
             for a in node.names:
                 if a.name == "*" or (a.asname or a.name) == name:
-                    hit = find(tree, src, name if a.name == "*" else a.name, depth + 1)
+                    hit = locate(tree, src, name if a.name == "*" else a.name, depth + 1)
                     if hit is not None:
                         return hit
+    return None
+
+
+def member(tree: Tree, module: str, cls: ast.AST, name: str, depth: int = 0):
+    """The method `name` of class `cls` (defined in `module`) or of its bases (a mixin's included)."""
+    own = next((n for n in getattr(cls, "body", []) if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if own is not None or not isinstance(cls, ast.ClassDef) or depth > 6:
+        return own
+    for base in cls.bases:
+        hit = locate(tree, module, base.id, 0) if isinstance(base, ast.Name) else None
+        if hit is not None and (got := member(tree, *hit, name, depth + 1)) is not None:
+            return got
     return None
 
 
@@ -81,9 +99,10 @@ def check(tree: Tree, seam: Seam) -> str | None:
     parts = attrs.split(".")
     if module == "exllamav3.ext":                          # a kernel of the compiled extension
         return None if f'"{parts[-1]}"' in tree.text("exllamav3/exllamav3_ext/bindings.cpp") else f"{seam.path} is not bound"
-    node = find(tree, module, parts[0])
+    hit = locate(tree, module, parts[0])
+    node = hit[1] if hit else None
     for p in parts[1:]:
-        node = next((n for n in getattr(node, "body", []) if isinstance(n, ast.FunctionDef) and n.name == p), None)
+        node = member(tree, hit[0], node, p) if node is not None else None
     if node is None:
         return f"{seam.path} is missing"
     have = params(node)

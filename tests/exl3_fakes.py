@@ -214,6 +214,7 @@ class LoadedModel(FakeModel):
     def __init__(self, folder, log):
         super().__init__()
         self.folder, self.log, self.config = folder, log, folder
+        self.modules, self.fwd_modules, self.logit_layer_idx = [], [], None     # what the load check reads
 
     def load(self, **kw):
         # exllamav3 1.6.5's layer-split loader measures over a (1, max_chunk_size) batch shape in the model's cache

@@ -93,11 +93,18 @@ class RefMgemm:
         return 0
 
 
+def linear_exl3(w) -> SimpleNamespace:
+    """exllamav3's LinearEXL3 as the lever reads it (the attributes seams.INSTANCE_ATTRS declares), over an
+    Exl3Weight's tensors: an engine object, not the plain input the MoE paths take."""
+    return SimpleNamespace(trellis=w.trellis, suh=w.suh, svh=w.svh, K=w.K, mcg=w.mcg, mul1=w.mul1,
+                           in_features=w.in_features, out_features=w.out_features)
+
+
 class FakeMoE:
     """The BlockSparseMLP attributes the lever reads, over a MoeLayer; its own forward returns a marker."""
 
     def __init__(self, lay, topk: int = TOPK):
-        q = lambda lins: [SimpleNamespace(inner=m, quant_type="exl3") for m in lins]
+        q = lambda lins: [SimpleNamespace(inner=linear_exl3(m), quant_type="exl3") for m in lins]
         self.gates, self.ups, self.downs = q(lay.gates), q(lay.ups), q(lay.downs)
         sh = lay.shared
         self.shared_experts = None if sh is None else SimpleNamespace(

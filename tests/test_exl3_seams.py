@@ -69,7 +69,7 @@ def test_every_seam_checks_out_and_resolves(stand_in):
     assert seams.get("BlockSparseMLP.forward").__name__ == "forward"
 
 
-@pytest.mark.parametrize("drop", ["iterate_draftmodel_dflash_gen", "exl3_mgemm", "BlockSparseMLP.forward", "ArgmaxSampler"])
+@pytest.mark.parametrize("drop", ["Generator.iterate_draftmodel_dflash_gen", "exl3_mgemm", "BlockSparseMLP.forward", "ArgmaxSampler"])
 def test_a_missing_seam_is_one_line_naming_it(stand_in, drop):
     stand_in(drop=drop)
     with pytest.raises(ToolkitError) as e:
@@ -80,7 +80,7 @@ def test_a_missing_seam_is_one_line_naming_it(stand_in, drop):
 
 
 def test_a_changed_signature_names_the_parameter(stand_in):
-    stand_in(rename=("iterate_draftmodel_dflash_gen", "window"))
+    stand_in(rename=("Generator.iterate_draftmodel_dflash_gen", "window"))
     with pytest.raises(ToolkitError, match=r"iterate_draftmodel_dflash_gen has changed: it takes no 'window'"):
         seams.require()
 
@@ -119,17 +119,54 @@ def test_not_installed_says_how(monkeypatch):
 
 
 def test_live_objects_are_checked_for_what_the_toolkit_reads():
-    gen = SimpleNamespace(active_jobs=[], draft_model=None, num_draft_tokens=0)
+    gen = SimpleNamespace(active_jobs=[], draft_model=None, num_draft_tokens=0, cache_owner_serial=1)
     seams.check_instance("Generator", gen)
     del gen.num_draft_tokens
     with pytest.raises(ToolkitError, match=r"a Generator has no 'num_draft_tokens'"):
         seams.check_instance("Generator", gen)
 
 
-def test_the_toolkit_reaches_exllamav3_only_through_the_seams():
-    from pathlib import Path
+def test_a_loaded_model_is_checked_on_the_first_module_of_each_kind(stand_in):
+    stand_in()
+    seams.require()
 
-    root = Path(__file__).parents[1] / "toolkit"
-    direct = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "seams.py"
-              and any(line.lstrip().startswith(("import exllamav3", "from exllamav3")) for line in p.read_text().splitlines())]
-    assert direct == []
+    def make(kind: str, **attrs):
+        obj = seams.get(kind)()
+        vars(obj).update(attrs)
+        return obj
+
+    class Loaded(list):
+        config, modules, fwd_modules, logit_layer_idx = None, [], [], None
+
+    weight = dict(trellis=0, suh=0, svh=0, K=4, mcg=False, mul1=True, in_features=128, out_features=128)
+    linear = make("Linear", inner=make("LinearEXL3", **weight), quant_type="exl3")
+    window = make("SlidingAttention", window_right=0, sliding_window=512)
+    cache = SimpleNamespace(max_num_tokens=256)
+    seams.check_loaded(Loaded([linear, window, make("SlidingAttention")]), cache)     # the first of a kind only
+    del vars(linear.inner)["mul1"]
+    with pytest.raises(ToolkitError, match=r"^exllamav3 1\.6\.9: a LinearEXL3 has no 'mul1'"):
+        seams.check_loaded(Loaded([linear, window]))
+    with pytest.raises(ToolkitError, match=r"a Cache has no 'max_num_tokens'"):
+        seams.check_loaded(Loaded(), SimpleNamespace())
+    with pytest.raises(ToolkitError, match=r"a Model has no 'config'"):
+        seams.check_loaded([])
+
+
+def test_a_module_function_is_swapped_where_exllamav3_looks_it_up(stand_in):
+    stand_in()
+    import importlib
+
+    fla = importlib.import_module(seams.SEAMS["chunk_gated_delta_rule"].path.partition(":")[0])
+    inner = fla.chunk_gated_delta_rule
+    with seams.swapped("chunk_gated_delta_rule", len):
+        assert fla.chunk_gated_delta_rule is len
+    assert fla.chunk_gated_delta_rule is inner
+
+
+def test_every_instance_kind_is_a_class_seam():
+    assert set(seams.INSTANCE_ATTRS) <= set(seams.SEAMS)
+    assert set(seams.MODULE_KINDS + seams.INNER_KINDS) <= set(seams.INSTANCE_ATTRS)
+    from toolkit.exl3.graphs import SAFE_STATES
+
+    assert set(SAFE_STATES) | {"SWAState"} <= set(seams.SEAMS)          # recurrent states named by their class
+

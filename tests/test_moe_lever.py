@@ -15,6 +15,7 @@ import moe_fakes as fakes  # noqa: E402
 from moe_fakes import HID, INT, EXPERTS, FakeMoE, RefMgemm, assert_close, routed  # noqa: E402
 from toolkit.exl3 import moe as lever  # noqa: E402
 from toolkit.moe.ref import random_layer, random_linear, ref_moe  # noqa: E402
+from toolkit.moe.weights import Exl3Weight, MoeLayer  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,6 +43,40 @@ def check(moe, layer, rows: int, seed: int):
     sel, w = moe.routing_fn(rows, None, x, {})
     assert out.shape == (1, rows, HID) and out.dtype == torch.float32
     assert_close(out.view(rows, HID), ref_moe(x, sel, w, layer))
+
+
+def test_the_paths_get_the_layer_as_plain_tensors(layer):
+    moe = FakeMoE(layer)
+    got = lever.module_layer(moe)
+    weights = got.gates + got.ups + got.downs + list(got.shared)
+    assert all(type(w) is Exl3Weight for w in weights) and got.shared_gate is moe.shared_gate.inner.weight
+    lin, w = moe.downs[3].inner, got.downs[3]
+    assert w.trellis is lin.trellis and w.suh is lin.suh and w.svh is lin.svh   # the same tensors, not copies
+    assert (w.K, w.mcg, w.mul1, w.in_features, w.out_features) == (4, False, True, INT, HID)
+    import toolkit.moe.grouped as gm
+    import toolkit.moe.union as un
+
+    cpu = torch.device("cpu")
+    for build in (un.build_tables, gm.build_tables):     # the kernels get the very pointers and formats as before
+        a, b = build(got, cpu), build(layer, cpu)
+        for f in vars(a):
+            x, y = getattr(a, f), getattr(b, f)
+            if f == "keep":
+                assert [t.data_ptr() for t in flat(x)] == [t.data_ptr() for t in flat(y)]
+            elif f in ("gate_up", "down"):
+                assert all(torch.equal(getattr(x, k), getattr(y, k)) if torch.is_tensor(getattr(x, k))
+                           else getattr(x, k) == getattr(y, k) for k in vars(x))
+            elif f == "ptrs":
+                assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            else:
+                assert torch.equal(x, y) if torch.is_tensor(x) else x == y, f
+    with pytest.raises(TypeError, match="a MoeLayer holds Exl3Weight, got SimpleNamespace"):
+        MoeLayer([lin], got.ups[:1], got.downs[:1])
+
+
+def flat(keep: list) -> list:
+    """The tensors a table keeps alive (weights' trellis, suh, svh, or the tensors themselves)."""
+    return [t for k in keep for t in ((k.trellis, k.suh, k.svh) if isinstance(k, Exl3Weight) else (k,))]
 
 
 def test_union_takes_the_rows_where_it_wins(layer):
@@ -87,7 +122,8 @@ def test_falls_back_on_what_it_does_not_implement(layer):
     moe.activation_fn = "gelu"
     assert moe.forward(x, {}) == "stock"
     moe.activation_fn = "silu"
-    moe.gates[0] = SimpleNamespace(inner=random_linear(HID, INT, 3, "mcg", torch.Generator()), quant_type="exl3")
+    other = fakes.linear_exl3(random_linear(HID, INT, 3, "mcg", torch.Generator()))
+    moe.gates[0] = SimpleNamespace(inner=other, quant_type="exl3")
     assert moe.forward(x, {}) == "stock"
     assert "gate and up differ" in wrap.unfit["union"] and "mix EXL3 formats" in wrap.unfit["grouped"]
 

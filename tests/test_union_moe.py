@@ -11,7 +11,8 @@ pytest.importorskip("triton")
 import moe_fakes as fakes  # noqa: E402
 from moe_fakes import EXPERTS, HID, INT, TOPK, RefMgemm, assert_close, routed  # noqa: E402
 from toolkit.moe import union as un  # noqa: E402
-from toolkit.moe.ref import MoeLayer, random_layer, random_linear, ref_moe  # noqa: E402
+from toolkit.moe.ref import random_layer, random_linear, ref_moe  # noqa: E402
+from toolkit.moe.weights import MoeLayer  # noqa: E402
 
 KERNELS = "toolkit.moe.union_kernels"
 

@@ -194,6 +194,8 @@ class Exl3Backend(Backend):
             if self.max_chunk:
                 kw["max_chunk_size"] = self.max_chunk
             g = self._gen = cls(self.model, self.cache, self.tokenizer_exl, max_batch_size=self.max_concurrency, **kw)
+            seams.check_instance("Generator", g)
+            seams.check_instance("Cache", self.cache)          # the Generator has taken it over
             self._gen_key = key
         if spec and hooked:
             g.set_width(width)
@@ -286,9 +288,13 @@ class Exl3Backend(Backend):
         sampler = seams.get("ArgmaxSampler")() if settings.temperature <= 0 else \
             seams.get("CategoricalSampler")(temperature=settings.temperature)
         stop = list(self.stop_ids(settings))
-        return [self.exl.Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=settings.max_new_tokens,
+        jobs = [self.exl.Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=settings.max_new_tokens,
                              sampler=sampler, seed=settings.seed + i, stop_conditions=stop, identifier=i)
                 for i, p in enumerate(prompts)]
+        if jobs:                                   # what every round reads of them, checked before the first
+            seams.check_instance("Job", jobs[0])
+            seams.check_instance("Sequence", jobs[0].sequences[0])
+        return jobs
 
     def generate_many(self, prompts: list[list[int]], settings: GenSettings, speculative: bool = True) -> Iterator[tuple[int, Round]]:
         """Decode several prompts as concurrent jobs of one generator; yields (prompt index, Round) as rounds finish."""

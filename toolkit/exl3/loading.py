@@ -72,11 +72,13 @@ def load_chunk(cache_tokens: int, max_chunk: int | None = None) -> dict:
 
 def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, history: int, split: GpuSplit,
                  count: int) -> tuple:
-    """(drafter, drafter cache): its cache made before its load, the load on split's drafter device."""
+    """(drafter, drafter cache): its cache made before its load, the load on split's drafter device, then checked
+    for the attributes the toolkit reads (seams.check_loaded)."""
     note_graphs_mode()
     dmodel = exl.Model.from_config(exl.Config.from_directory(str(draft)))
     dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
     dmodel.load(progressbar=False, **draft_load_kwargs(split, count), **load_chunk(cache_tokens))
+    seams.check_loaded(dmodel, dcache)
     return dmodel, dcache
 
 
@@ -84,7 +86,8 @@ def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_co
                 split: GpuSplit, count: int, max_chunk: int | None = None) -> tuple:
     """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
     on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
-    drafter passed so the layer-split loader budgets for the states it taps; its chunk cut to `max_chunk`)."""
+    drafter passed so the layer-split loader budgets for the states it taps; its chunk cut to `max_chunk`); each
+    model checked for the attributes the toolkit reads (seams.check_loaded)."""
     note_graphs_mode()
     model = exl.Model.from_config(exl.Config.from_directory(str(target)))
     cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
@@ -93,6 +96,7 @@ def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_co
         dmodel, dcache = load_drafter(exl, draft, cache_tokens, max_concurrency, history, split, count)
     model.load(progressbar=False, **target_load_kwargs(split, count), **load_chunk(cache_tokens, max_chunk),
                **({"draft_model": dmodel} if dmodel is not None else {}))
+    seams.check_loaded(model, cache)
     return model, cache, dmodel, dcache
 
 

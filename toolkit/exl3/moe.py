@@ -8,7 +8,8 @@ path that wins at its row count, and exllamav3's own forward everywhere else.
   Triton kernels once per block of its own rows.
 
 The wrap falls back to exllamav3's forward outside each path's rows and wherever the layer has something neither
-path implements (see `applies`); `path_counts` says how many calls took which path.
+path implements (see `applies`); `path_counts` says how many calls took which path. The paths never see an
+exllamav3 object: `module_layer` hands them the layer's tensors and formats (toolkit/moe/weights.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ..moe.ref import MoeLayer
+from ..moe.weights import Exl3Weight, MoeLayer
 from . import seams
 from .draft_levers import set_forward_wrap
 
@@ -51,17 +52,24 @@ def applies(module, params: dict) -> bool:
             and not any(k in params for k in UNSAFE_PARAMS))
 
 
+def exl3_weight(lin) -> Exl3Weight:
+    """An exllamav3 LinearEXL3's tensors and format, as the MoE paths take them (the tensors themselves, not
+    copies: the paths' tables point into them)."""
+    return Exl3Weight(lin.trellis, lin.suh, lin.svh, lin.K, bool(lin.mcg), bool(lin.mul1), int(lin.in_features),
+                      int(lin.out_features))
+
+
 def module_layer(module) -> MoeLayer:
-    """A BlockSparseMLP's EXL3 weights as a MoeLayer (the shared expert only when it is one EXL3 GatedMLP slice
-    with a silu gate and an fp16 sigmoid gate or none)."""
-    inner = lambda ls: [m.inner for m in ls]
+    """A BlockSparseMLP's EXL3 weights as a MoeLayer of plain tensors (the shared expert only when it is one EXL3
+    GatedMLP slice with a silu gate and an fp16 sigmoid gate or none)."""
+    inner = lambda ls: [exl3_weight(m.inner) for m in ls]
     shared = sgate = None
     se = getattr(module, "shared_experts", None)
     if se is not None and len(getattr(se, "gates", [])) == 1 and getattr(se, "activation_fn", None) == "silu" \
             and all(getattr(m[0], "quant_type", None) == "exl3" for m in (se.gates, se.ups, se.downs)):
         sg = getattr(module, "shared_gate", None)
         if sg is None or (getattr(sg, "quant_type", None) == "fp16" and sg.inner.weight.numel() == module.hidden_size):
-            shared = (se.gates[0].inner, se.ups[0].inner, se.downs[0].inner)
+            shared = (exl3_weight(se.gates[0].inner), exl3_weight(se.ups[0].inner), exl3_weight(se.downs[0].inner))
             sgate = None if sg is None else sg.inner.weight
     return MoeLayer(inner(module.gates), inner(module.ups), inner(module.downs), shared, sgate)
 

@@ -15,7 +15,6 @@ relies on; the seam check (exl3/seams.py) refuses an exllamav3 without them in o
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,9 +41,7 @@ def stateful_scan() -> Iterator[None]:
     where it has none, and its final state is dropped where none was asked for: the same result (the state starts
     at zero either way) through the kernel build a cached prefill uses. Without it the no-cache forward makes Triton
     autotune and compile a second build of the state kernel, about 23 s on a fresh machine."""
-    seam = seams.SEAMS["chunk_gated_delta_rule"]             # exllamav3's vendored gated delta rule (Qwen3.6)
-    inner = seams.get("chunk_gated_delta_rule")
-    fla = importlib.import_module(seam.path.partition(":")[0]) if inner is not None else None
+    inner = seams.get("chunk_gated_delta_rule")            # exllamav3's vendored gated delta rule (Qwen3.6)
     if inner is None or not STATEFUL_SCAN:
         yield
         return
@@ -56,11 +53,8 @@ def stateful_scan() -> Iterator[None]:
         o, state = inner(q, k, v, *a, initial_state=zero, output_final_state=True, **kw)
         return o, (state if output_final_state else None)
 
-    fla.chunk_gated_delta_rule = scan
-    try:
+    with seams.swapped("chunk_gated_delta_rule", scan):
         yield
-    finally:
-        fla.chunk_gated_delta_rule = inner
 
 
 def check_installed() -> None:
@@ -81,6 +75,7 @@ class Exl3Target:
     def __init__(self, backend, batch: int = 8):
         self.backend = backend
         self.model = backend.model
+        seams.check_instance("Config", self.model.config)
         self.batch = max(1, batch)
         self.vocab_size = int(self.model.config.vocab_size)
         self.hidden_size = int(self.model.config.hidden_size)

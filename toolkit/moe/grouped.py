@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ref import CODEBOOK_IDS, HAD, MoeLayer, codebook_of, split_rate
+from .ref import CODEBOOK_IDS, HAD, codebook_of, split_rate
+from .weights import Exl3Weight, MoeLayer
 
 MAX_SORT = 4096                 # assignments the one-program sort takes
 
@@ -49,14 +50,14 @@ def group_shape(K: float) -> tuple[int, int]:
     return (2, 1) if ka == 7 else (4, 2)
 
 
-def fmt(lin) -> tuple[int, int, int]:
-    """(KA, HALF, codebook id) of a LinearEXL3-like object."""
+def fmt(lin: Exl3Weight) -> tuple[int, int, int]:
+    """(KA, HALF, codebook id) of an EXL3 weight."""
     ka, half = split_rate(lin.K)
     return ka, half, CODEBOOK_IDS[codebook_of(lin)]
 
 
-def decode_inner(lin, asm: bool | None = None) -> torch.Tensor:
-    """The rotated-basis weight (in, out) fp16 of an EXL3 linear, decoded by the grouped path's decode."""
+def decode_inner(lin: Exl3Weight, asm: bool | None = None) -> torch.Tensor:
+    """The rotated-basis weight (in, out) fp16 of an EXL3 weight, decoded by the grouped path's decode."""
     k, n = lin.in_features, lin.out_features
     ka, half, cb = fmt(lin)
     rg, cg = group_shape(lin.K)

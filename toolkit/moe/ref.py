@@ -1,5 +1,5 @@
 """A torch reference of exllamav3 1.6.5's EXL3 decode and of an EXL3 MoE layer's forward: the oracle of the
-expert-grouped kernels (grouped_moe_kernels.py) in tests and on the device.
+MoE paths (grouped.py, union.py) in tests and on the device. Its inputs are the plain ones of weights.py.
 
 An EXL3 linear y = x @ W (W of shape (in, out), both multiples of 128) is stored as:
 
@@ -15,11 +15,11 @@ An EXL3 linear y = x @ W (W of shape (in, out), both multiples of 128) is stored
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..synthetic.codebook import decode_states, hadamard, tensor_core_perm, tile_bits
+from .weights import Exl3Weight, MoeLayer
 
 HAD = 128
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -27,28 +27,8 @@ HALF_RATES = (1.5, 2.5, 3.5)          # mul1 only
 RATES = tuple(range(1, 9)) + HALF_RATES
 
 
-@dataclass
-class Exl3Linear:
-    """The attributes of exllamav3's LinearEXL3 that the decode reads (a LinearEXL3 works wherever this does)."""
-
-    trellis: torch.Tensor             # int16 [in/16, out/16, 16*K]
-    suh: torch.Tensor                 # fp16 [in]
-    svh: torch.Tensor                 # fp16 [out]
-    K: float                          # bits per weight: 1..8, or 1.5 / 2.5 / 3.5 (mul1)
-    mcg: bool = False
-    mul1: bool = False
-
-    @property
-    def in_features(self) -> int:
-        return self.trellis.shape[0] * 16
-
-    @property
-    def out_features(self) -> int:
-        return self.trellis.shape[1] * 16
-
-
-def codebook_of(lin) -> str:
-    """The codebook name of a LinearEXL3-like object."""
+def codebook_of(lin: Exl3Weight) -> str:
+    """The codebook name of an EXL3 weight."""
     return "mul1" if lin.mul1 else "mcg" if lin.mcg else "3inst"
 
 
@@ -89,8 +69,8 @@ def inner_weight(trellis: torch.Tensor, K: float, codebook: str) -> torch.Tensor
     return tiles.view(tk, tn, 16, 16).permute(0, 2, 1, 3).reshape(tk * 16, tn * 16)
 
 
-def dense_weight(lin) -> torch.Tensor:
-    """The original-basis weight W (in, out) float64 of a LinearEXL3-like object: y = x @ W."""
+def dense_weight(lin: Exl3Weight) -> torch.Tensor:
+    """The original-basis weight W (in, out) float64 of an EXL3 weight: y = x @ W."""
     w = inner_weight(lin.trellis, lin.K, codebook_of(lin)).double()
     k, n = w.shape
     h = hadamard(HAD) / math.sqrt(HAD)
@@ -99,33 +79,13 @@ def dense_weight(lin) -> torch.Tensor:
 
 
 def random_linear(k: int, n: int, K: float, codebook: str, gen: torch.Generator, scale: float = 0.05,
-                  device: str = "cpu") -> Exl3Linear:
+                  device: str = "cpu") -> Exl3Weight:
     """An EXL3 linear with random trellis bits (every bit pattern is a valid tensor) and random-sign scales."""
     words = tile_words(K)
     trellis = torch.randint(-32768, 32768, (k // 16, n // 16, words), dtype=torch.int16, generator=gen)
     suh = (torch.randint(0, 2, (k,), generator=gen) * 2 - 1).half() * scale
     svh = (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).half()
-    return Exl3Linear(trellis.to(device), suh.to(device), svh.to(device), K, codebook == "mcg", codebook == "mul1")
-
-
-@dataclass
-class MoeLayer:
-    """One MoE layer's EXL3 weights: experts e = 0..E-1 as (gate, up, down) and an optional shared expert whose
-    output is scaled by sigmoid(x @ shared_gate) when a shared gate vector [hidden] is given."""
-
-    gates: list
-    ups: list
-    downs: list
-    shared: tuple | None = None
-    shared_gate: torch.Tensor | None = None
-
-    @property
-    def hidden(self) -> int:
-        return self.gates[0].in_features
-
-    @property
-    def inter(self) -> int:
-        return self.gates[0].out_features
+    return Exl3Weight(trellis.to(device), suh.to(device), svh.to(device), K, codebook == "mcg", codebook == "mul1")
 
 
 def random_layer(hidden: int, inter: int, experts: int, K: float, codebook: str, seed: int = 0,

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from .weights import Exl3Weight, MoeLayer
+
 MAX_ROWS = 64               # rows per call the workspace is built for
 
 # exl3_mgemm(A, B, C, suh, A_had, svh, indices, weights, K, force_shape, mcg, mul1, min_index, max_index, force_sms)
@@ -29,7 +31,7 @@ def next_pow2(n: int) -> int:
 
 @dataclass
 class Projection:
-    """One EXL3 format's pointer tables over a list of linears (trellis, suh, svh) and its format."""
+    """One EXL3 format's pointer tables over a list of weights (trellis, suh, svh) and its format."""
 
     trellis: torch.Tensor
     suh: torch.Tensor
@@ -39,7 +41,7 @@ class Projection:
     mul1: bool
 
     @staticmethod
-    def of(linears: list, device: torch.device) -> "Projection":
+    def of(linears: list[Exl3Weight], device: torch.device) -> "Projection":
         f0 = fmt(linears[0])
         if any(fmt(m) != f0 for m in linears):
             raise ValueError("the linears of one GEMM mix EXL3 formats")
@@ -47,8 +49,8 @@ class Projection:
         return Projection(ptrs("trellis"), ptrs("suh"), ptrs("svh"), *f0)
 
 
-def fmt(lin) -> tuple[float, bool, bool]:
-    """(bits, mcg, mul1) of a LinearEXL3-like object."""
+def fmt(lin: Exl3Weight) -> tuple[float, bool, bool]:
+    """(bits, mcg, mul1) of an EXL3 weight."""
     return float(lin.K), bool(lin.mcg), bool(lin.mul1)
 
 
@@ -64,12 +66,12 @@ class UnionTables:
     experts: int
     shared: bool
     shared_gate: torch.Tensor | None
-    keep: list = field(default_factory=list)
+    keep: list[Exl3Weight] = field(default_factory=list)       # the weights the pointers point into
 
 
-def build_tables(layer, device: torch.device) -> UnionTables:
-    """Tables of a MoeLayer-like layer (gates, ups, downs, shared, shared_gate); ValueError when its routed
-    experts cannot share the two GEMMs."""
+def build_tables(layer: MoeLayer, device: torch.device) -> UnionTables:
+    """Tables of a layer (gates, ups, downs, shared, shared_gate); ValueError when its routed experts cannot share
+    the two GEMMs."""
     hidden, inter = layer.gates[0].in_features, layer.gates[0].out_features
     for g, u, d in zip(layer.gates, layer.ups, layer.downs):
         if (g.in_features, g.out_features, u.out_features, d.in_features, d.out_features) != (hidden, inter, inter, inter, hidden):

@@ -116,6 +116,7 @@ def _dense_from_exllamav3(folder: Path, device: str) -> dict[str, torch.Tensor]:
     model = seams.get("Model").from_config(config)
     model.load(device if device.startswith("cuda") else "cuda:0")
     try:
+        seams.check_loaded(model)
         return {m.key: m.inner.get_weight_tensor().T.float().contiguous()
                 for m in model if isinstance(m, Linear) and m.inner is not None}
     finally:
