@@ -46,7 +46,7 @@ COMMANDS = {
     "quantize": Command("toolkit.quantize", "toolkit.quantize:QuantizeOptions",
                         ["--model", "{draft}", "--bits", "4", "--out", "{case}/new", "--no-calibrate", "--no-check",
                          "--device", "cpu"]),
-    "space": Command("toolkit.space", "toolkit.space:ExportOptions", ["{case}/new"], sub=["export"]),
+    "space": Command("toolkit.space", "toolkit.hub.space:ExportOptions", ["{case}/new"], sub=["export"]),
     "synth": Command("toolkit.synth", "toolkit.synth:SynthOptions",
                      ["--config", "{synth_config}", "--bits", "4", "--out", "{case}/new", "--device", "cpu", "--quiet"]),
     "tiny_pair": Command("toolkit.tiny_pair", "toolkit.tiny_pair:TinyPairOptions", ["--out", "{case}/new"]),
