@@ -230,7 +230,7 @@ def measure_exl3(run: Run, target: Path, draft: Path) -> None:
     from toolkit.bench import BenchOptions, bench
     from toolkit.core.errors import ToolkitError
     from toolkit.eval_tau import EvalTauOptions, eval_tau
-    from toolkit.quant import quantize
+    from toolkit.quant import QuantizeOptions, quantize
 
     out = run.path.parent
     pt, pd = WORK / "pad" / "target", WORK / "pad" / "draft"
@@ -252,8 +252,8 @@ def measure_exl3(run: Run, target: Path, draft: Path) -> None:
 
     def run_quantize() -> dict:
         try:
-            rep = quantize(recipe=str(RECIPE), model=str(pd), target=str(pt), out=str(q), also_uncalibrated=True, force=True,
-                           progress=False)
+            rep = quantize(QuantizeOptions(recipe=str(RECIPE), model=str(pd), target=str(pt), out=str(q),
+                                           also_uncalibrated=True, force=True), progress=False)
             verdict = "pass"
         except ToolkitError as e:                       # below a threshold: the report is still written
             verdict = str(e)[:600]

@@ -43,7 +43,7 @@ COMMANDS = {
     "pad": Command("toolkit.pad", "toolkit.pad:PadOptions", ["{target}", "{case}/new"]),
     "preview_run": Command("toolkit.preview_run", "toolkit.preview_run:PreviewOptions", ["--out", "{case}/new"]),
     "push": Command("toolkit.push", "toolkit.push:PushOptions", ["--repo", "alice/x", "--from", "{run}", "--retries", "0"]),
-    "quantize": Command("toolkit.quantize", "toolkit.quantize:QuantizeOptions",
+    "quantize": Command("toolkit.quantize", "toolkit.quant.options:QuantizeOptions",
                         ["--model", "{draft}", "--bits", "4", "--out", "{case}/new", "--no-calibrate", "--no-check",
                          "--device", "cpu"]),
     "space": Command("toolkit.space", "toolkit.hub.space:ExportOptions", ["{case}/new"], sub=["export"]),
