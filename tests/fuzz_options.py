@@ -42,7 +42,7 @@ COMMANDS = {
                         ["--prompt", "hi", "--max-new-tokens", "4"]),
     "pad": Command("toolkit.pad", "toolkit.pad:PadOptions", ["{target}", "{case}/new"]),
     "preview_run": Command("toolkit.preview_run", "toolkit.preview_run:PreviewOptions", ["--out", "{case}/new"]),
-    "push": Command("toolkit.push", "toolkit.push:PushOptions", ["--repo", "alice/x", "--from", "{run}", "--retries", "0"]),
+    "push": Command("toolkit.push", "toolkit.hub.push:PushOptions", ["--repo", "alice/x", "--from", "{run}", "--retries", "0"]),
     "quantize": Command("toolkit.quantize", "toolkit.quant.options:QuantizeOptions",
                         ["--model", "{draft}", "--bits", "4", "--out", "{case}/new", "--no-calibrate", "--no-check",
                          "--device", "cpu"]),

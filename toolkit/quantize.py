@@ -27,8 +27,8 @@ EXAMPLE = ("Example (one GPU): python -m toolkit.quantize --recipe quantize/qwen
 def quantize(o: QuantizeOptions, on_step: Callable[[dict], None] | None = None) -> int:
     """The pipeline (`start(o)`: the library), then publishing; `o.push` is the Hub repo of a passing run,
     `on_step` gets each step's timing row as it ends (not a flag: for callers such as the device scripts)."""
-    from .hub.push import push as push_to_hub      # here, not at the top: --help loads neither torch nor the Hub client
-    from .hub.push import write_cards
+    from .hub.push import PushOptions, write_cards  # here, not at the top: --help loads neither torch nor the Hub client
+    from .hub.push import push as push_to_hub
     from .hub.upstream import copy_upstream
     from .quant.pipeline import enforce, execute, start
 
@@ -42,7 +42,7 @@ def quantize(o: QuantizeOptions, on_step: Callable[[dict], None] | None = None) 
         write_cards(run.out)                  # publishing (hub/): a model card per bitrate folder, also for a failing run
         enforce(run)                          # below the recipe's thresholds: one error line, nothing pushed
         if o.push:
-            push_to_hub(repo=o.push, out_dir=run.out)
+            push_to_hub(PushOptions(repo=o.push, out_dir=str(run.out)))
     return 0
 
 
