@@ -24,7 +24,7 @@ import torch
 from experiments.harness import Run, device_name
 from toolkit.core.errors import ToolkitError
 from toolkit.quant import convert as conv
-from toolkit.quant import quantize
+from toolkit.quant import QuantizeOptions, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
@@ -84,8 +84,8 @@ def run_fixture(out: Path, bits: str, target_steps: int, draft_steps: int) -> di
     recipe = write_recipe(out / "fixture.toml", tdir)
     qout = out / "fixture-exl3"
     try:
-        quantize(recipe=str(recipe), model=str(ddir), bits=bits, out=str(qout), also_uncalibrated=True, device="cuda",
-                 force=True)
+        quantize(QuantizeOptions(recipe=str(recipe), model=str(ddir), bits=bits, out=str(qout), also_uncalibrated=True,
+                                 device="cuda", force=True))
     except ToolkitError as e:
         res["error"] = str(e)
     rpath = qout / "report.json"
@@ -142,8 +142,8 @@ def run_real(out: Path, bits: str, cal_bits: str) -> dict:
     res["build_seconds"] = round(time.time() - t0, 1)
     qout = out / "real-exl3"
     try:
-        quantize(model=str(ddir), target=str(tdir), bits=bits, out=str(qout), calibrate=False, check=False, force=True,
-                 device="cuda")
+        quantize(QuantizeOptions(model=str(ddir), target=str(tdir), bits=bits, out=str(qout), calibrate=False,
+                                 check=False, force=True, device="cuda"))
     except ToolkitError as e:
         res["error"] = str(e)
     if cal_bits:

@@ -183,12 +183,12 @@ def run(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, tr
     if info is None:
         return rn.finish()
     rn.step("copy_drafter", copy_drafter, draft, out)
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     left = (rn.left() - 10) / 60
-    tau = rn.step("eval_tau", lambda: eval_tau(str(target), str(draft), max_new_tokens=16 if quick else 128, limit=eval_limit,
-                                               device="auto" if quick else "cuda", minutes=left,
-                                               out=str(out / "tau.json"), write_card=True, quiet=True))
+    tau = rn.step("eval_tau", lambda: eval_tau(EvalTauOptions(
+        str(target), str(draft), max_new_tokens=16 if quick else 128, limit=eval_limit,
+        device="auto" if quick else "cuda", minutes=left, out=str(out / "tau.json"), write_card=True, quiet=True)))
     if tau is not None:
         shutil.copy(draft / "README.md", out / "README.md")
         rn.results["tau"] = tau["tau"]
@@ -229,15 +229,16 @@ def measure_exl3(run: Run, target: Path, draft: Path) -> None:
     from toolkit.assets.padding import pad
     from toolkit.bench import BenchOptions, bench
     from toolkit.core.errors import ToolkitError
-    from toolkit.eval_tau import eval_tau
-    from toolkit.quant import quantize
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
+    from toolkit.quant import QuantizeOptions, quantize
 
     out = run.path.parent
     pt, pd = WORK / "pad" / "target", WORK / "pad" / "draft"
     run.step("pad", lambda: [str(pad(str(target), str(pt))), str(pad(str(draft), str(pd)))])
     held = draft / "heldout.json"
     kw = dict(heldout=str(held), block_sizes=[8, 16], max_new_tokens=128, backend="exllamav3", concurrency=24, quiet=True)
-    run.step("tau_exl3_bf16", lambda: tau_only(eval_tau(str(pt), str(pd), out=str(WORK / "tau_exl3.json"), **kw)), need_s=30)
+    bf16 = EvalTauOptions(str(pt), str(pd), out=str(WORK / "tau_exl3.json"), **kw)
+    run.step("tau_exl3_bf16", lambda: tau_only(eval_tau(bf16)), need_s=30)
     prompts = heldout_jsonl(held, WORK / "heldout.jsonl")
 
     def run_bench() -> dict:
@@ -251,8 +252,8 @@ def measure_exl3(run: Run, target: Path, draft: Path) -> None:
 
     def run_quantize() -> dict:
         try:
-            rep = quantize(recipe=str(RECIPE), model=str(pd), target=str(pt), out=str(q), also_uncalibrated=True, force=True,
-                           progress=False)
+            rep = quantize(QuantizeOptions(recipe=str(RECIPE), model=str(pd), target=str(pt), out=str(q),
+                                           also_uncalibrated=True, force=True), progress=False)
             verdict = "pass"
         except ToolkitError as e:                       # below a threshold: the report is still written
             verdict = str(e)[:600]
@@ -270,7 +271,8 @@ def measure_exl3(run: Run, target: Path, draft: Path) -> None:
         run.results["tau_exl3_per_bitrate"] = per
         for r in qr["results"]:
             folder = q / r["folder"]
-            res = run.step(f"tau_exl3_{r['folder']}", lambda f=folder: tau_only(eval_tau(str(pt), str(f), **kw)), need_s=15)
+            opts = EvalTauOptions(str(pt), str(folder), **kw)
+            res = run.step(f"tau_exl3_{r['folder']}", lambda o=opts: tau_only(eval_tau(o)), need_s=15)
             if res:
                 per[r["folder"]] = res["tau"]
 

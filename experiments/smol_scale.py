@@ -219,7 +219,7 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
         return run.finish()
     import torch
 
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
     from toolkit.train.trainer import train_drafter
 
     run.results.update(device=device_name(), torch=torch.__version__)
@@ -235,9 +235,10 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
         return run.finish()
     run.step("copy_drafter", copy_drafter, draft, out)
     left = (run.left() - 10) / 60
-    tau = run.step("eval_tau", lambda: eval_tau(str(folder), str(draft), block_sizes=[8, 16], max_new_tokens=16 if quick else 128,
-                                                limit=eval_limit, device="cpu" if quick else "cuda", minutes=left,
-                                                out=str(out / "tau.json"), write_card=True, quiet=True), need_s=20)
+    tau = run.step("eval_tau", lambda: eval_tau(EvalTauOptions(
+        str(folder), str(draft), block_sizes=[8, 16], max_new_tokens=16 if quick else 128, limit=eval_limit,
+        device="cpu" if quick else "cuda", minutes=left, out=str(out / "tau.json"), write_card=True, quiet=True)),
+        need_s=20)
     if tau is not None:
         (out / "README.md").write_text((draft / "README.md").read_text())
         run.results["tau"] = tau["tau"]
@@ -251,13 +252,14 @@ def exl3_tau(target: Path, draft: Path, work: Path, run: Run) -> dict:
     """tau on exllamav3 on all held-out prompts (24 jobs at a time), through the padded pair (experiments.smol_device exl3's
     first two stages; exllamav3 1.6.5 needs 128-aligned widths). In results.json: $OUT holds 8 files already."""
     from toolkit.assets.padding import pad
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     pt, pd = work / "pad" / "target", work / "pad" / "draft"
     pad(str(target), str(pt), force=True)
     pad(str(draft), str(pd), force=True)
-    res = eval_tau(str(pt), str(pd), heldout=str(draft / "heldout.json"), block_sizes=[8, 16], max_new_tokens=128,
-                   backend="exllamav3", concurrency=24, minutes=max(0.2, (run.left() - 10) / 60), quiet=True)
+    res = eval_tau(EvalTauOptions(str(pt), str(pd), heldout=str(draft / "heldout.json"), block_sizes=[8, 16],
+                                  max_new_tokens=128, backend="exllamav3", concurrency=24,
+                                  minutes=max(0.2, (run.left() - 10) / 60), quiet=True))
     return {"tau": res["tau"], "prompts": res["prompts"], "complete": res["complete"],
             "accept_16": {c: d.get("16", {}).get("accept_per_position", [])[:4] for c, d in res["detail"].items()}}
 
@@ -266,7 +268,7 @@ def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path, limi
              block_sizes: list[int] = (16, 8)) -> int:
     """Device: toolkit.eval_tau on the held-out prompts (torch backend) for the trained drafter; it starts no prompt
     past the budget, so a cut-off result says `complete: false` (the torch backend runs one prompt at a time)."""
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     run = Run("eval.json", budget_s=budget_s, section="stages")
     folder = target or prepared_target(run, None)
@@ -274,10 +276,10 @@ def evaluate(budget_s: float, quick: bool, target: Path | None, work: Path, limi
     if folder is None or not (draft / "config.json").is_file():
         run.errors["inputs"] = "no trained drafter in /tmp/smol-scale/draft: run `train` first on this warm machine"
         return run.finish()
-    tau = run.step("eval_tau", lambda: eval_tau(str(folder), str(draft), block_sizes=list(block_sizes), limit=limit,
-                                                max_new_tokens=16 if quick else 128,
-                                                device="cpu" if quick else "cuda", minutes=(run.left() - 15) / 60,
-                                                out=str(run.path.parent / "tau_full.json"), quiet=True))
+    tau = run.step("eval_tau", lambda: eval_tau(EvalTauOptions(
+        str(folder), str(draft), block_sizes=list(block_sizes), limit=limit, max_new_tokens=16 if quick else 128,
+        device="cpu" if quick else "cuda", minutes=(run.left() - 15) / 60, out=str(run.path.parent / "tau_full.json"),
+        quiet=True)))
     if tau is not None:
         run.results["tau"] = tau["tau"]
     return run.finish()

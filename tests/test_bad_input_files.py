@@ -45,12 +45,12 @@ def use_cost_cache(folder: Path, obj) -> None:
 
 def use_report(folder: Path, obj) -> None:
     from toolkit.hub.card import run_card
-    from toolkit.hub.push import push
+    from toolkit.hub.push import PushOptions, push
 
     write_run(folder / "run", sample_report(0))
     (folder / "run" / "report.json").write_text(dump(obj))
     for call in (lambda: run_card(folder / "run"), lambda: run_card(folder / "run", bits=4.0),
-                 lambda: push(repo="a/b", out_dir=folder / "run", dry_run=True)):
+                 lambda: push(PushOptions(repo="a/b", out_dir=str(folder / "run"), dry_run=True))):
         ends_cleanly(call)
 
 

@@ -338,10 +338,10 @@ def test_card_command_prints_what_push_uploads(tmp_path, capsys):
 
 
 def test_push_dry_run_points_to_the_card_command(tmp_path, capsys, monkeypatch):
-    from toolkit.hub.push import push
+    from toolkit.hub.push import PushOptions, push
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     out = tmp_path / "run"
     write_run(out)
-    push("alice/drafter-exl3", out, dry_run=True)
+    push(PushOptions("alice/drafter-exl3", str(out), dry_run=True))
     assert f"python -m toolkit.card --from {out} --repo alice/drafter-exl3" in capsys.readouterr().out

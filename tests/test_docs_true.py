@@ -110,14 +110,14 @@ def test_no_machine_path_ships_in_the_package():
 
 
 def test_no_machine_path_in_a_space_export(tmp_path):
-    from toolkit.hub.space import export
+    from toolkit.hub.space import ExportOptions, export
 
-    out = export(str(tmp_path / "space"), hardware="cpu-basic")
+    out = export(ExportOptions(str(tmp_path / "space"), hardware="cpu-basic"))
     assert absolute_paths(out) == []
     local = tmp_path / "draft"
     local.mkdir()
     (local / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
-    out = export(str(tmp_path / "space2"), target="USER/T@main", draft=str(local), hardware="cpu-basic")
+    out = export(ExportOptions(str(tmp_path / "space2"), target="USER/T@main", draft=str(local), hardware="cpu-basic"))
     assert absolute_paths(out) == [] and str(tmp_path) not in (out / "space.json").read_text()
 
 
@@ -167,7 +167,7 @@ def test_generated_files_state_only_what_is_so(tmp_path, capsys):
     (draft / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
     (draft / "model.safetensors").write_bytes(b"\0" * 2_000_000)
     capsys.readouterr()
-    space.export(str(tmp_path / "s"), target="USER/T@main", draft=str(draft), hardware="cpu-basic")
+    space.export(space.ExportOptions(str(tmp_path / "s"), target="USER/T@main", draft=str(draft), hardware="cpu-basic"))
     assert re.search(r"; the draft folder copied into it, 2\.0 MB\)", capsys.readouterr().out)
     with pytest.raises(SystemExit):
         main(["export", "--help"])

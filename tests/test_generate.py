@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from toolkit.generate import generate
+from toolkit.generate import GenerateOptions, generate
 
 
 def cli(*args, cwd=None):
@@ -31,7 +31,8 @@ def test_json_contract_on_built_fixtures(tmp_path):
 
 
 def test_embedded_default_runs_the_trained_pair(capsys):
-    res = generate(prompt="Return the list of", max_new_tokens=48, compare_ar=True, json_out=True, raw=True, block_size=16)
+    res = generate(GenerateOptions(prompt="Return the list of", max_new_tokens=48, compare_ar=True, json_out=True, raw=True,
+                                   block_size=16))
     assert res["lossless"] and res["tau"] > 1.0
     assert json.loads(capsys.readouterr().out)["tokens"] == res["tokens"]
 
@@ -60,7 +61,7 @@ def test_mismatched_drafter_is_refused(tmp_path, pair):
 
 def test_block_size_auto_is_the_default_and_reports_its_widths(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path))
-    res = generate(prompt="Return the list of", max_new_tokens=32, compare_ar=True, raw=True)
+    res = generate(GenerateOptions(prompt="Return the list of", max_new_tokens=32, compare_ar=True, raw=True))
     assert res["block_size"] == "auto" and res["lossless"] and res["tokens"] == res["ar_tokens"]
     steps = [r for r in res["rounds"] if not r["prefill"]]
     assert all(r["proposed"] in (0, 15) and len(r["drafted"]) <= r["proposed"] for r in steps)
@@ -68,7 +69,7 @@ def test_block_size_auto_is_the_default_and_reports_its_widths(capsys, tmp_path,
     assert sum(r["accepted"] + 1 for r in res["rounds"]) == len(res["tokens"])
     err = capsys.readouterr().err
     assert f"of {len(steps)} (block auto; the rest plain AR)" in err
-    fixed = generate(prompt="Return the list of", max_new_tokens=32, raw=True, block_size="8")
+    fixed = generate(GenerateOptions(prompt="Return the list of", max_new_tokens=32, raw=True, block_size="8"))
     assert fixed["block_size"] == 8 and fixed["tokens"] == res["tokens"]
     assert all(len(r["drafted"]) == r["proposed"] == 7 for r in fixed["rounds"][1:])
 
@@ -83,13 +84,13 @@ def test_a_run_decoded_as_plain_ar_says_why_in_one_sentence(capsys, pair, monkey
     losing = CostTable({1: {0: 10.0, **{w: 20.0 + 11 * w for w in range(1, 16)}}})    # no acceptance pays for a draft
     be = TorchBackend(load_hf_model(pair[0]), load_hf_tokenizer(pair[0]), load_drafter(pair[1]), costs=losing)
     monkeypatch.setattr(gen, "load", lambda *a, **k: be)
-    res = generate(prompt="Return the list of", max_new_tokens=24, raw=True)
+    res = generate(GenerateOptions(prompt="Return the list of", max_new_tokens=24, raw=True))
     steps = [r for r in res["rounds"] if not r["prefill"]]
     assert not any(r["drafted"] for r in steps)                 # the first probe would come much later
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"[torch] Drafting does not pay here: the policy decoded {len(steps)} of {len(steps)} rounds as "
                        "plain AR, as its measured round costs and the drafter's acceptance advise.")
-    generate(prompt="Return the list of", max_new_tokens=24, raw=True, block_size="8")
+    generate(GenerateOptions(prompt="Return the list of", max_new_tokens=24, raw=True, block_size="8"))
     assert "Drafting does not pay" not in capsys.readouterr().err      # a fixed block says nothing of the kind
 
 
@@ -99,11 +100,11 @@ def test_all_plain_ar_reports_no_ratio(monkeypatch, capsys):
     from app_fakes import FakeBackend
 
     monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(block_size=1, answer_len=12))
-    res = gen.generate(prompt="hi", compare_ar=True, json_out=True, reps=2)
+    res = gen.generate(gen.GenerateOptions(prompt="hi", compare_ar=True, json_out=True, reps=2))
     assert res["speedup"] is None and "plain AR" in res["speedup_reason"] and res["speedup_spread"] is None
     assert res["lossless"] is True and len(res["tok_s_reps"]) == len(res["ar_tok_s_reps"]) == 2
     assert json.loads(capsys.readouterr().out)["speedup"] is None
-    gen.generate(prompt="hi", compare_ar=True, reps=1)
+    gen.generate(gen.GenerateOptions(prompt="hi", compare_ar=True, reps=1))
     err = capsys.readouterr().err
     assert "speedup none (every round was plain AR" in err and "x," not in err.split("speedup")[1]
 
@@ -113,7 +114,7 @@ def test_drafting_run_reports_the_median_ratio_and_its_spread(monkeypatch, capsy
     from app_fakes import FakeBackend
 
     monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(answer_len=40))
-    res = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=3)
+    res = gen.generate(gen.GenerateOptions(prompt="hi", compare_ar=True, block_size=16, reps=3))
     sp = res["speedup_spread"]
     assert res["speedup_reason"] is None and sp["n"] == 3 and sp["min"] <= res["speedup"] <= sp["max"]
     ratios = sorted(s / a for s, a in zip(res["tok_s_reps"], res["ar_tok_s_reps"]))
@@ -128,11 +129,12 @@ def test_drafting_run_reports_the_median_ratio_and_its_spread(monkeypatch, capsy
     gpu_be = FakeBackend(answer_len=40)
     gpu_be.caps = Capabilities(batching=True, gpu_only=True)                  # an engine that runs on a GPU only
     monkeypatch.setattr(gen, "load", lambda *a, **k: gpu_be)
-    gpu = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=2, backend="exllamav3")
+    gpu = gen.generate(gen.GenerateOptions(prompt="hi", compare_ar=True, block_size=16, reps=2, backend="exllamav3"))
     assert gpu["lockstep"] is False and "the median of 2 alternating pairs" in capsys.readouterr().err
     monkeypatch.setattr(gen, "load", lambda *a, **k: FakeBackend(answer_len=40))
-    one = gen.generate(prompt="hi", compare_ar=True, block_size=16, reps=1)
+    one = gen.generate(gen.GenerateOptions(prompt="hi", compare_ar=True, block_size=16, reps=1))
     assert one["speedup_spread"] is None and "no spread measured" in capsys.readouterr().err
     with pytest.raises(gen.ToolkitError, match="reps"):
         from toolkit.core.cli import run as run_cli
-        run_cli(gen.generate, gen.GenerateOptions, ["--prompt", "hi", "--reps", "0"], "g")
+        run_cli(lambda **kw: gen.generate(gen.GenerateOptions(**kw)), gen.GenerateOptions,
+                ["--prompt", "hi", "--reps", "0"], "g")

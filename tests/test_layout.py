@@ -2,7 +2,7 @@
 (imports under `if TYPE_CHECKING:` count), no Python file over 400 lines, libraries never import a command (a module
 at toolkit's root), no test imports experiments/ (its self-check is `python -m experiments.selftest`), at most 20
 experiment scripts, docs/ at most 1,500 lines with docs/results.md at most 300, no tracked file named by a run
-number, and the policy stays small."""
+number, every command's library entry takes at most 6 parameters (its options object), and the policy stays small."""
 
 from __future__ import annotations
 
@@ -175,12 +175,59 @@ def test_placement_is_parsed_without_the_engine_adapter():
     assert "toolkit.runtime.placement" in g["toolkit.generate"]
 
 
-def test_bench_takes_its_options_object():
+MAX_ENTRY_PARAMETERS = 6
+CLI_RUNNERS = {"run", "run_sub", "run_cli_options"}          # core.cli's runners, as the commands import them
+PIPELINE_ENTRIES = ("toolkit.quant.pipeline:start", "toolkit.quant.pipeline:quantize", "toolkit.hub.space:export")
+
+
+def command_entries(stem: str) -> list:
+    """The functions the command module toolkit/<stem>.py hands to core.cli's runners in its `main`: named, called
+    inside a lambda, listed in a subcommand table or bound to a local name first."""
+    import importlib
     import inspect
 
-    from toolkit.bench import bench
+    tree = ast.parse((PKG / f"{stem}.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    local = {t.id: n.value for n in ast.walk(main) if isinstance(n, ast.Assign) for t in n.targets
+             if isinstance(t, ast.Name)}
+    given = [n.args[0] for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in CLI_RUNNERS and n.args]
+    given += [local[n.id] for g in given for n in ast.walk(g) if isinstance(n, ast.Name) and n.id in local]
+    module = importlib.import_module(f"toolkit.{stem}")
+    found = {getattr(module, n.id, None) for g in given for n in ast.walk(g) if isinstance(n, ast.Name)}
+    return sorted((f for f in found if inspect.isfunction(f)), key=lambda f: (f.__module__, f.__name__))
 
-    assert len(inspect.signature(bench).parameters) <= 6
+
+def over_the_limit(functions: list) -> list[str]:
+    """"module:function (N parameters)" for each function taking more than MAX_ENTRY_PARAMETERS parameters."""
+    import inspect
+
+    return [f"{f.__module__}:{f.__name__} ({n} parameters)" for f in functions
+            if (n := len(inspect.signature(f).parameters)) > MAX_ENTRY_PARAMETERS]
+
+
+def test_library_entries_take_an_options_object():
+    """Every command's library entry (what its `main` hands to core.cli), quantize's pipeline and the Space export
+    take at most 6 parameters: the options object the command line shares (mlx-lm style), and a few that are not
+    flags (a token, a progress switch, a callback)."""
+    import importlib
+
+    entries = {stem: command_entries(stem) for stem in sorted(COMMANDS)}
+    assert all(entries.values()), [stem for stem, fns in entries.items() if not fns]     # each main runs something
+    entries["pipelines"] = [getattr(importlib.import_module(m), f) for m, _, f in
+                            (e.partition(":") for e in PIPELINE_ENTRIES)]
+    found = {f"{f.__module__}:{f.__name__}" for fns in entries.values() for f in fns}
+    assert {"toolkit.bench:bench", "toolkit.generate:generate", "toolkit.eval_tau:eval_tau", "toolkit.hub.space:export",
+            "toolkit.quantize:quantize", "toolkit.hub.push:push"} <= found, found
+    assert over_the_limit([f for fns in entries.values() for f in fns]) == []
+
+
+def test_the_entry_rule_sees_a_seventh_parameter():
+    def seven(a, b, c, d, e, f, g): ...
+
+    def six(a, b, c, d, e, f): ...
+
+    assert over_the_limit([six, seven]) == [f"{__name__}:seven (7 parameters)"]
 
 
 def test_the_policy_stays_small():

@@ -12,7 +12,7 @@ import torch
 import test_quantize_fakes as fakes
 from test_quantize_pipeline import write_recipe
 from toolkit.core.errors import ToolkitError, run_cli
-from toolkit.quant import quantize
+from toolkit.quant import QuantizeOptions, quantize
 from toolkit.quant import speed as spd
 from toolkit.quantize import main
 
@@ -29,9 +29,9 @@ def one_line(e) -> str:
 
 def run(tmp_path, pair, target, out="out", **kw):
     args = dict(recipe=str(write_recipe(tmp_path / "r.toml", pair[0])), model=str(pair[1]), target=str(target),
-                out=str(tmp_path / out), device="cpu", progress=False, bits="2,8")
+                out=str(tmp_path / out), device="cpu", bits="2,8")
     args.update(kw)
-    return quantize(**args)
+    return quantize(QuantizeOptions(**args), progress=False)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import test_quantize_fakes as quantize_fakes
 from toolkit.core.errors import ToolkitError
-from toolkit.quant import quantize
+from toolkit.quant import QuantizeOptions, quantize
 from toolkit.quantize import main
 
 # The shipped pair answers stdlib names with their docstrings: prompts from its domain, calibration and check disjoint.
@@ -30,10 +30,9 @@ def write_recipe(path, target, thresholds='default = { min_top1 = 0.01 }', cal=C
 
 def run(tmp_path, pair, **kw):
     t, d = pair
-    args = dict(recipe=str(write_recipe(tmp_path / "r.toml", t)), model=str(d), out=str(tmp_path / "out"),
-                device="cpu", progress=False)
+    args = dict(recipe=str(write_recipe(tmp_path / "r.toml", t)), model=str(d), out=str(tmp_path / "out"), device="cpu")
     args.update(kw)
-    return quantize(**args)
+    return quantize(QuantizeOptions(**args), progress=False)
 
 
 def test_end_to_end_calibrated_and_uncalibrated(tmp_path, pair, monkeypatch):
@@ -225,7 +224,8 @@ def test_check_prompts_must_be_held_out(tmp_path, pair, monkeypatch):
     t, d = pair
     recipe = write_recipe(tmp_path / "r.toml", t, held=[CAL[0]])
     with pytest.raises(ToolkitError, match="must be held out"):
-        quantize(recipe=str(recipe), model=str(d), out=str(tmp_path / "out"), bits="2", device="cpu", progress=False)
+        quantize(QuantizeOptions(recipe=str(recipe), model=str(d), out=str(tmp_path / "out"), bits="2", device="cpu"),
+                 progress=False)
 
 
 def test_overrides_become_an_exllamav3_recipe(tmp_path, pair, monkeypatch):
@@ -233,10 +233,10 @@ def test_overrides_become_an_exllamav3_recipe(tmp_path, pair, monkeypatch):
     t, d = pair
     r = write_recipe(tmp_path / "r.toml", t)
     r.write_text(r.read_text() + '[overrides]\n"fc" = 8\n')
-    quantize(recipe=str(r), model=str(d), out=str(tmp_path / "out"), bits="4", calibrate=False, check=False,
-             device="cpu", progress=False)
+    quantize(QuantizeOptions(recipe=str(r), model=str(d), out=str(tmp_path / "out"), bits="4", calibrate=False,
+                             check=False, device="cpu"), progress=False)
     text = open(calls[0]["recipe"]).read()
     assert "'*': 4" in text and "'fc': 8" in text and "target_bpw: 4.0" in text
     with pytest.raises(ToolkitError, match="4.25 cannot be combined with per-tensor overrides"):
-        quantize(recipe=str(r), model=str(d), out=str(tmp_path / "out"), bits="4.25", calibrate=False, check=False,
-                 device="cpu", progress=False)
+        quantize(QuantizeOptions(recipe=str(r), model=str(d), out=str(tmp_path / "out"), bits="4.25", calibrate=False,
+                                 check=False, device="cpu"), progress=False)

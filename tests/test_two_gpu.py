@@ -339,15 +339,16 @@ def test_space_export_writes_the_split_and_checks_the_hardware(tmp_path):
     from toolkit.app.models import ModelSpec
     from toolkit.hub import space
 
-    out = space.export(str(tmp_path / "sp"), hardware="l4x4", gpu_split="12,12", draft_device=1, exllamav3_jit=True)
+    out = space.export(space.ExportOptions(str(tmp_path / "sp"), hardware="l4x4", gpu_split="12,12", draft_device=1,
+                                           exllamav3_jit=True))
     cfg = json.loads((out / "space.json").read_text())
     assert cfg == {"target": None, "draft": None, "backend": "auto", "gpu_split": "12,12", "draft_device": 1}
     assert ModelSpec.resolve(env={}, defaults=cfg).split == GpuSplit((12.0, 12.0), False, 1)
     assert "DFLASH_GPU_SPLIT" in (out / "README.md").read_text()
     with pytest.raises(OptionError, match=r"^gpu_split lists 2 devices, hardware l4x1 has 1 GPU$"):
-        space.export(str(tmp_path / "sp2"), hardware="l4x1", gpu_split="12,12")
+        space.export(space.ExportOptions(str(tmp_path / "sp2"), hardware="l4x1", gpu_split="12,12"))
     with pytest.raises(OptionError, match=r"^tensor_parallel needs --backend exllamav3"):
-        space.export(str(tmp_path / "sp3"), hardware="cpu-basic", tensor_parallel=True)
+        space.export(space.ExportOptions(str(tmp_path / "sp3"), hardware="cpu-basic", tensor_parallel=True))
     assert not (tmp_path / "sp2").exists() and not (tmp_path / "sp3").exists()
 
 

@@ -90,22 +90,21 @@ def card_text(result: dict) -> str:
     return start + "\n" + "\n".join(rows) + "\n" + end
 
 
-def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: list[int | str] = (8, 16), max_new_tokens: int = 128,
-             limit: int | None = None, device: str = "auto", dtype: str = "auto", minutes: float | None = None,
-             out: str | None = None, write_card: bool = False, quiet: bool = False, backend: str = "torch",
-             concurrency: int = 16, gpu_split: str | None = None, tensor_parallel: bool = False,
-             draft_device: int = 0) -> dict:
-    """Run the held-out prompts at each block size; returns (and with `out`, writes after every prompt or wave) the result."""
+def eval_tau(o: EvalTauOptions) -> dict:
+    """Run the held-out prompts at each block size with the options `o` (those of the command line); returns (and
+    with `o.out`, writes after every prompt or wave) the result."""
     import torch
 
     from .runtime.factory import load_backend
 
+    target, draft, heldout, max_new_tokens, out = o.target, o.draft, o.heldout, o.max_new_tokens, o.out
+    backend, device, limit, minutes = o.backend, o.device, o.limit, o.minutes
     if backend not in BACKENDS:
         raise ToolkitError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    check_values(EvalTauOptions, {"max_new_tokens": max_new_tokens, "limit": limit, "concurrency": concurrency,
-                                  "device": device, "minutes": minutes, "draft_device": draft_device})
+    check_values(EvalTauOptions, {"max_new_tokens": max_new_tokens, "limit": limit, "concurrency": o.concurrency,
+                                  "device": device, "minutes": minutes, "draft_device": o.draft_device})
     try:
-        asked = GenSettings.parse_blocks(block_sizes)
+        asked = GenSettings.parse_blocks(o.block_sizes)
     except OptionError as e:                       # eval_tau() words its errors with the flags, also from Python
         raise ToolkitError(f"--block-sizes{e.rest}") from None
     for name, p in (("--target", target), ("--draft", draft)):
@@ -113,7 +112,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
             raise ToolkitError(f"{name}: {p} is not a folder")
     if out is not None:
         claim_file(out, command="eval_tau")
-    if write_card:
+    if o.write_card:
         try:
             card_path(Path(draft))
         except OptionError as e:
@@ -129,13 +128,13 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     exl3 = caps.gpu_only                          # a GPU-only engine runs in its own precision there
     dev = "cuda" if exl3 else ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dt = {"auto": torch.float16 if dev.startswith("cuda") else torch.float32, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "float32": torch.float32}.get("auto" if exl3 else dtype)
+          "bfloat16": torch.bfloat16, "float32": torch.float32}.get("auto" if exl3 else o.dtype)
     if dt is None:
-        raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
-    wave = concurrency if caps.batching else 1
+        raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {o.dtype!r}")
+    wave = o.concurrency if caps.batching else 1
     be = load_backend(backend, target, draft, device=dev, dtype=dt, max_concurrency=wave,
                       cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256,
-                      split=GpuSplit.of(gpu_split, tensor_parallel, draft_device))
+                      split=GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device))
     if exl3:
         dev = torch.cuda.get_device_name()
     sizes = sorted({min(b, be.block_size) for b in asked if b != "auto"}) + ["auto"] * ("auto" in asked)
@@ -147,7 +146,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
     # waves of up to `wave` prompts of one category, alternating categories so a cut-off run still has both
     waves = [(c, k) for k in range(0, max(len(v) for v in held.values()), wave) for c in held if k < len(held[c])]
     try:
-        for cat, k in tqdm(waves, desc="eval", unit="wave" if wave > 1 else "prompt", disable=quiet, file=sys.stderr):
+        for cat, k in tqdm(waves, desc="eval", unit="wave" if wave > 1 else "prompt", disable=o.quiet, file=sys.stderr):
             if deadline is not None and time.time() > deadline:
                 break
             ids = [be.encode(p) for p in held[cat][k : k + wave]]
@@ -162,7 +161,7 @@ def eval_tau(target: str, draft: str, heldout: str | None = None, block_sizes: l
         be.close()                                 # exllamav3: free the GPU for the next model
     if not result:
         raise ToolkitError("no prompt was evaluated (empty heldout.json or --minutes too small)")
-    if write_card:
+    if o.write_card:
         put_card(Path(draft), result)
     return result
 
@@ -212,8 +211,8 @@ class EvalTauOptions:
 
 
 def main(argv: list[str] | None = None) -> None:
-    result = run(eval_tau, EvalTauOptions, argv, "python -m toolkit.eval_tau", __doc__.split("\n\n")[0],
-                 __doc__.split("\n\n")[1], output_policy=True)
+    result = run(lambda **kw: eval_tau(EvalTauOptions(**kw)), EvalTauOptions, argv, "python -m toolkit.eval_tau",
+                 __doc__.split("\n\n")[0], __doc__.split("\n\n")[1], output_policy=True)
     print(json.dumps(result, indent=1))
 
 

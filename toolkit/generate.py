@@ -117,47 +117,31 @@ def compare(spec_runs: Runs, ar_runs: Runs, paired: bool, speed: Speedup, k: int
             "lossless": all(tokens_of(rounds) == ar for rounds, _ in spec_runs + ar_runs), "lockstep": paired}
 
 
-def generate(
-    prompt: str,
-    target: str | None = None,
-    draft: str | None = None,
-    max_new_tokens: int = 64,
-    block_size: int | str | None = "auto",
-    temperature: float = 0.0,
-    seed: int = 0,
-    backend: str = "torch",
-    compare_ar: bool = False,
-    system: str | None = None,
-    raw: bool = False,
-    device: str | None = None,
-    json_out: bool = False,
-    gpu_split: str | None = None,
-    tensor_parallel: bool = False,
-    draft_device: int = 0,
-    reps: int = 3,
-    retime_costs: bool = False,
-) -> dict:
-    """Run one prompt; returns the JSON-contract dict (and prints it, or a readable summary)."""
+def generate(o: GenerateOptions) -> dict:
+    """Run one prompt with the options `o` (those of the command line); returns the JSON-contract dict (and prints
+    it, or a readable summary)."""
+    prompt, block_size, device, compare_ar = o.prompt, o.block_size, o.device, o.compare_ar
     if not prompt.strip():
         raise ToolkitError("--prompt is empty")
     try:
-        settings = GenSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=block_size)
+        settings = GenSettings(max_new_tokens=o.max_new_tokens, temperature=o.temperature, seed=o.seed,
+                               block_size=block_size)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
-    checks.whole("reps", reps, 1, 10**6)
-    if retime_costs and not settings.auto:
+    checks.whole("reps", o.reps, 1, 10**6)
+    if o.retime_costs and not settings.auto:
         raise ToolkitError(f"--retime-costs applies only with --block-size auto: block size {block_size} times no "
                            "round costs")
     if device is not None:
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
-    be = load(backend, target, draft, device, GpuSplit.of(gpu_split, tensor_parallel, draft_device))
-    be.retime_costs = retime_costs
+    be = load(o.backend, o.target, o.draft, device, GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device))
+    be.retime_costs = o.retime_costs
     paired = not be.caps.gpu_only and (device or "cpu") == "cpu"  # a CPU: load moves a run more than drafting does
     try:
-        result, s, k = run(be, prompt, settings, compare_ar, system, raw, reps, paired)
+        result, s, k = run(be, prompt, settings, compare_ar, o.system, o.raw, o.reps, paired)
     finally:
         be.close()
-    if json_out:
+    if o.json_out:
         print(json.dumps(result))
     else:
         print(result["text"])
@@ -215,8 +199,8 @@ class GenerateOptions:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli_options(generate, GenerateOptions, argv, "python -m toolkit.generate", __doc__.split("\n\n")[0],
-                    "Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json\n\n"
+    run_cli_options(lambda **kw: generate(GenerateOptions(**kw)), GenerateOptions, argv, "python -m toolkit.generate",
+                    __doc__.split("\n\n")[0], "Example: python -m toolkit.generate --prompt 'Return the' --compare-ar --json\n\n"
                     "Outputs: none; it prints to stdout (the output policy of the commands that write: docs/outputs.md).")
 
 

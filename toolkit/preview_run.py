@@ -34,6 +34,7 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
     from .core.locks import hold
     from .hub.push import write_cards
     from .hub.upstream import copy_upstream
+    from .quant.options import QuantizeOptions
     from .quant.pipeline import execute, start
     from .quant.preview import cpu_converter, tiny_recipe
 
@@ -51,8 +52,8 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
             target, model = default_pair()
             recipe = ROOT / "quantize" / "smollm2-135m-dflash.toml"
         stack.enter_context(cpu_converter())
-        run_ = execute(start(recipe=str(recipe), model=str(model), target=str(target), bits=bits, out=out,
-                             force=force, device="cpu"))
+        run_ = execute(start(QuantizeOptions(recipe=str(recipe), model=str(model), target=str(target), bits=bits,
+                                             out=out, force=force, device="cpu")))
         copy_upstream(run_.model_dir, run_.out)
         write_cards(run_.out)
     print(f"wrote {run_.out} (a CPU preview: not EXL3 weights). Read its card: python -m toolkit.card --from {run_.out} "

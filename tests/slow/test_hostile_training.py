@@ -102,7 +102,7 @@ def test_non_finite_weights_are_never_loaded_or_written(tmp_path, prompts):
 
 
 def test_quantize_never_converts_a_drafter_with_non_finite_weights(tmp_path, monkeypatch):
-    from toolkit.quant import quantize
+    from toolkit.quant import QuantizeOptions, quantize
 
     quantize_fakes.install(monkeypatch)
     bad = tmp_path / "nan"
@@ -112,8 +112,8 @@ def test_quantize_never_converts_a_drafter_with_non_finite_weights(tmp_path, mon
     tensors[name][0] = float("inf")
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ToolkitError, match=f"tensor '{name}' has non-finite weights"):
-        quantize(model=str(bad), out=str(tmp_path / "q"), bits="4", device="cpu", progress=False, check=False,
-                 calibrate=False)
+        quantize(QuantizeOptions(model=str(bad), out=str(tmp_path / "q"), bits="4", device="cpu", check=False,
+                                 calibrate=False), progress=False)
     assert not (tmp_path / "q").exists()
 
 

@@ -22,7 +22,7 @@ from hubserver import Fault, HubServer
 from test_card import parse_table, sample_report
 from toolkit.hub.card import render_card
 from toolkit.core.errors import ToolkitError
-from toolkit.hub.push import hub_endpoint, push
+from toolkit.hub.push import PushOptions, hub_endpoint, push
 
 TOKEN = "hf_testtoken_a1b2c3d4e5f6"  # alice, a distinctive string we look for in every output
 BOB = "hf_bobtoken_zz9"
@@ -76,7 +76,7 @@ def out(tmp_path):
 
 
 def do_push(hub, out, **kw):
-    return push(repo=kw.pop("repo", REPO), out_dir=out, endpoint=hub.url, retry_delay=0.01, **kw)
+    return push(PushOptions(repo=kw.pop("repo", REPO), out_dir=out, endpoint=hub.url, retry_delay=0.01, **kw))
 
 
 def download(hub, tmp_path, revision: str, token=TOKEN) -> Path:
@@ -305,7 +305,7 @@ def test_bad_options_are_refused_before_any_request(hub, out, kw, msg):
 
     kw = {"repo": REPO, "endpoint": hub.url, **kw}
     with pytest.raises(OptionError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        push(out_dir=out, **kw)
+        push(PushOptions(out_dir=out, **kw))
     assert hub.log == []
 
 
@@ -325,7 +325,7 @@ def test_connection_refused_is_not_a_token_problem(out, monkeypatch):
     url = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()
     with pytest.raises(ToolkitError) as e:
-        push(repo=REPO, out_dir=out, endpoint=url, token=TOKEN, retries=1, retry_delay=0.01)
+        push(PushOptions(repo=REPO, out_dir=out, endpoint=url, retries=1, retry_delay=0.01), token=TOKEN)
     msg = str(e.value)
     assert msg.startswith(f"no connection to {url} (connection refused") and "rejected the token" not in msg
     assert "after 2 attempt(s)" in msg
@@ -334,7 +334,7 @@ def test_connection_refused_is_not_a_token_problem(out, monkeypatch):
 def test_http_500_is_a_server_error_not_a_token_problem(out, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with broken_server() as url, pytest.raises(ToolkitError) as e:
-        push(repo=REPO, out_dir=out, endpoint=url, token=TOKEN, retries=0)
+        push(PushOptions(repo=REPO, out_dir=out, endpoint=url, retries=0), token=TOKEN)
     msg = str(e.value)
     assert msg.startswith(f"a server error at {url}: stopped while checking the token after 1 attempt(s) (HTTP 500)")
     assert "rejected the token" not in msg
@@ -355,7 +355,7 @@ def test_pushed_cards_carry_the_upstream_license_and_card(hub, out, tmp_path):
 def test_offline_mode_is_named_and_not_retried(out, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ToolkitError) as e:
-        push(repo=REPO, out_dir=out, endpoint="http://127.0.0.1:9", token=TOKEN, retries=3, retry_delay=10)
+        push(PushOptions(repo=REPO, out_dir=out, endpoint="http://127.0.0.1:9", retries=3, retry_delay=10), token=TOKEN)
     assert str(e.value).startswith("the Hub cannot be reached in offline mode") and "after 1 attempt(s)" in str(e.value)
 
 
@@ -376,7 +376,7 @@ def test_malformed_report_is_one_line_naming_the_field(out, edit, msg):
 
     report = edit(json.loads((out / "report.json").read_text()))
     (out / "report.json").write_text(json.dumps(report))
-    for call in (lambda: push(repo=REPO, out_dir=out, dry_run=True), lambda: run_card(out)):
+    for call in (lambda: push(PushOptions(repo=REPO, out_dir=out, dry_run=True)), lambda: run_card(out)):
         with pytest.raises(ToolkitError, match=msg) as e:
             call()
         assert "\n" not in str(e.value)

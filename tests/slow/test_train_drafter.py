@@ -170,20 +170,21 @@ def test_anchor_forward_matches_the_reference_forward():
 
 
 def test_eval_tau_on_the_trained_drafter(setup):
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     root, target, _ = setup
     run(setup, "e")
     out = root / "tau.json"
-    res = eval_tau(target, str(root / "e"), max_new_tokens=8, limit=1, out=str(out), write_card=True, quiet=True)
+    res = eval_tau(EvalTauOptions(target, str(root / "e"), max_new_tokens=8, limit=1, out=str(out), write_card=True,
+                                  quiet=True))
     assert set(res["tau"]) == {"chat", "code"} and set(res["tau"]["chat"]) == {"8", "16"}
     assert all(1.0 <= t <= 16 for per in res["tau"].values() for t in per.values()) and res["complete"]
     written = json.loads(out.read_text())
     assert written.pop("written_by")["command"] == "eval_tau" and written == res    # the file carries its marker
     card = (root / "e" / "README.md").read_text()
     assert "| chat (1) |" in card and "not measured yet" not in card
-    unseen = eval_tau(target, str(root / "e"), heldout="unseen", block_sizes=["16"], max_new_tokens=8, limit=2,
-                      write_card=True, quiet=True)
+    unseen = eval_tau(EvalTauOptions(target, str(root / "e"), heldout="unseen", block_sizes=["16"], max_new_tokens=8,
+                                     limit=2, write_card=True, quiet=True))
     assert unseen["heldout_set"] == "unseen" and unseen["prompts"] == {"chat": 2, "code": 2}
     card = (root / "e" / "README.md").read_text()                  # one table per set, each replaced in place
     assert card.count("<!-- tau -->") == 1 and card.count("<!-- tau unseen -->") == 1 and "| chat (1) |" in card
@@ -204,10 +205,10 @@ def test_minutes_budget_fits_the_schedule_and_saves(setup):
                                     (dict(block_sizes=[1, 8]), "--block-sizes must be integers >= 2"),
                                     (dict(limit=0), "--limit must be >= 1")])
 def test_eval_tau_bad_arguments(tmp_path, kw, msg):
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     with pytest.raises(ToolkitError) as e:
-        eval_tau(str(tmp_path), str(tmp_path), **kw)
+        eval_tau(EvalTauOptions(str(tmp_path), str(tmp_path), **kw))
     assert str(e.value).startswith(msg) and "\n" not in str(e.value)
 
 
@@ -220,10 +221,10 @@ def test_eval_tau_cli_exits_with_one_line(tmp_path):
 def test_eval_tau_exllamav3_without_a_gpu_is_one_line(setup):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the exllamav3 path is covered by the `smol_device exl3` device script")
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     root, target, _ = setup
     run(setup, "x")
     with pytest.raises(ToolkitError) as e:
-        eval_tau(target, str(root / "x"), backend="exllamav3", max_new_tokens=4, limit=1, quiet=True)
+        eval_tau(EvalTauOptions(target, str(root / "x"), backend="exllamav3", max_new_tokens=4, limit=1, quiet=True))
     assert str(e.value).startswith("no CUDA GPU found") and "--backend torch" in str(e.value)

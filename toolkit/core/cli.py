@@ -1,9 +1,10 @@
-"""Command lines built from option dataclasses: one source per option, `f(**vars(args))` as the contract.
+"""Command lines built from option dataclasses: one source per option, shared by the command line and its function.
 
 A command declares its options once, as a dataclass whose fields carry their help in `option(...)` and, for
 numbers and devices, their domain (`lo`, `hi`, `above`, `kind`); `parser()` turns it into an argparse parser and
 `run()` checks every parsed value against its field's domain (`check_options`) before calling the command's
-function with them; a string option must not be empty or hold bytes that are not UTF-8. Libraries raise
+function with them (as keywords: a function that takes the options object is handed over as
+`lambda **kw: f(Options(**kw))`); a string option must not be empty or hold bytes that are not UTF-8. Libraries raise
 `OptionError(field, message)` naming the *field*; `run` prints it with the field's flag, so the same error reads
 `--max-new-tokens must be >= 1` on the command line and `max_new_tokens must be >= 1` from Python.
 """

@@ -25,6 +25,7 @@ from .card import (MAIN_IMAGE, check_folder_inside, check_report, human_size, in
 from .names import write_public_reports
 from .retry import Failed, with_retries
 from .upstream import read_upstream
+from ..core.cli import option
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_file, read_json, sha256
 from ..core.locks import hold
@@ -243,27 +244,42 @@ def check_options(repo: str, endpoint: str | None, retries: int, retry_delay: fl
             raise OptionError("endpoint", f"{endpoint!r} is not an http(s) URL such as https://huggingface.co")
 
 
-def push(repo: str, out_dir: str | Path, private: bool = False, branch_template: str = "{bits:.1f}bpw",
-         dry_run: bool = False, endpoint: str | None = None, token: str | None = None, retries: int = 4,
-         retry_delay: float = 2.0) -> PushResult:
-    """Create `repo` (exist_ok), one branch per bitrate folder of `out_dir`, and the measured card on main.
+@dataclass
+class PushOptions:
+    """The options of a push, one source for `python -m toolkit.push` and `push()`."""
 
-    Checked before anything is read from the Hub: the options, report.json (every folder inside `out_dir`) and
+    repo: str = option(help="target repo, USER/NAME (created if missing)")
+    out_dir: str = option(help="the quantize OUT_DIR", flag="--from")
+    private: bool = option(False, "create the repo private (ignored if it exists)")
+    branch_template: str = option("{bits:.1f}bpw", "branch name per bitrate; fields {bits}, {folder}, {calibrated}")
+    dry_run: bool = option(False, "list branches, files and sizes; touch nothing")
+    endpoint: str | None = option(None, "Hub URL (default: HF_ENDPOINT or huggingface.co)")
+    retries: int = option(4, "retries per step on 5xx or dropped connections", lo=0, hi=100)
+    retry_delay: float = option(2.0, "first backoff delay in seconds, doubling", lo=0, hi=3600)
+
+
+def push(o: PushOptions, token: str | None = None) -> PushResult:
+    """Create `o.repo` (exist_ok), one branch per bitrate folder of `o.out_dir`, and the measured card on main, with
+    the options `o` (those of `python -m toolkit.push`); `token` is the Hub token (default: HF_TOKEN or the
+    `hf auth login` one).
+
+    Checked before anything is read from the Hub: the options, report.json (every folder inside `o.out_dir`) and
     that the run is complete (its report step finished)."""
+    repo, endpoint, retries, retry_delay, template = o.repo, o.endpoint, o.retries, o.retry_delay, o.branch_template
     check_options(repo, endpoint, retries, retry_delay)
-    branch_for(branch_template, {"bits": 4.0, "folder": "4.0bpw", "calibrated": True})   # before reading the run
-    from_dir = Path(out_dir)
+    branch_for(template, {"bits": 4.0, "folder": "4.0bpw", "calibrated": True})   # before reading the run
+    from_dir = Path(o.out_dir)
     report = load_report(from_dir)
     check_complete(report, from_dir)
-    if not dry_run:
+    if not o.dry_run:
         refuse_preview(report, from_dir)
     with hold(from_dir, "push", "out_dir", optional=True), tempfile.TemporaryDirectory(prefix="push-") as stage:
-        uploads = plan(report, from_dir, branch_template, repo, Path(stage))
-        if dry_run:
+        uploads = plan(report, from_dir, template, repo, Path(stage))
+        if o.dry_run:
             print(format_uploads(repo, uploads))
             print(f"read the cards first: python -m toolkit.card --from {from_dir} --repo {repo} [--bits B]")
             return PushResult(repo, None, {u.branch: "planned" for u in uploads})
-        return _upload_all(repo, uploads, private, endpoint, resolve_token(token), retries, retry_delay)
+        return _upload_all(repo, uploads, o.private, endpoint, resolve_token(token), retries, retry_delay)
 
 
 @contextlib.contextmanager

@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import yaml
 
+from ..core.cli import option
 from ..core.errors import OptionError, ToolkitError
 from ..core.copying import copy_tree, tree_files
 from ..core.folders import atomic_dir, claim
@@ -243,14 +245,40 @@ def plain_title(title: str) -> bool:
         return False
 
 
-def export(dir: str, target: str | None = None, draft: str | None = None, hardware: str = "l4x1",
-           backend: str = "auto", title: str = "DFlash speculative decoding", force: bool = False,
-           python: str = PYTHON_VERSION, torch: str = TORCH_VERSION, cuda: str = CUDA_VERSION,
-           exllamav3_jit: bool = False, gpu_split: str | None = None, tensor_parallel: bool = False,
-           draft_device: int = 0) -> Path:
-    """Write the Space folder `dir` (via a temp folder renamed at the end: never half-written). On GPU hardware
-    the exllamav3 wheel for (python, torch, cuda) must exist, else nothing is written. gpu_split, tensor_parallel
-    and draft_device go into space.json (the app's defaults; the DFLASH_* Space variables override them)."""
+@dataclass
+class ExportOptions:
+    """The options of a Space export, one source for `python -m toolkit.space export` and `export()`."""
+
+    dir: str = option(help="folder to write (must be empty or absent unless --force)", positional=True)
+    target: str | None = option(None, "target model the Space loads: a Hub id REPO[@REVISION], fetched when the Space "
+                                "starts, or a local folder, copied whole into the Space (the export prints its size; "
+                                "default: the embedded demo)")
+    draft: str | None = option(None, "DFlash drafter (with --target): a Hub id REPO[@REVISION], or a local folder, "
+                               "copied whole into the Space")
+    hardware: str = option("l4x1", "suggested_hardware; cpu-* leaves exllamav3 out, zero-* runs the torch backend under "
+                           "@spaces.GPU, GPU hardware installs exllamav3's prebuilt wheel", choices=HARDWARE)
+    backend: str = option("auto", "auto, torch or exllamav3; torch installs no exllamav3")
+    python: str = option(PYTHON_VERSION, "the Space's python_version and the wheel's CPython")
+    torch: str = option(TORCH_VERSION, "torch the Space pins, with the exllamav3 wheel built against it")
+    cuda: str = option(CUDA_VERSION, "CUDA of that torch and wheel")
+    exllamav3_jit: bool = option(False, "install exllamav3 from PyPI instead and let it compile its CUDA extension on "
+                                        "the Space (needs nvcc; for hardware no wheel covers)")
+    title: str = option("DFlash speculative decoding", "the Space's title")
+    force: bool = option(False, "replace a non-empty DIR once the new one is complete")
+    gpu_split: str | None = option(None, "the app's default placement of the target on a multi-GPU Space: auto or GB per "
+                                         "GPU, e.g. 16,16 (exllamav3 backend; Space variable DFLASH_GPU_SPLIT)",
+                                   metavar="auto|GB,GB,...")
+    tensor_parallel: bool = option(False, "load the target tensor-parallel (DFLASH_TENSOR_PARALLEL)")
+    draft_device: int = option(0, "the GPU the drafter is loaded on (DFLASH_DRAFT_DEVICE)", metavar="N", lo=0, hi=1023)
+
+
+def export(o: ExportOptions) -> Path:
+    """Write the Space folder `o.dir` (via a temp folder renamed at the end: never half-written) with the options
+    `o` (those of `python -m toolkit.space export`). On GPU hardware the exllamav3 wheel for (python, torch, cuda)
+    must exist, else nothing is written. gpu_split, tensor_parallel and draft_device go into space.json (the app's
+    defaults; the DFLASH_* Space variables override them)."""
+    target, draft, hardware, backend, title = o.target, o.draft, o.hardware, o.backend, o.title
+    python, torch, cuda = o.python, o.torch, o.cuda
     if hardware not in HARDWARE:
         raise ToolkitError(f"hardware must be one of {', '.join(HARDWARE)}, got {hardware!r}")
     check_versions(python=python, torch=torch, cuda=cuda)
@@ -266,13 +294,13 @@ def export(dir: str, target: str | None = None, draft: str | None = None, hardwa
         raise ToolkitError(f"backend must be auto, {', '.join(list(BACKENDS)[:-1])} or {list(BACKENDS)[-1]}, got {backend!r}")
     if backend != "auto" and capabilities(backend).gpu_only and hardware.startswith(("cpu", "zero")):
         raise ToolkitError(f"backend exllamav3 needs GPU hardware; {hardware} runs the torch backend (docs/app.md)")
-    split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
+    split = GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device)
     check_split(split, hardware, backend)
     try:
-        out = claim(dir, "space", force, field="dir")     # before any work: docs/outputs.md
+        out = claim(o.dir, "space", o.force, field="dir")     # before any work: docs/outputs.md
     except OptionError as e:
         raise ToolkitError(f"dir{e.rest}") from None
-    lines = requirements(hardware, backend, python, torch, cuda, exllamav3_jit)
+    lines = requirements(hardware, backend, python, torch, cuda, o.exllamav3_jit)
     with hold(out, "space", "dir"), atomic_dir(out, command="space") as tmp:
         copy_package(tmp)
         named = place_models(tmp, target, draft)

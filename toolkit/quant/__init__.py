@@ -1,10 +1,12 @@
 """Multi-bitrate EXL3 conversion of DFlash drafters: validate, plan, calibrate, convert, check, report.
 
-`quantize` loads on first use (PEP 562): the recipe and plan modules import without torch, so
-`python -m toolkit.quantize --help` answers at once.
+`quantize` loads on first use (PEP 562): the recipe, plan and options modules import without torch, so
+`python -m toolkit.quantize --help` answers at once. `quantize(QuantizeOptions(...))` runs the pipeline.
 """
 
-__all__ = ["quantize"]
+from .options import QuantizeOptions
+
+__all__ = ["QuantizeOptions", "quantize"]
 
 
 def __getattr__(name: str):

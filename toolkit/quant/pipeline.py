@@ -31,6 +31,7 @@ from . import memory as mem
 from . import offline
 from . import report as rep
 from . import speed as spd
+from .options import QuantizeOptions
 from .plan import MANIFEST, check_out_dir, make_plan, plan_json
 from .recipe import Recipe, merge
 from .run import STEPS, Run, step
@@ -335,18 +336,15 @@ def report(run: Run) -> None:
     rep.write_report(run.dest, run.report, run.notes)
 
 
-def start(recipe: str | None = None, model: str | None = None, revision: str | None = None, target: str | None = None,
-          bits: str | list | None = None, out: str | None = None, work_dir: str | None = None, calibrate: bool = True,
-          also_uncalibrated: bool = False, check: bool = True, dry_run: bool = False, force: bool = False,
-          device: str | None = None, progress: bool = True, gpu_split: str | None = None,
-          tensor_parallel: bool = False, draft_device: int = 0, on_step: Callable[[dict], None] | None = None,
-          target_model: str | None = None) -> Run:
-    """A Run from the recipe and the command line (flags win); nothing is read or written yet. gpu_split,
-    tensor_parallel and draft_device place an EXL3 target (and the drafter of the speed step) across GPUs;
-    on_step gets each step's row of report.json's `steps` as the step ends (a device script records them)."""
-    s = merge(recipe, model, revision, target, bits, out, work_dir, target_model)
-    split = GpuSplit.of(gpu_split, tensor_parallel, draft_device)
-    return Run(s, calibrate, also_uncalibrated, check, dry_run, force, device, progress, split=split, on_step=on_step)
+def start(o: QuantizeOptions, progress: bool = True, on_step: Callable[[dict], None] | None = None) -> Run:
+    """A Run from the options `o` (those of `python -m toolkit.quantize`) and the recipe they name (flags win);
+    nothing is read or written yet. gpu_split, tensor_parallel and draft_device place an EXL3 target (and the
+    drafter of the speed step) across GPUs; `progress` shows the progress bars; on_step gets each step's row of
+    report.json's `steps` as the step ends (a device script records them)."""
+    s = merge(o.recipe, o.model, o.revision, o.target, o.bits, o.out, o.work_dir, o.target_model)
+    split = GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device)
+    return Run(s, o.calibrate, o.also_uncalibrated, o.check, o.dry_run, o.force, o.device, progress, split=split,
+               on_step=on_step)
 
 
 def execute(run: Run) -> Run:
@@ -378,14 +376,15 @@ def enforce(run: Run) -> None:
                            f"(report in {run.out / 'report.md'})")
 
 
-def quantize(**options) -> dict | int:
-    """Convert a DFlash drafter to EXL3 at several bitrates (options: those of start); returns the report, or 0
-    for a dry run. Writes no model cards and pushes nothing: toolkit.quantize composes those from hub/."""
-    run = execute(start(**options))
+def quantize(o: QuantizeOptions, progress: bool = True, on_step: Callable[[dict], None] | None = None) -> dict | int:
+    """Convert a DFlash drafter to EXL3 at several bitrates with the options `o` (those of start); returns the
+    report, or 0 for a dry run. Writes no model cards and pushes nothing (`o.push` is ignored here):
+    toolkit.quantize composes those from hub/."""
+    run = execute(start(o, progress, on_step))
     if run.dry_run:
         return 0
     enforce(run)
     return run.report
 
 
-__all__ = ["Run", "enforce", "execute", "plan_json", "quantize", "start"]
+__all__ = ["QuantizeOptions", "Run", "enforce", "execute", "plan_json", "quantize", "start"]
