@@ -1,8 +1,8 @@
 """Every exllamav3 name the toolkit touches, reached through this one module and checked when exllamav3 loads.
 
 The toolkit drives exllamav3's public classes (Config, Model, Cache, Tokenizer, Generator, Job, the samplers)
-and, for what exllamav3 does not expose, a few private seams: the Generator's DFlash drafting step (the round
-capture and the per-round width), its MoE and sliding-attention layers (the levers wrap their forwards), kernels
+and, for what exllamav3 does not expose, a few private seams: the Generator's DFlash and MTP drafting steps (the
+round capture and the per-round width), its MoE and sliding-attention layers (the levers wrap their forwards), kernels
 of its CUDA extension, its vendored gated delta rule (the tap capture) and its converter. `require()` checks
 that each seam exists with the parameters the toolkit passes, whatever the version: an exllamav3 whose seams check
 out is accepted, and a missing one is one error line naming it. Attributes that exist only on a loaded module
@@ -49,6 +49,9 @@ SEAMS = {s.name: s for s in (
     Seam("exllamav3:Generator.iterate_draftmodel_dflash_gen",
          "the DFlash drafting step: the round capture copies its block and the policy sets its window",
          ("results", "window")),
+    Seam("exllamav3:Generator.iterate_draftmodel_mtp_gen",
+         "the target's own MTP head drafting (--draft mtp): the round capture copies its drafts", ("results", "window"),
+         optional=True),
     Seam("exllamav3.generator.sampler:ArgmaxSampler", "greedy decoding"),
     Seam("exllamav3.generator.sampler:CategoricalSampler", "sampling at a temperature", ("temperature",)),
     Seam("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "the MoE layer the MoE levers wrap"),
