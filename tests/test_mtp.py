@@ -180,3 +180,13 @@ def test_eval_tau_with_mtp_needs_held_out_prompts(mtp_target):
         eval_tau(str(mtp_target), MTP)
     with pytest.raises(ToolkitError, match="no card to write"):
         eval_tau(str(mtp_target), MTP, heldout="unseen", write_card=True)
+
+
+def test_the_app_loads_the_target_with_its_mtp_head(mtp_target, tmp_path, monkeypatch):
+    from toolkit.app.models import Hardware, ModelSpec, load
+
+    monkeypatch.setenv("DFLASH_COST_CACHE", str(tmp_path))
+    monkeypatch.setattr("toolkit.app.models.fetch_model", lambda ref, what: (ref, ref) if what == "target" else
+                        pytest.fail("fetched the drafter"))
+    out = load(ModelSpec(str(mtp_target), MTP, backend="torch"), Hardware())
+    assert out.error is None and out.draft == "the target's own MTP head" and out.block_size == DEPTH + 1
