@@ -27,7 +27,8 @@ def main(argv=None):
     ap = Parser(prog="python app.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="target model: local folder or Hub ref USER/NAME[@REVISION], e.g. a quant branch @4.0bpw "
                     "(default: $DFLASH_TARGET, else the demo)")
-    ap.add_argument("--draft", help="DFlash drafter: local folder or Hub ref USER/NAME[@REVISION] (default: $DFLASH_DRAFT)")
+    ap.add_argument("--draft", help="DFlash drafter: local folder or Hub ref USER/NAME[@REVISION], or mtp: the target's "
+                    "own MTP head (default: $DFLASH_DRAFT)")
     ap.add_argument("--backend", choices=["auto", *BACKENDS],
                     help="auto (default): exllamav3 on a CUDA GPU when installed, else torch on CPU")
     ap.add_argument("--device", help="torch device for the torch backend (default: cuda if available, else cpu)")

@@ -21,6 +21,10 @@ Mode `shape`, one call (about 6-8 minutes; results to $OUT/speed.json after ever
 4. the projection at the published tau (DF-16 7.63, DF-8 5.74; geometric per-position acceptance, see
    toolkit.benchmark.projection) for exllamav3's defaults and for the policy, per setting and c.
 Random weights route MoE tokens uniformly (real routing is skewed), so verify costs are an upper bound.
+With `--draft mtp` the drafter is the target's own MTP head instead: the target is synthesised from
+qwen3.6-35b-a3b-mtp.json (the same decoder plus the head) into target-4.0-mtp, loaded with `--draft mtp`, and
+steps 1-2 time its rounds at w in 0..4 (one head step per drafted id; `--widths` is cut to 4); the host profile,
+the round budgets and the DFlash projection are skipped. Time DFlash beside it with a plain `shape` call.
 
 Mode `pair`, the SmolLM2-135M pair with its shipped drafter (toolkit/data/smollm2_dflash), after the target was
 staged on the same warm machine (experiments/smol_device.py: calls carry the GGUF parts, the last runs
@@ -46,12 +50,14 @@ from statistics import median
 
 from experiments.harness import Repetitions, Run, device_name, env_float, warm_up
 from toolkit.exl3.options import ADOPTED
+from toolkit.mtp import DEPTH, MTP
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "quantize" / "shapes"
 WORK = Path("/tmp/speed")
 SMOL = Path("/tmp/smol-run")
 WIDTHS = (0, 1, 3, 5, 7, 11, 15)
+MTP_WIDTHS = tuple(range(DEPTH + 1))                # the MTP head drafts up to DEPTH ids a round
 ADOPTED_LEVERS = ADOPTED.tag.replace(",", "+")      # the toolkit's defaults as one `--levers` setting
 SHAPE_LEVERS = (ADOPTED_LEVERS,)                    # `--levers` times others against stock
 
@@ -109,18 +115,21 @@ def shape_targets(rows: list[dict]) -> dict:
 # -- shape mode ------------------------------------------------------------------------------------------------
 
 
-def target_dir(work: Path, routing: str) -> Path:
-    return work / ("target-4.0" if routing == "random" else f"target-4.0-{routing}")
+def target_dir(work: Path, routing: str, draft: str = "dflash") -> Path:
+    name = "target-4.0" if routing == "random" else f"target-4.0-{routing}"
+    return work / (f"{name}-mtp" if draft == MTP else name)
 
 
-def synth_pair(work: Path, resynth: bool, routing: str = "random") -> dict:
+def synth_pair(work: Path, resynth: bool, routing: str = "random", draft: str = "dflash") -> dict:
     import torch
 
     from toolkit.synthetic import synth
 
     out = {}
-    for key, cfg, bits, folder in (("target", "qwen3.6-35b-a3b.json", 4, target_dir(work, routing)),
-                                   ("draft", "qwen3.6-35b-a3b-dflash.json", 6, work / "draft-6.0")):
+    pair = [("target", "qwen3.6-35b-a3b-mtp.json", 4, target_dir(work, routing, draft))] if draft == MTP else [
+        ("target", "qwen3.6-35b-a3b.json", 4, target_dir(work, routing)),
+        ("draft", "qwen3.6-35b-a3b-dflash.json", 6, work / "draft-6.0")]
+    for key, cfg, bits, folder in pair:
         if (folder / "config.json").is_file() and not resynth:          # complete: synth renames it in at the end
             out[key] = {"reused": str(folder)}
             continue
@@ -134,7 +143,8 @@ def load_shape(a, routing: str = "random"):
     from toolkit.exl3.backend import Exl3Backend
 
     per_job = math.ceil((a.context + 2 * sum(w + 1 for w in a.widths) + 64) / 256) * 256
-    return Exl3Backend.from_dirs(target_dir(a.work, routing), a.work / "draft-6.0", cache_tokens=max(a.concurrency) * per_job,
+    draft = MTP if a.draft == MTP else a.work / "draft-6.0"
+    return Exl3Backend.from_dirs(target_dir(a.work, routing, a.draft), draft, cache_tokens=max(a.concurrency) * per_job,
                                  max_concurrency=max(a.concurrency))
 
 
@@ -197,9 +207,11 @@ def run_shape(run: Run, a) -> None:
     from experiments.harness import free_cuda
     from toolkit.benchmark.projection import ASSUMPTION, PUBLISHED
 
+    if a.draft == MTP:
+        a.widths = sorted({w for w in a.widths if w <= DEPTH}) if a.widths != list(WIDTHS) else list(MTP_WIDTHS)
     for i, routing in enumerate(a.routing):
         key = "" if routing == "random" else f"_{routing}"
-        run.step(f"synth{key}", synth_pair, a.work, a.resynth, routing, need_s=60)
+        run.step(f"synth{key}", synth_pair, a.work, a.resynth, routing, a.draft, need_s=60)
         be = run.step(f"load{key}", load_shape, a, routing, keep=False, need_s=30)
         if be is None:
             return
@@ -207,7 +219,7 @@ def run_shape(run: Run, a) -> None:
             run.results[f"distinct_experts{key}"] = distinct_experts(be)
             data = run.step(f"timing{key}", time_shape, run, be, a, f"timing{key}", 1 / (len(a.routing) - i), keep=False)
             run.results[f"engine{key}"] = be.engine_report()      # e.g. how the forwards ran (forward_graphs)
-            if i == 0:
+            if i == 0 and a.draft != MTP:
                 if a.identical:
                     run.step("identical", identical, be, a, need_s=60)
                 run.step("profile", profile_host, be, a, need_s=20)
@@ -267,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                         "skewed (toolkit.synth --routing skewed: about the published distinct-expert counts)")
     s.add_argument("--budget", nargs="*", default=["1:AR", "1:7", "1:15", "4:AR", "4:7"],
                    help="round budgets C:W to profile (W a width or AR), stock and the last --levers setting")
+    s.add_argument("--draft", choices=["dflash", MTP], default="dflash", help="the drafter timed: the synthetic "
+                   "DFlash drafter (default), or mtp: the target's own MTP head (widths 0-4)")
     s.add_argument("--identical", type=int, default=0, help="after the timing, forward_graphs off and on over this "
                    "many dummy prompts, greedy tokens compared (default 0: skip)")
     p = sub.add_parser("pair", help="the SmolLM2 pair: tok/s of AR, B=16, B=8 and auto, same output")

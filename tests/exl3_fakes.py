@@ -73,6 +73,7 @@ class FakeGenerator:
     spec_overhead = 0.0                           # ms every round of a Generator with a drafter costs more
     clock: Clock | None = None
     built: list = []                              # every constructed generator (class-level log)
+    draft_step = "iterate_draftmodel_dflash_gen"  # the drafting step iterate() calls (exllamav3's, per drafter kind)
 
     def __init__(self, model, cache, tokenizer, max_batch_size=256, draft_model=None, draft_cache=None,
                  num_draft_tokens=0, record_draft_stats=False, draft_max_rows=0, **options):
@@ -123,7 +124,7 @@ class FakeGenerator:
         for job in self.active_jobs:
             job.prefilled = True
         window = self.row_limited(self.num_draft_tokens) if self.draft_model is not None else 0
-        drafted = self.iterate_draftmodel_dflash_gen([], window) if window else None
+        drafted = getattr(self, self.draft_step)([], window) if window else None
         w = drafted.shape[-1] if drafted is not None else 0
         self.widths.append(w)
         if self.clock is not None:

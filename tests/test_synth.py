@@ -285,3 +285,102 @@ def test_skewed_routing_scales_router_rows_and_narrows_the_experts_a_window_touc
     top = (x @ gate.T).topk(8, -1).indices
     skewed = sum(t.unique().numel() for t in top.view(400, -1)) / 400
     assert 45 < skewed < 70                                  # random routing touches 97 of 256 in 15 tokens
+
+
+# -- the MTP head ------------------------------------------------------------------------------------
+
+# What exllamav3 1.6.5 loads for a Qwen3.5-MoE MTP head, read from its source: architecture/qwen3_5_mtp.py
+# (Qwen3_5MTPModel with use_moe, the Qwen3_5MoeMTPModel of Qwen3_5VLMoeConfig) and
+# modules/arch_specific/qwen3_5_mtp.py (Qwen3_5MTPInputLayer). Per module key: "norm" = an RMSNorm (`.weight`),
+# "linear" = a quantized Linear with its (in, out) features, "fp16" = the router / shared-expert gate the
+# converter keeps unquantized. {i} = layer, {e} = expert; H hidden, Q = 2 x heads x head_dim (query + gate),
+# KV = kv heads x head_dim, O = heads x head_dim, I / S = expert / shared-expert intermediate, E experts.
+EXL3_MTP_MODULES = [
+    ("mtp.pre_fc_norm_hidden", "norm", "H"), ("mtp.pre_fc_norm_embedding", "norm", "H"),
+    ("mtp.fc", "linear", ("2H", "H")),
+    ("mtp.layers.{i}.input_layernorm", "norm", "H"), ("mtp.layers.{i}.post_attention_layernorm", "norm", "H"),
+    ("mtp.layers.{i}.self_attn.q_proj", "linear", ("H", "Q")), ("mtp.layers.{i}.self_attn.k_proj", "linear", ("H", "KV")),
+    ("mtp.layers.{i}.self_attn.v_proj", "linear", ("H", "KV")), ("mtp.layers.{i}.self_attn.o_proj", "linear", ("O", "H")),
+    ("mtp.layers.{i}.self_attn.q_norm", "norm", "D"), ("mtp.layers.{i}.self_attn.k_norm", "norm", "D"),
+    ("mtp.layers.{i}.mlp.gate", "fp16", ("H", "E")),
+    ("mtp.layers.{i}.mlp.experts.{e}.up_proj", "linear", ("H", "I")),
+    ("mtp.layers.{i}.mlp.experts.{e}.gate_proj", "linear", ("H", "I")),
+    ("mtp.layers.{i}.mlp.experts.{e}.down_proj", "linear", ("I", "H")),
+    ("mtp.layers.{i}.mlp.shared_expert.up_proj", "linear", ("H", "S")),
+    ("mtp.layers.{i}.mlp.shared_expert.gate_proj", "linear", ("H", "S")),
+    ("mtp.layers.{i}.mlp.shared_expert.down_proj", "linear", ("S", "H")),
+    ("mtp.layers.{i}.mlp.shared_expert_gate", "fp16", ("H", "1")),
+    ("mtp.norm", "norm", "H"),
+]
+VISION_KEYS = ("deepstack_visual_indexes", "depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads",
+               "num_position_embeddings", "out_hidden_size", "patch_size", "spatial_merge_size", "temporal_patch_size",
+               "model_type")                     # exllamav3 architecture/qwen3_vl.py read_qwen3_vl_vision_config
+PREPROCESSOR_KEYS = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
+                     "image_processor_type")     # read_qwen3_vl_pp_config, which wants Qwen2VLImageProcessorFast
+
+
+def mtp_shape(cfg: dict) -> dict:
+    """`cfg` with the MTP head and the multimodal keys the hub config carries (from the real MTP shape file)."""
+    real = json.loads((SHAPES / "qwen3.6-35b-a3b-mtp.json").read_text())
+    return {**cfg, "text_config": {**cfg["text_config"], "mtp_num_hidden_layers": 1},
+            "vision_config": real["vision_config"], "_preprocessor_config": real["_preprocessor_config"]}
+
+
+def expected_mtp(t: dict, bits: int) -> dict[str, tuple[int, ...]]:
+    """EXL3_MTP_MODULES as tensor names and shapes for a text config `t`, its linears at `bits` (padded to 128
+    except mtp.fc, which exllamav3 builds with pad_to 1)."""
+    H, hd, nq, nkv = t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"]
+    dims = {"H": H, "2H": 2 * H, "D": hd, "Q": 2 * nq * hd, "KV": nkv * hd, "O": nq * hd, "E": t["num_experts"],
+            "I": t["moe_intermediate_size"], "S": t["shared_expert_intermediate_size"], "1": 1}
+    out = {}
+    for key, kind, size in EXL3_MTP_MODULES:
+        for i in range(t["mtp_num_hidden_layers"]):
+            for e in range(t["num_experts"] if "{e}" in key else 1):
+                k = key.format(i=i, e=e)
+                if kind == "norm":
+                    out[f"{k}.weight"] = (dims[size],)
+                elif kind == "fp16":
+                    out[f"{k}.weight"] = (dims[size[1]], dims[size[0]])
+                else:
+                    n_in, n_out = (dims[s] if k == "mtp.fc" else -(-dims[s] // 128) * 128 for s in size)
+                    out.update({f"{k}.trellis": (n_in // 16, n_out // 16, 16 * bits), f"{k}.suh": (n_in,),
+                                f"{k}.svh": (n_out,), f"{k}.mul1": ()})
+    return out
+
+
+def test_an_mtp_shape_writes_the_head_exllamav3_loads(tmp_path):
+    cfg = mtp_shape(tiny_target())
+    res = synth(str(write(tmp_path, "m", cfg)), 4, str(tmp_path / "m4"), mtp_bits=3, quiet=True)
+    folder = tmp_path / "m4"
+    got = {k: tuple(v.shape) for k, v in tensors(folder).items()}
+    text = {**cfg["text_config"], "mtp_num_hidden_layers": 1}
+    assert {k: s for k, s in got.items() if k.startswith("mtp.")} == expected_mtp(text, 3)
+    plain = {s.name: s.shape for s in build_plan(tiny_target(), 4).tensors}
+    assert {k: s for k, s in got.items() if not k.startswith("mtp.")} == plain        # the trunk as without the head
+    out = json.loads((folder / "config.json").read_text())
+    assert out["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and out["model_type"] == "qwen3_5_moe"
+    assert out["text_config"]["mtp_num_hidden_layers"] == 1 and "architectures" not in out["text_config"]
+    assert set(VISION_KEYS) <= set(out["vision_config"]) and out["vision_config"]["deepstack_visual_indexes"] == []
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    assert set(PREPROCESSOR_KEYS) <= set(pre) and pre["image_processor_type"] == "Qwen2VLImageProcessorFast"
+    assert out["quantization_config"]["mtp_bits"] == 3 and res["mtp_bits"] == 3 and "_preprocessor_config" not in out
+    from toolkit.mtp import read_mtp
+
+    assert read_mtp(folder).experts == 4                                               # --draft mtp takes it
+
+
+def test_the_plain_shape_is_written_as_before_and_an_mtp_shape_needs_its_multimodal_keys(tmp_path):
+    plain = build_plan(json.loads((SHAPES / "qwen3.6-35b-a3b.json").read_text()), 4)
+    assert plain.config["architectures"] == ["Qwen3_5MoeForCausalLM"] and not plain.files
+    assert not any(t.name.startswith("mtp.") for t in plain.tensors)
+    real = build_plan(json.loads((SHAPES / "qwen3.6-35b-a3b-mtp.json").read_text()), 4)
+    trunk = [t for t in real.tensors if not t.name.startswith("mtp.")]
+    assert [(t.name, t.shape) for t in trunk] == [(t.name, t.shape) for t in plain.tensors]
+    head = sum(t.nbytes for t in real.tensors if t.name.startswith("mtp."))
+    assert 0.40e9 < head < 0.45e9 and set(real.files) == {"preprocessor_config.json"}   # 256 experts at 4 bits
+    bare = tiny_target()
+    bare["text_config"]["mtp_num_hidden_layers"] = 1
+    with pytest.raises(ToolkitError, match="needs its vision_config"):
+        build_plan(bare, 4)
+    with pytest.raises(ToolkitError, match="needs its _preprocessor_config"):
+        build_plan({**mtp_shape(tiny_target()), "_preprocessor_config": None}, 4)

@@ -50,6 +50,7 @@ from .benchmark.grid import (  # noqa: F401
     run_jobs,
 )
 from .exl3.options import ADOPTED, LEVERS, parse_lever
+from .mtp import is_mtp
 from .runtime.factory import load_backend
 from .runtime.registry import BACKENDS, capabilities, check_for_backend
 from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
@@ -247,7 +248,7 @@ def bench(o: BenchOptions) -> dict:
         settings = GenSettings(max_new_tokens=o.max_new_tokens, temperature=o.temperature, seed=o.seed)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
-    synthetic = is_synthetic(target, draft)
+    synthetic = is_synthetic(target, None if is_mtp(draft) else draft)
     timing_only = synthetic or bool(timing_only)   # synthetic weights: acceptance means nothing
     claim(o.out, "bench", o.force)                 # --out checked before any model is loaded
     items = load_prompts(o.prompts)
@@ -330,7 +331,8 @@ def write_outputs(result: dict, out: Path) -> None:
 @dataclass
 class BenchOptions:
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
-    draft: str | None = option(None, "DFlash drafter folder (default: the shipped tiny pair)")
+    draft: str | None = option(None, "DFlash drafter folder (default: the shipped tiny pair), or mtp: the target's "
+                               "own multi-token-prediction head (up to 4 drafts a round)")
     backend: str = option("torch", choices=list(BACKENDS))
     prompts: str | None = option(None, "prompt file: JSON lines with \"prompt\" (and \"category\"), or one prompt a line "
                                  "(default: built-in chat/code/math set)")

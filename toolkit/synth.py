@@ -17,8 +17,10 @@ from .core.cli import OUTPUT_POLICY, entry, option, run
 EPILOG = """examples:
   python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b.json --bits 4 --out /tmp/q36-4bpw
   python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b-dflash.json --bits 6 --out /tmp/dflash-6bpw
+  python -m toolkit.synth --config quantize/shapes/qwen3.6-35b-a3b-mtp.json --bits 4 --out /tmp/q36-mtp-4bpw
 
-supported configs: qwen3_5_moe targets (hub layout with text_config, or the flat text config) and
+supported configs: qwen3_5_moe targets (hub layout with text_config, or the flat text config; one whose text config
+sets mtp_num_hidden_layers is written with its MTP head, in the multimodal layout exllamav3 drafts with it from) and
 DFlashDraftModel drafters. The last stdout line is a JSON summary (size, shards, decoded-weight check)."""
 
 
@@ -36,6 +38,8 @@ class SynthOptions:
     out: str = option(help="folder to create (must not exist or be empty, unless --overwrite)")
     head_bits: float = option(6.0, "bits of the lm_head: 1-8, or 16 for fp16 (6 as the converter)", lo=1, hi=16,
                               whole=True)
+    mtp_bits: float = option(4.0, "bits of the MTP head's linears, for a shape that has one (mtp_num_hidden_layers): "
+                             "1-8, or 16 for fp16 (4 as the converter)", lo=1, hi=16, whole=True)
     codebook: str = option("mul1", "trellis codebook (mul1 as the converter)", choices=["mul1", "mcg", "3inst"])
     seed: int = option(0, "random seed", kind="seed")
     std: float | None = option(None, "std of the decoded weights (default: the config's initializer_range, else 0.02)",

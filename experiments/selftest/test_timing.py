@@ -114,6 +114,21 @@ def test_speed_shape_interleaves_settings_keeps_partial_results_and_projects(mon
     assert r["policy_width"] == 3 and r["policy_speedup"] == pytest.approx(3.439 / 16 * 8)
 
 
+def test_speed_shape_with_draft_mtp_synthesises_the_mtp_shape_and_loads_its_head(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    import experiments.speed as speed
+    from toolkit.exl3.backend import Exl3Backend
+
+    made = []
+    monkeypatch.setattr("toolkit.synthetic.synth", lambda cfg, bits, out, **kw: made.append((Path(cfg).name, Path(out).name)))
+    speed.synth_pair(tmp_path, False, "random", "mtp")
+    assert made == [("qwen3.6-35b-a3b-mtp.json", "target-4.0-mtp")]                 # no DFlash drafter to synthesise
+    monkeypatch.setattr(Exl3Backend, "from_dirs", classmethod(lambda cls, t, d, **kw: (t, d)))
+    a = argparse.Namespace(work=tmp_path, draft="mtp", widths=list(speed.MTP_WIDTHS), context=32, concurrency=[1, 4])
+    assert speed.load_shape(a) == (tmp_path / "target-4.0-mtp", "mtp") and speed.MTP_WIDTHS == (0, 1, 2, 3, 4)
+
+
 def test_pair_targets_read_the_paired_ratio_and_ignore_lever_cells():
     from experiments.pair_mode import pair_targets
 

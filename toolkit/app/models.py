@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 from ..core.errors import ToolkitError
 from ..core.refs import fetch, parse_ref
+from ..mtp import is_mtp
 from ..runtime.backend import Backend, Capabilities, GenSettings
 from ..runtime.factory import load_backend
 from ..runtime.registry import BACKENDS as REGISTRY, backend_class, capabilities, cpu_backend, gpu_backend
@@ -296,7 +297,11 @@ def models_of(spec: ModelSpec, out: Loaded) -> tuple[str, str]:
         return demo_pair(out)
     if spec.draft is None:
         raise ToolkitError("draft: no drafter given (--draft or DFLASH_DRAFT); the app compares speculative with AR")
-    (target, out.target), (draft, out.draft) = fetch_model(spec.target, "target"), fetch_model(spec.draft, "draft")
+    target, out.target = fetch_model(spec.target, "target")
+    if is_mtp(spec.draft):                       # the target's own MTP head: nothing to fetch
+        out.draft = "the target's own MTP head"
+        return target, spec.draft
+    draft, out.draft = fetch_model(spec.draft, "draft")
     return target, draft
 
 

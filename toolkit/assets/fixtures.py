@@ -1,7 +1,7 @@
 """Tiny offline models for tests and device runs: random targets and drafters in the upstream layouts.
 
 `build()` writes a random target (Llama, Qwen3 or the Qwen3.5/3.6 MoE text model, scaled down) and a random
-DFlash drafter for it. Random drafters accept almost nothing, so `tiny_pair()` also ships a small *trained*
+DFlash drafter for it; with `mtp` the Qwen3.5/3.6 target also carries a random MTP head (`--draft mtp`). Random drafters accept almost nothing, so `tiny_pair()` also ships a small *trained*
 pair (see toolkit/tiny_pair.py) whose rounds show zero, partial and full acceptance.
 """
 
@@ -79,15 +79,35 @@ def write_target(model, out: Path) -> Path:
     return out
 
 
+def add_mtp(target: Path, seed: int = 0, std: float = 0.2) -> Path:
+    """Give a Qwen3.5/3.6 target folder a random MTP head: `mtp_num_hidden_layers` 1 in its config and the head's
+    tensors (names and shapes of mtp.config.hf_tensors, norms at 0 as Qwen3.5 stores them) in its safetensors."""
+    from ..core.tensorfiles import load_tensors, save_tensors
+    from ..mtp import MtpShape, hf_tensors
+
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors = load_tensors(target / "model.safetensors")
+    for name, shape in hf_tensors(MtpShape.of(cfg)).items():
+        tensors[name] = torch.zeros(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * std
+    save_tensors(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(cfg, indent=2))
+    return target
+
+
 def build(out_dir: str | Path, arch: str = "llama", block_size: int = 16, seed: int = 0, layers: int = 4,
-          hidden: int = 64, draft_layers: int = 2) -> tuple[Path, Path]:
-    """Write a random tiny target `<out>/target-<arch>` and a random drafter `<out>/draft-<arch>-b<B>`."""
+          hidden: int = 64, draft_layers: int = 2, mtp: bool = False) -> tuple[Path, Path]:
+    """Write a random tiny target `<out>/target-<arch>` (`-mtp` with an MTP head) and a random drafter
+    `<out>/draft-<arch>-b<B>`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if block_size < 2:
         raise ToolkitError(f"block_size must be >= 2, got {block_size}")
+    if mtp and arch != "qwen3_5_moe":
+        raise ToolkitError(f"an MTP head needs the qwen3_5_moe target (Qwen3.5/3.6 carry one), got {arch!r}")
     out = Path(out_dir)
-    tdir, ddir = out / f"target-{arch}", out / f"draft-{arch}-b{block_size}"
+    tdir, ddir = out / f"target-{arch}{'-mtp' if mtp else ''}", out / f"draft-{arch}-b{block_size}"
     tmp = out / ".tok"
     tmp.mkdir(parents=True, exist_ok=True)
     special = copy_tokenizer(tmp)
@@ -97,6 +117,8 @@ def build(out_dir: str | Path, arch: str = "llama", block_size: int = 16, seed: 
     conf = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
     model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
     write_target(model, tdir)
+    if mtp:
+        add_mtp(tdir, seed)
     dcfg = drafter_config(hidden, spread_taps(layers, 3), special["mask"], block_size, draft_layers, special["vocab_size"],
                           target_layers=layers)
     save_drafter(random_drafter(dcfg, seed), ddir, dtype=torch.float32)
@@ -104,11 +126,14 @@ def build(out_dir: str | Path, arch: str = "llama", block_size: int = 16, seed: 
 
 
 def fixtures(out: str, arch: str = "llama", block_size: int = 16, seed: int = 0, pair: bool = False,
-             force: bool = False) -> list[dict]:
+             force: bool = False, mtp: bool = False) -> list[dict]:
     """Write the fixture models into `out` as one folder, all or nothing (docs/outputs.md): a non-empty `out`
     that is not an earlier fixtures folder is refused unless `force`. Prints one JSON line per pair."""
     if arch not in (*ARCHS, "all"):
         raise OptionError("arch", f"must be one of {', '.join(ARCHS)} or all, got {arch!r}")
+    if mtp and (arch != "qwen3_5_moe" or pair):
+        raise OptionError("mtp", f"needs --arch qwen3_5_moe (the Qwen3.5/3.6 target) without --pair, got --arch {arch}"
+                          + (" --pair" if pair else ""))
     checks.whole("block_size", block_size, 2, 1024)
     checks.seed("seed", seed)
     final = claim(out, "fixtures", force)
@@ -120,7 +145,7 @@ def fixtures(out: str, arch: str = "llama", block_size: int = 16, seed: int = 0,
             written.append({"target": str(final / "target"), "draft": str(final / "draft")})
         else:
             for a in ARCHS if arch == "all" else [arch]:
-                t, d = build(work, a, block_size, seed)
+                t, d = build(work, a, block_size, seed, mtp=mtp)
                 written.append({"arch": a, "target": str(final / t.name), "draft": str(final / d.name)})
     for line in written:
         print(json.dumps(line))

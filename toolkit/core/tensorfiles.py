@@ -145,9 +145,10 @@ def index_size(folder: str | Path | None) -> int | None:
     return None
 
 
-def iter_tensors(path: str | Path, what: str = "") -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_tensors(path: str | Path, what: str = "", prefix: str = "") -> Iterator[tuple[str, "torch.Tensor"]]:
     """(name, tensor) of one safetensors file, one at a time, after its header is checked; anything safetensors
-    still refuses is one line naming the file (and the tensor being read). `what` (a flag) starts each line."""
+    still refuses is one line naming the file (and the tensor being read). `what` (a flag) starts each line;
+    `prefix`: only the tensors whose names start with it are read."""
     from safetensors import safe_open
 
     path, pre = Path(path), f"{what}: " if what else ""
@@ -159,7 +160,8 @@ def iter_tensors(path: str | Path, what: str = "") -> Iterator[tuple[str, "torch
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(name)
     except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError, ...) as one line
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         at = f" at tensor {name!r}" if name is not None else ""

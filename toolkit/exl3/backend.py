@@ -1,4 +1,6 @@
-"""The exllamav3 backend: an EXL3 (or unquantized) target and an EXL3 (or BF16) DFlash drafter on exllamav3 1.6.5.
+"""The exllamav3 backend: an EXL3 (or unquantized) target and an EXL3 (or BF16) DFlash drafter on exllamav3 1.6.5,
+or the target's own MTP head (`--draft mtp`: exllamav3's MTP component of a Qwen3.5/3.6 checkpoint, drafting up to
+mtp.DEPTH ids a round, one head step each; its rounds are captured and verified the same way).
 
 Decoding runs exllamav3's own Generator (paged cache, batched jobs, DFlash verification); the drafted ids of each
 round come from the capture in hook.py. The AR baseline is a Generator over the same target and cache with no
@@ -55,8 +57,9 @@ class Exl3Backend(Backend):
                  native_block: int = 1, max_context: int = 0, eos_ids: tuple[int, ...] = (), max_concurrency: int = 32,
                  *, options: Exl3Options | None = None, folders: Sequence[str | Path] = (), vocab_size: int = 32000,
                  device: str = "cuda", moe_class: type | None = None, cost_cache: str | Path | None = None,
-                 split: GpuSplit | None = None, max_chunk: int | None = None):
+                 split: GpuSplit | None = None, max_chunk: int | None = None, mtp: bool = False):
         self.exl, self.model, self.cache, self.tokenizer_exl = exl, model, cache, tokenizer
+        self.mtp = mtp                    # the drafter is the target's own MTP head
         self.tokenizer, self.draft, self.draft_cache = hf_tokenizer, draft, draft_cache
         self.block_size, self.max_context, self.eos_ids = native_block, max_context, eos_ids
         self.max_concurrency, self.cache_tokens = max_concurrency, cache.max_num_tokens
@@ -100,10 +103,11 @@ class Exl3Backend(Backend):
             raise ToolkitError(f"cache_tokens must be a positive multiple of {PAGE}, got {cache_tokens}")
         if max_chunk is not None and (max_chunk < PAGE or max_chunk % PAGE):
             raise ToolkitError(f"max_chunk must be a positive multiple of {PAGE}, got {max_chunk}")
-        check_memory(target, draft, cache_tokens, max_concurrency, gpu, split)
+        mtp = pair.mtp is not None
+        check_memory(target, draft, cache_tokens, max_concurrency, gpu, split, mtp=mtp)
         try:
             model, cache, dmodel, dcache = load_models(exl, target, draft, cache_tokens, max_concurrency,
-                                                       max(native - 1, 1), split, count, max_chunk)
+                                                       max(native - 1, 1), split, count, max_chunk, mtp=mtp)
             tok = exl.Tokenizer.from_config(model.config)
         except Exception as e:
             kind, why = load_failure(e) or (None, None)
@@ -111,7 +115,7 @@ class Exl3Backend(Backend):
                 raise ToolkitError(f"not enough GPU memory on {gpu}: ran out while loading {target} (+ drafter), {why} GiB free now") from None
             if kind == "load":
                 where = "" if split.default else f" ({split.tag})"
-                raise ToolkitError(f"exllamav3 cannot load {target} / {draft}{where}: {why}") from None
+                raise ToolkitError(f"exllamav3 cannot load {target} / {'its MTP head' if mtp else draft}{where}: {why}") from None
             raise
         from ..runtime.hf import load_hf_tokenizer
 
@@ -119,7 +123,7 @@ class Exl3Backend(Backend):
         return cls(exl, model, cache, tok, load_hf_tokenizer(target), dmodel, dcache, native, info.max_context,
                    info.eos_ids, max_concurrency, options=options, folders=folders,
                    vocab_size=int(info.text.get("vocab_size") or 32000), split=split,
-                   max_chunk=load_chunk(cache_tokens, max_chunk).get("max_chunk_size") if max_chunk else None)
+                   max_chunk=load_chunk(cache_tokens, max_chunk).get("max_chunk_size") if max_chunk else None, mtp=mtp)
 
     def close(self) -> None:
         """Retire the generator and unload both models (the GPU memory comes back)."""
@@ -153,8 +157,8 @@ class Exl3Backend(Backend):
 
             from .moe import capture_refusal
 
-            for name, model in (("target", self.model), ("draft", self.draft)):
-                if model is not None:
+            for name, model in (("target", self.model), ("draft", None if self.mtp else self.draft)):
+                if model is not None:                 # (the MTP head's steps stay eager)
                     refuse = capture_refusal(model, self.moe_class()) if name == "target" else None
                     self._graphs[name] = set_forward_graphs(model, options.forward_graphs, self._graphs.get(name), refuse)
         if options != self.options and self._gen is not None:

@@ -3,16 +3,18 @@
 exllamav3 keeps only counts: `record_draft_stats=True` appends (position, window, accepted) to
 `job.draft_stats` each verification round, but the drafted ids themselves live in a shared pinned buffer
 that the next round overwrites. The smallest capture point is the return value of
-`Generator.iterate_draftmodel_dflash_gen`: a host tensor [rows, window] whose rows are the prefilled active
-jobs in `active_jobs` order (the same order `iterate_gen` verifies them in). A subclass copies it and the
-drafting time; everything else is rebuilt from the job's own sequence ids after `iterate()`.
+`Generator.iterate_draftmodel_dflash_gen` (`iterate_draftmodel_mtp_gen` when the target's own MTP head drafts):
+a host tensor [rows, window] whose rows are the prefilled active jobs in `active_jobs` order (the same order
+`iterate_gen` verifies them in). A subclass copies it and the drafting time; everything else is rebuilt from the
+job's own sequence ids after `iterate()`.
 
 The same subclass sets the verify width per round, which is how the drafting policy runs on exllamav3 without
 rebuilding the Generator: each `iterate()` drafts `row_limited(num_draft_tokens)` ids (0 = a plain decode step
 with no drafter call; the drafter's K/V still follows the target's taps), so `set_width(w)` before a round
 chooses it. The DFlash drafter always runs its whole block whatever the window, so with `full` set the hook asks
 exllamav3 for the full B-1 columns, keeps all of them as the round's proposal (hindsight acceptance needs every
-position) and hands back only the first w for verification.
+position) and hands back only the first w for verification. The MTP head drafts one id per step, so there `full`
+costs B-1 steps: what a policy's proposal costs on it, timed as such.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..runtime import trace
 from ..runtime.events import Round
 
 HOOKED = "iterate_draftmodel_dflash_gen"
+HOOKED_MTP = "iterate_draftmodel_mtp_gen"      # the MTP head's drafting step (absent: no --draft mtp capture)
 
 
 def recording_generator_class(generator_cls: type) -> type:
@@ -58,9 +61,16 @@ def recording_generator_class(generator_cls: type) -> type:
             return out
 
         def iterate_draftmodel_dflash_gen(self, results, window):
+            return self.capture(super().iterate_draftmodel_dflash_gen, results, window)
+
+        def iterate_draftmodel_mtp_gen(self, results, window):
+            return self.capture(super().iterate_draftmodel_mtp_gen, results, window)
+
+        def capture(self, draft, results, window):
+            """Run exllamav3's drafting step `draft` for the full window, keep its ids, hand back the first `window`."""
             full = max(self.full_window or 0, window)
             t0 = time.perf_counter()
-            ids = super().iterate_draftmodel_dflash_gen(results, full)   # host tensor, filled synchronously
+            ids = draft(results, full)                    # host tensor, filled synchronously
             t1 = time.perf_counter()
             self.t_draft_ms = (t1 - t0) * 1000.0
             if ids is not None:

@@ -82,17 +82,35 @@ def load_drafter(exl, draft: Path, cache_tokens: int, max_concurrency: int, hist
     return dmodel, dcache
 
 
+def load_mtp(exl, config, target: Path, cache_tokens: int, max_concurrency: int, history: int, split: GpuSplit,
+             count: int) -> tuple:
+    """(MTP head, its cache): the target's own MTP component, built from the target's config as exllamav3 builds it
+    for `--mtp`, its cache made before its load, the load on split's drafter device."""
+    if "mtp" not in (getattr(config, "model_classes", None) or {}):
+        arch = getattr(config, "architecture", None) or "this architecture"
+        raise ToolkitError(f"--draft mtp: exllamav3 has no MTP drafter for {target} ({arch}); it drafts with the MTP head "
+                           "of Qwen3.5 / Qwen3.6 checkpoints in their multimodal layout (Qwen3_5MoeForConditionalGeneration)")
+    dmodel = exl.Model.from_config(config, component="mtp")
+    dcache = exl.Cache(dmodel, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
+    dmodel.load(progressbar=False, **draft_load_kwargs(split, count), **load_chunk(cache_tokens))
+    return dmodel, dcache
+
+
 def load_models(exl, target: Path, draft: Path | None, cache_tokens: int, max_concurrency: int, history: int,
-                split: GpuSplit, count: int, max_chunk: int | None = None) -> tuple:
+                split: GpuSplit, count: int, max_chunk: int | None = None, mtp: bool = False) -> tuple:
     """(model, cache, drafter, drafter cache) loaded by exllamav3: every cache before any load, the drafter first
     on its device, then the target placed by the split (per-device budgets, autosplit or tensor-parallel; with the
     drafter passed so the layer-split loader budgets for the states it taps; its chunk cut to `max_chunk`); each
-    model checked for the attributes the toolkit reads (seams.check_loaded)."""
+    model checked for the attributes the toolkit reads (seams.check_loaded). With `mtp`
+    the drafter is the target's own MTP head."""
     note_graphs_mode()
-    model = exl.Model.from_config(exl.Config.from_directory(str(target)))
+    config = exl.Config.from_directory(str(target))
+    model = exl.Model.from_config(config)
     cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=max_concurrency, max_history=history)
     dmodel = dcache = None
-    if draft is not None:
+    if mtp:
+        dmodel, dcache = load_mtp(exl, config, target, cache_tokens, max_concurrency, history, split, count)
+    elif draft is not None:
         dmodel, dcache = load_drafter(exl, draft, cache_tokens, max_concurrency, history, split, count)
     model.load(progressbar=False, **target_load_kwargs(split, count), **load_chunk(cache_tokens, max_chunk),
                **({"draft_model": dmodel} if dmodel is not None else {}))

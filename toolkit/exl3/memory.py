@@ -20,6 +20,7 @@ from pathlib import Path
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo, read_optional
 from ..core.tensorfiles import read_header
+from ..mtp.config import PREFIX as MTP_PREFIX          # a target's own MTP head: not loaded with the target
 from ..runtime.placement import GpuSplit
 
 GIB = 1024**3
@@ -70,6 +71,8 @@ def layer_weight_bytes(folder: Path, layers: int) -> tuple[list[int], int]:
     try:
         for f in sorted(Path(folder).glob("*.safetensors")):
             for name, (dtype, size) in header_sizes(f).items():
+                if name.startswith(MTP_PREFIX):          # the MTP head: loaded only as the drafter (mtp_bytes)
+                    continue
                 size = size // 2 if dtype == "F32" and not exl3 else size
                 m = LAYER.search(name)
                 if m and int(m.group(1)) < layers:
@@ -79,6 +82,22 @@ def layer_weight_bytes(folder: Path, layers: int) -> tuple[list[int], int]:
     except ToolkitError:                     # an unreadable header: checked again, in one line, at load
         return [0] * layers, weight_bytes(Path(folder))
     return per, rest
+
+
+def mtp_bytes(folder: Path, cfg: dict, tokens: int) -> tuple[int, int]:
+    """(weights, cache) of a target's own MTP head once loaded as the drafter: its `mtp.` tensors, and K/V for
+    `tokens` positions in each of its layers (full attention, the target's heads)."""
+    exl3 = TargetInfo(cfg).exl3
+    weights = 0
+    try:
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            weights += sum(size // 2 if dtype == "F32" and not exl3 else size
+                           for name, (dtype, size) in header_sizes(f).items() if name.startswith(MTP_PREFIX))
+    except ToolkitError:                     # an unreadable header: checked again, in one line, at load
+        pass
+    t = TargetInfo(cfg).text
+    layers = int(t.get("mtp_num_hidden_layers") or 0)
+    return weights, cache_bytes({**t, "num_hidden_layers": layers, "layer_types": ["full_attention"] * layers}, tokens, 0)
 
 
 @dataclass
@@ -164,9 +183,10 @@ def device_free(count: int) -> list[int]:
 
 
 def check_memory(target: Path, draft: Path | None, tokens: int, slots: int, gpu: str,
-                 split: GpuSplit | None = None, free: list[int] | None = None) -> list[DeviceNeed]:
+                 split: GpuSplit | None = None, free: list[int] | None = None, mtp: bool = False) -> list[DeviceNeed]:
     """Refuse to load, in one line, when the weights and caches plainly do not fit the free GPU memory (per device
-    when the target is split, its drafter elsewhere, or tensor-parallel); returns the per-device estimate."""
+    when the target is split, its drafter elsewhere, or tensor-parallel); returns the per-device estimate. With
+    `mtp` the drafter is the target's own MTP head."""
     split = split or GpuSplit()
     if free is None:
         from ..runtime.placement import device_count
@@ -175,14 +195,15 @@ def check_memory(target: Path, draft: Path | None, tokens: int, slots: int, gpu:
     tcfg = read_optional(Path(target) / "config.json")
     cache = layer_cache_bytes(tcfg, tokens, slots)
     wl, head = layer_weight_bytes(Path(target), len(cache))
-    d = 0
+    dw = dc = 0                              # the drafter's weights and cache
     if draft:
-        d = weight_bytes(Path(draft)) + cache_bytes(read_optional(Path(draft) / "config.json"), tokens, slots)
-    needs = plan_devices([w + c for w, c in zip(wl, cache)], head, d, split, free)
+        dw, dc = weight_bytes(Path(draft)), cache_bytes(read_optional(Path(draft) / "config.json"), tokens, slots)
+    elif mtp:
+        dw, dc = mtp_bytes(Path(target), tcfg, tokens)
+    needs = plan_devices([w + c for w, c in zip(wl, cache)], head, dw + dc, split, free)
     short = [n for n in needs if n.used and n.total > n.free]
     if short and split.default:
-        w = sum(wl) + head + (weight_bytes(Path(draft)) if draft else 0)
-        c = sum(cache) + (d - weight_bytes(Path(draft)) if draft else 0)
+        w, c = sum(wl) + head + dw, sum(cache) + dc
         raise ToolkitError(f"not enough GPU memory on {gpu}: loading needs about {gib(needs[0].total)} GiB (weights "
                            f"{gib(w)}, caches of {tokens} tokens {gib(c)}, reserve 0.5), {gib(free[0])} GiB is free")
     if short:

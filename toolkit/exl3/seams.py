@@ -1,7 +1,7 @@
 """Every exllamav3 name the toolkit touches, reached through this one module and checked when exllamav3 loads.
 
 The toolkit drives exllamav3's public classes (Config, Model, Cache, Tokenizer, Generator, Job, the samplers)
-and, for what exllamav3 does not expose, a few private seams: the Generator's DFlash drafting step (the round
+and, for what exllamav3 does not expose, a few private seams: the Generator's DFlash and MTP drafting steps (the round
 capture and the per-round width), its MoE and sliding-attention layers (the levers wrap their forwards), the
 layer walk and the window layers' ring preparation (whole-forward graphs), kernels of its CUDA extension, its
 vendored gated delta rule (the tap capture) and its converter. `require()` checks that each seam exists with the
@@ -80,6 +80,9 @@ SEAMS = {s.name: s for s in (
     Seam("exllamav3:Job.is_prefill_done", "which jobs a drafted block's rows belong to"),
     Seam("exllamav3.generator.pagetable:Sequence", "a job's token ids, read after every round"),
     Seam("exllamav3.util.tensor:SeqTensor.torch_slice", "the ids a job emitted in a round", ("a", "b")),
+    Seam("exllamav3:Generator.iterate_draftmodel_mtp_gen",
+         "the target's own MTP head drafting (--draft mtp): the round capture copies its drafts", ("results", "window"),
+         optional=True),
     Seam("exllamav3.generator.sampler:ArgmaxSampler", "greedy decoding"),
     Seam("exllamav3.generator.sampler:CategoricalSampler", "sampling at a temperature", ("temperature",)),
     # -- modules: the levers wrap some, forward_graphs walks them, the tap capture and the quantize check read them

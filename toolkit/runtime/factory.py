@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..core.errors import ToolkitError
 from ..core.refs import fetch
+from ..mtp import is_mtp
 from .backend import Backend
 from .registry import BACKENDS, backend_class, check_for_backend
 
@@ -26,8 +27,9 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
                  cache_tokens: int = 32768, max_concurrency: int = 32, options=None, split=None,
                  max_chunk: int | None = None) -> Backend:
     """The named backend (runtime/registry.py) over a target and an optional DFlash drafter: local folders, or Hub
-    refs `USER/NAME[@REVISION]` (a branch such as `4.0bpw`, a tag or a sha) fetched through core.refs. The pair is
-    read and checked once (runtime/pair.py) and handed to the backend.
+    refs `USER/NAME[@REVISION]` (a branch such as `4.0bpw`, a tag or a sha) fetched through core.refs; `draft`
+    "mtp" drafts with the target's own MTP head. The pair is read and checked once (runtime/pair.py) and handed to
+    the backend.
 
     torch takes `device` and `dtype` (a torch.dtype; None = float32); exllamav3 runs on the GPU and takes
     `cache_tokens` (its paged cache, a multiple of 256), `max_concurrency` (jobs decoded together), `options`
@@ -37,10 +39,11 @@ def load_backend(name: str, target: str | Path, draft: str | Path | None = None,
     """
     from .pair import ModelPair                   # imported on use: --help loads no torch
 
-    cls = backend_class(name)
+    mtp = is_mtp(draft)
+    cls = backend_class(name, mtp)
     check_for_backend(name, split)
-    target, draft = local(target, "target"), local(draft, "draft")
-    for flag, p in (("--target", target), ("--draft", draft)):
+    target, draft = local(target, "target"), draft if mtp else local(draft, "draft")
+    for flag, p in (("--target", target), ("--draft", None if mtp else draft)):
         if p is not None and not Path(p).is_dir():
             raise ToolkitError(f"{flag}: {p} is not a folder")
     return cls.load(ModelPair.read(target, draft), device=device, dtype=dtype, cache_tokens=cache_tokens,

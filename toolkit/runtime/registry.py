@@ -10,13 +10,16 @@ from ..core.errors import OptionError, ToolkitError
 from .backend import Backend, Capabilities
 
 BACKENDS = {"torch": "toolkit.runtime.torch_backend:TorchBackend", "exllamav3": "toolkit.exl3.backend:Exl3Backend"}
+# a backend whose drafting with the target's own MTP head (`--draft mtp`) lives in a class of its own
+MTP_CLASSES = {"torch": "toolkit.runtime.torch_mtp:MtpTorchBackend"}
 
 
-def backend_class(name: str) -> type[Backend]:
-    """The class of the backend called `name` (one-line error naming the choices otherwise)."""
+def backend_class(name: str, mtp: bool = False) -> type[Backend]:
+    """The class of the backend called `name` (with `mtp`: the one that drafts with the target's MTP head); one-line
+    error naming the choices otherwise."""
     if name not in BACKENDS:
         raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    module, _, cls = BACKENDS[name].partition(":")
+    module, _, cls = (MTP_CLASSES.get(name, BACKENDS[name]) if mtp else BACKENDS[name]).partition(":")
     return getattr(importlib.import_module(module), cls)
 
 

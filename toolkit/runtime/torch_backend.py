@@ -211,16 +211,19 @@ def measure_steps(steps, prompt_ids: list[int], block_size: int, widths: Iterabl
     return {w: stat(ts) for w, ts in times.items()}
 
 
-def measure_torch_costs(target, drafter: DFlashDraft, block_size: int | None = None, context: int = 32,
+def measure_torch_costs(target, drafter: DFlashDraft | None, block_size: int | None = None, context: int = 32,
                         reps: int = 5, widths: Iterable[int] | None = None,
-                        stat: Callable[[list[float]], float] = statistics.median) -> CostTable:
-    """Time rounds of a transformers target + reference drafter (one sequence: c = 1); every width by default."""
+                        stat: Callable[[list[float]], float] = statistics.median,
+                        make_steps: Callable[[], TorchSteps] | None = None) -> CostTable:
+    """Time rounds of a transformers target + reference drafter (one sequence: c = 1); every width by default.
+    `make_steps`: the steps to time (another drafter's; default TorchSteps over `drafter`)."""
     B = block_size or drafter.config.block_size
     vocab = int(target.get_input_embeddings().weight.shape[0])
     prompt = [(7 * i + 3) % vocab for i in range(context)]
     dev = target.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    ms = measure_steps(TorchSteps(target, drafter), prompt, B, range(B) if widths is None else widths, reps, sync, stat)
+    steps = make_steps() if make_steps is not None else TorchSteps(target, drafter)
+    ms = measure_steps(steps, prompt, B, range(B) if widths is None else widths, reps, sync, stat)
     return CostTable({1: ms}, device_name(dev), "timed now", counts={1: {w: reps for w in ms}}, timed_at=time.time())
 
 
@@ -278,7 +281,8 @@ class TorchBackend(Backend):
             widths = sorted({0, 1, 2, 3, B - 1} | {1 << k for k in range(B.bit_length()) if 1 << k < B})
 
             def timed(ws: Iterable[int], reps: int = TIMED_ROUNDS) -> CostTable:
-                return measure_torch_costs(self.target, self.drafter, B, reps=reps, widths=ws)
+                return measure_torch_costs(self.target, self.drafter, B, reps=reps, widths=ws,
+                                           make_steps=lambda: self.steps(True))
 
             if self.folders:                       # a cached table is checked against AR and the widest width now
                 key = cost_key(self.folders, self.target.device, self.target.dtype, B)
@@ -299,11 +303,15 @@ class TorchBackend(Backend):
         if settings.auto and self.draft_width(settings, True):
             self.policy(settings.temperature == 0)
 
+    def steps(self, drafting: bool) -> TorchSteps:
+        """The steps of one sequence: with the drafter when the decode drafts, the target alone otherwise."""
+        return TorchSteps(self.target, self.drafter if drafting else None)
+
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         self.check_prompts([prompt_ids], settings.max_new_tokens)
         width = self.draft_width(settings, speculative)
         policy = self.policy(settings.temperature == 0) if width and settings.auto else None
-        steps = TorchSteps(self.target, self.drafter if width else None)
+        steps = self.steps(bool(width))
         sampler = Sampler(settings.temperature, settings.seed)
         yield from decode(steps, list(prompt_ids), settings.max_new_tokens, sampler, set(self.stop_ids(settings)),
                           width, policy)

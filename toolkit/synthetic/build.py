@@ -47,6 +47,7 @@ class SynthInputs:
     overwrite: bool = False
     quiet: bool = False
     routing: str = "random"
+    mtp_bits: int = 4
 
 
 def _bits(value: float, flag: str, allow16: bool = False) -> int:
@@ -138,6 +139,8 @@ def quantization_config(o: SynthInputs, plan: Plan) -> dict:
     """quantization_config as exllamav3's compile step writes it, plus a `synthetic` note."""
     q = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": float(o.bits), "head_bits": o.head_bits,
          "out_scales": "auto", "codebook": o.codebook}
+    if any(t.name.startswith("mtp.") for t in plan.tensors):
+        q["mtp_bits"] = o.mtp_bits
     q["synthetic"] = {"tool": "toolkit.synth", "source_config": str(o.config), "seed": o.seed, "weight_std": o.std,
                       "routing": o.routing, "note": "random trellis codes: the shape and cost of a real checkpoint, not its outputs"}
     return q
@@ -145,7 +148,7 @@ def quantization_config(o: SynthInputs, plan: Plan) -> dict:
 
 def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: str = "mul1", seed: int = 0,
           std: float | None = None, shard_gb: float = 4.0, device: str | None = None, overwrite: bool = False,
-          quiet: bool = False, routing: str = "random") -> dict:
+          quiet: bool = False, routing: str = "random", mtp_bits: float = 4) -> dict:
     """Write the checkpoint into `out` atomically; returns a summary (also printed as one JSON line by the CLI)."""
     t0 = time.time()
     if codebook not in CODEBOOKS:
@@ -160,12 +163,13 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
         checks.number("std", std, above=0.0)
     out = claim(out, "synth", overwrite, force_flag="--overwrite")     # before any work: docs/outputs.md
     o = SynthInputs(Path(config), _bits(bits, "--bits"), Path(out), _bits(head_bits, "--head-bits", allow16=True),
-                     codebook, seed, std, shard_gb, resolve_device(device), overwrite, quiet, routing)
+                     codebook, seed, std, shard_gb, resolve_device(device), overwrite, quiet, routing,
+                     _bits(mtp_bits, "--mtp-bits", allow16=True))
     cfg = read_shape(o.config)
     o.std = float(std if std is not None else cfg.get("initializer_range") or (cfg.get("text_config") or {}).get("initializer_range") or 0.02)
     if not (o.std > 0 and math.isfinite(o.std)):
         raise ToolkitError(f"--std must be a positive number, got {o.std}")
-    plan = build_plan(cfg, o.bits, o.head_bits, o.codebook, o.std)
+    plan = build_plan(cfg, o.bits, o.head_bits, o.codebook, o.std, o.mtp_bits)
     if o.routing == "skewed":
         router = lambda t: replace(t, fill="router") if t.name.endswith(".mlp.gate.weight") else t
         plan.groups = [[router(t) for t in g] for g in plan.groups]
@@ -188,9 +192,13 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
             cfg_out.update(bos_token_id=None, eos_token_id=sp.im_end, pad_token_id=sp.endoftext)
             specials = {"endoftext": sp.endoftext, "im_start": sp.im_start, "im_end": sp.im_end}
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
+        for name, content in plan.files.items():
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
     if o.device.startswith("cuda"):
         torch.cuda.synchronize()
     return {"out": str(o.out), "kind": plan.kind, "bits": o.bits, "head_bits": o.head_bits if plan.kind != "dflash" else None,
             "codebook": o.codebook, "tensors": len(plan.tensors), "linears": len(plan.linears), "bytes": plan.nbytes,
             "size": human(plan.nbytes), "shards": len(shards), "device": o.device, "weight_std": o.std,
-            "decoded_check": decoded, "specials": specials, "routing": o.routing, "seconds": round(time.time() - t0, 1)}
+            "decoded_check": decoded, "specials": specials, "routing": o.routing,
+            "mtp_bits": o.mtp_bits if "mtp_bits" in cfg_out["quantization_config"] else None,
+            "seconds": round(time.time() - t0, 1)}

@@ -15,6 +15,7 @@ import torch
 from ..core.errors import ToolkitError
 from ..core.files import Num, number
 from ..core.target import TargetInfo
+from ..mtp.config import LAYERS_KEY as MTP_LAYERS
 from .codebook import marker_value
 
 PAD = 128
@@ -62,6 +63,7 @@ class Plan:
     groups: list[list[TensorSpec]] = field(default_factory=list)
     vocab_size: int | None = None
     linears: list[str] = field(default_factory=list)     # keys of the quantized linears, in write order
+    files: dict[str, dict] = field(default_factory=dict)  # other JSON files of the folder (name -> content)
 
     @property
     def tensors(self) -> list[TensorSpec]:
@@ -154,18 +156,24 @@ def qwen35_text(cfg: dict) -> dict:
     return t
 
 
-def qwen35_plan(cfg: dict, bits: int, head_bits: int, codebook: str, std: float) -> Plan:
-    """exllamav3's Qwen3_5MoeForCausalLM layout: tensors under model.language_model., a flat text config."""
+def qwen35_plan(cfg: dict, bits: int, head_bits: int, codebook: str, std: float, mtp_bits: int = 4) -> Plan:
+    """exllamav3's Qwen3_5MoeForCausalLM layout: tensors under model.language_model., a flat text config. A shape
+    with an MTP head (`mtp_num_hidden_layers` >= 1) is written in the multimodal layout exllamav3 drafts with it
+    from, Qwen3_5MoeForConditionalGeneration (its text_config and vision_config, the preprocessor_config.json its
+    config reader opens; no vision tower: text decoding never loads it), with the head's tensors under `mtp.`."""
     t = qwen35_text(cfg)
     out = {k: v for k, v in t.items() if not k.startswith("_") and k not in ("architectures", "full_attention_interval")}
     out.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", tie_word_embeddings=False)
+    mtp = int(number(t.get(MTP_LAYERS) or 0, Num(0, 16, whole=True), "qwen3_5_moe config", MTP_LAYERS))
+    if mtp:
+        out = multimodal_config(cfg, out)
     plan = Plan("qwen3_5_moe", out, vocab_size=int(t["vocab_size"]))
+    if mtp:
+        plan.files["preprocessor_config.json"] = preprocessor_config(cfg)
     b = _Builder(plan, bits, head_bits, codebook, std)
-    H, V, hd = int(t["hidden_size"]), int(t["vocab_size"]), int(t["head_dim"])
-    nq, nkv = int(t["num_attention_heads"]), int(t["num_key_value_heads"])
+    H, V = int(t["hidden_size"]), int(t["vocab_size"])
     lk, lv = int(t["linear_num_key_heads"]), int(t["linear_num_value_heads"])
     dk, dv, conv = int(t["linear_key_head_dim"]), int(t["linear_value_head_dim"]), int(t["linear_conv_kernel_dim"])
-    E, I, Is = int(t["num_experts"]), int(t["moe_intermediate_size"]), int(t["shared_expert_intermediate_size"])
     p = "model.language_model"
     b.add(f"{p}.embed_tokens.weight", (V, H), torch.bfloat16, "normal", std)
     b.flush()
@@ -186,29 +194,78 @@ def qwen35_plan(cfg: dict, bits: int, head_bits: int, codebook: str, std: float)
             b.add(f"{a}.dt_bias", (lv,), torch.bfloat16, "const", 1.0)
             b.add(f"{a}.conv1d.weight", (qkv, 1, conv), torch.bfloat16, "normal", 0.3)
         else:
-            a = f"{L}.self_attn"
-            b.linear(f"{a}.q_proj", H, 2 * nq * hd)       # query and output gate, interleaved per head
-            b.linear(f"{a}.k_proj", H, nkv * hd)
-            b.linear(f"{a}.v_proj", H, nkv * hd)
-            b.linear(f"{a}.o_proj", nq * hd, H)
-            b.norm(f"{a}.q_norm", hd, 0.0)
-            b.norm(f"{a}.k_norm", hd, 0.0)
-        m = f"{L}.mlp"
-        b.fp16(f"{m}.gate", H, E)
-        for e in range(E):
-            b.linear(f"{m}.experts.{e}.gate_proj", H, I)
-            b.linear(f"{m}.experts.{e}.up_proj", H, I)
-            b.linear(f"{m}.experts.{e}.down_proj", I, H)
-        b.linear(f"{m}.shared_expert.gate_proj", H, Is)
-        b.linear(f"{m}.shared_expert.up_proj", H, Is)
-        b.linear(f"{m}.shared_expert.down_proj", Is, H)
-        b.fp16(f"{m}.shared_expert_gate", H, 1)
+            attention(b, f"{L}.self_attn", t)
+        moe(b, f"{L}.mlp", t)
         b.flush()
     b.norm(f"{p}.norm", H, 0.0)
     b.flush()
     b.linear("lm_head", H, V, bits=head_bits)
     b.flush()
+    if mtp:                                          # exllamav3's Qwen3_5MoeMTPModel: its key names, at mtp_bits
+        b.norm("mtp.pre_fc_norm_embedding", H, 0.0)
+        b.norm("mtp.pre_fc_norm_hidden", H, 0.0)
+        b.linear("mtp.fc", 2 * H, H, bits=mtp_bits, pad_dims=False)
+        b.flush()
+        for i in range(mtp):
+            L = f"mtp.layers.{i}"
+            b.norm(f"{L}.input_layernorm", H, 0.0)
+            b.norm(f"{L}.post_attention_layernorm", H, 0.0)
+            attention(b, f"{L}.self_attn", t, mtp_bits)
+            moe(b, f"{L}.mlp", t, mtp_bits)
+            b.flush()
+        b.norm("mtp.norm", H, 0.0)
+        b.flush()
     return plan
+
+
+def attention(b: _Builder, a: str, t: dict, bits: int | None = None) -> None:
+    """A full-attention layer's tensors: q_proj carries the query and the output gate, interleaved per head."""
+    H, hd = int(t["hidden_size"]), int(t["head_dim"])
+    nq, nkv = int(t["num_attention_heads"]), int(t["num_key_value_heads"])
+    b.linear(f"{a}.q_proj", H, 2 * nq * hd, bits)
+    b.linear(f"{a}.k_proj", H, nkv * hd, bits)
+    b.linear(f"{a}.v_proj", H, nkv * hd, bits)
+    b.linear(f"{a}.o_proj", nq * hd, H, bits)
+    b.norm(f"{a}.q_norm", hd, 0.0)
+    b.norm(f"{a}.k_norm", hd, 0.0)
+
+
+def moe(b: _Builder, m: str, t: dict, bits: int | None = None) -> None:
+    """A sparse MoE block's tensors: the router, each expert as the converter writes it, the gated shared expert."""
+    H, E = int(t["hidden_size"]), int(t["num_experts"])
+    inter, shared = int(t["moe_intermediate_size"]), int(t["shared_expert_intermediate_size"])
+    b.fp16(f"{m}.gate", H, E)
+    for e in range(E):
+        b.linear(f"{m}.experts.{e}.gate_proj", H, inter, bits)
+        b.linear(f"{m}.experts.{e}.up_proj", H, inter, bits)
+        b.linear(f"{m}.experts.{e}.down_proj", inter, H, bits)
+    b.linear(f"{m}.shared_expert.gate_proj", H, shared, bits)
+    b.linear(f"{m}.shared_expert.up_proj", H, shared, bits)
+    b.linear(f"{m}.shared_expert.down_proj", shared, H, bits)
+    b.fp16(f"{m}.shared_expert_gate", H, 1)
+
+
+def multimodal_config(cfg: dict, text: dict) -> dict:
+    """The hub layout around a flat text config: architectures, the shape's top-level keys, text_config and its
+    vision_config (which exllamav3's config reader needs, though no vision tensor is written)."""
+    vision = cfg.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ToolkitError(f"a shape with {MTP_LAYERS} needs its vision_config: exllamav3 drafts with the MTP head only "
+                           "in the multimodal layout (Qwen3_5MoeForConditionalGeneration), whose config reader reads it")
+    top = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("text_config", "vision_config")}
+    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    text = {k: v for k, v in text.items() if k != "architectures" and (k in inner or k not in top or not inner)}
+    return {**top, "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": False, "text_config": text, "vision_config": vision}
+
+
+def preprocessor_config(cfg: dict) -> dict:
+    """The preprocessor_config.json of a multimodal shape: its `_preprocessor_config` key."""
+    pre = cfg.get("_preprocessor_config")
+    if not isinstance(pre, dict):
+        raise ToolkitError(f"a shape with {MTP_LAYERS} needs its _preprocessor_config (the model's "
+                           "preprocessor_config.json, which exllamav3's config reader opens for the multimodal layout)")
+    return pre
 
 
 def dflash_plan(cfg: dict, bits: int, codebook: str, std: float) -> Plan:
@@ -242,9 +299,10 @@ def dflash_plan(cfg: dict, bits: int, codebook: str, std: float) -> Plan:
     return plan
 
 
-def build_plan(cfg: dict, bits: int, head_bits: int = 6, codebook: str = "mul1", std: float = 0.02) -> Plan:
-    """The Plan for a config dict (qwen3_5_moe target or DFlash drafter)."""
+def build_plan(cfg: dict, bits: int, head_bits: int = 6, codebook: str = "mul1", std: float = 0.02,
+               mtp_bits: int = 4) -> Plan:
+    """The Plan for a config dict (qwen3_5_moe target, with its MTP head when it has one, or DFlash drafter)."""
     kind = kind_of(cfg)
     if kind == "dflash":
         return dflash_plan(cfg, bits, codebook, std)
-    return qwen35_plan(cfg, bits, head_bits, codebook, std)
+    return qwen35_plan(cfg, bits, head_bits, codebook, std, mtp_bits)
