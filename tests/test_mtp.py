@@ -174,12 +174,12 @@ def test_a_head_missing_tensors_is_refused_before_the_target_loads(mtp_target, t
 
 
 def test_eval_tau_with_mtp_needs_held_out_prompts(mtp_target):
-    from toolkit.eval_tau import eval_tau
+    from toolkit.eval_tau import EvalTauOptions, eval_tau
 
     with pytest.raises(ToolkitError, match="give --heldout FILE or --heldout unseen"):
-        eval_tau(str(mtp_target), MTP)
+        eval_tau(EvalTauOptions(str(mtp_target), MTP))
     with pytest.raises(ToolkitError, match="no card to write"):
-        eval_tau(str(mtp_target), MTP, heldout="unseen", write_card=True)
+        eval_tau(EvalTauOptions(str(mtp_target), MTP, heldout="unseen", write_card=True))
 
 
 def test_the_app_loads_the_target_with_its_mtp_head(mtp_target, tmp_path, monkeypatch):

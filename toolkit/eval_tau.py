@@ -112,8 +112,8 @@ def eval_tau(o: EvalTauOptions) -> dict:
     for name, p in (("--target", target), ("--draft", None if mtp else draft)):
         if p is not None and not Path(p).is_dir():
             raise ToolkitError(f"{name}: {p} is not a folder")
-    if mtp and (heldout is None or write_card):
-        raise ToolkitError(f"--draft {draft}: the target's MTP head has " + ("no card to write (--write-card)" if write_card
+    if mtp and (heldout is None or o.write_card):
+        raise ToolkitError(f"--draft {draft}: the target's MTP head has " + ("no card to write (--write-card)" if o.write_card
                            else "no held-out prompts of its own: give --heldout FILE or --heldout unseen"))
     if out is not None:
         claim_file(out, command="eval_tau")
