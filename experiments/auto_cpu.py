@@ -53,7 +53,7 @@ def decoder(be, mode: str, ids: list[int], max_new: int, cold: bool):
         return be.generate(ids, s, speculative=False)
     if mode == "auto":
         if cold:
-            be.policies.clear()
+            be.book.policies.clear()
             be.warm_up(be.encode("Hello"), modes=(True,))                   # the app's warm-up (it learns nothing)
         return be.generate(ids, s)
     if mode.startswith("fixed") and mode[5:].isdigit():
@@ -170,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     be = run.step("load", load_pair, a.pair, keep=False)
     if be is None:
         return run.finish()
-    run.step("cost_table", lambda: {str(w): round(t, 2) for w, t in be.cost_table().ms[1].items()})
+    run.step("cost_table", lambda: {str(w): round(t, 2) for w, t in be.book.table().ms[1].items()})
     if a.poison is not None:
         from toolkit.costs.table import CostTable
 
-        be.costs = CostTable({1: {w: t * (a.poison if w else 1.0) for w, t in be.costs.ms[1].items()}}, source="poisoned")
+        timed = be.book.table().ms[1]
+        be.book.give(CostTable({1: {w: t * (a.poison if w else 1.0) for w, t in timed.items()}}, source="poisoned"))
         run.results["poison"] = a.poison
     run.step("compare", compare, be, a.pair, a.modes.split(","), a.reps, a.max_new_tokens, a.cold)
     return run.finish()

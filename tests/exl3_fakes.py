@@ -186,14 +186,16 @@ def install_sampler_modules(monkeypatch) -> None:
 def make_backend(monkeypatch, tmp_path, model=None, moe_class=None, cache_tokens=8192, **kw):
     """An Exl3Backend over the stand-in Generator (native block 8, EOS 5, up to 8 jobs), costs cached in tmp_path."""
     from toolkit.exl3.backend import Exl3Backend
+    from toolkit.exl3.engine import Exl3Engine
 
     install_sampler_modules(monkeypatch)
     monkeypatch.setattr(FakeGenerator, "built", [])
     exl = types.SimpleNamespace(Generator=FakeGenerator, Job=FakeJob)
     cache = types.SimpleNamespace(max_num_tokens=cache_tokens)
-    return Exl3Backend(exl, FakeModel(model or []), cache, None, FakeTokenizer(), draft=FakeModel(),
-                       draft_cache="dc", native_block=8, max_context=4096, eos_ids=(5,), max_concurrency=8,
-                       device="cpu", cost_cache=tmp_path / "costs", moe_class=moe_class or type(None), **kw)
+    engine = Exl3Engine(exl, FakeModel(model or []), cache, None, draft=FakeModel(), draft_cache="dc", block_size=8,
+                        max_concurrency=8)
+    return Exl3Backend(engine, FakeTokenizer(), max_context=4096, eos_ids=(5,), device="cpu",
+                       cost_cache=tmp_path / "costs", moe_class=moe_class or type(None), **kw)
 
 def timed_backend(monkeypatch, tmp_path, cost):
     """make_backend whose rounds cost `cost(width, rows)` ms on a shared stand-in clock (the backend's clock too)."""
@@ -246,15 +248,15 @@ def make_cache(model, max_num_tokens, **kw):
 def install_loader(monkeypatch, devices: int, free_gib: float | list[float] = 80.0) -> list:
     """from_dirs on `devices` fake GPUs with `free_gib` free each (or per device); returns the load log."""
     from toolkit.runtime import placement as gpu_split
-    from toolkit.exl3 import backend as exl3_backend
+    from toolkit.exl3 import engine as exl3_engine
 
     log: list = []
     free = free_gib if isinstance(free_gib, list) else [free_gib] * max(devices, 1)
     install_sampler_modules(monkeypatch)
     monkeypatch.setattr(FakeGenerator, "built", [])
-    monkeypatch.setattr(exl3_backend, "check_cuda", lambda: "FakeGPU")
-    monkeypatch.setattr(exl3_backend, "import_exllamav3", lambda: fake_loader(log))
-    monkeypatch.setattr(exl3_backend, "device_count", lambda: devices)
+    monkeypatch.setattr(exl3_engine, "check_cuda", lambda: "FakeGPU")
+    monkeypatch.setattr(exl3_engine, "import_exllamav3", lambda: fake_loader(log))
+    monkeypatch.setattr(exl3_engine, "device_count", lambda: devices)
     monkeypatch.setattr(gpu_split, "device_count", lambda: devices)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(free[i] * 1024**3), 80 * 1024**3))
     return log

@@ -21,6 +21,7 @@ from toolkit.app.policy_view import SHARED, PolicyStart, learnt_text  # noqa: E4
 from toolkit.benchmark import lockstep, ratio  # noqa: E402
 from toolkit.policy.chooser import Policy  # noqa: E402
 from toolkit.runtime.events import NO_DRAFT, Round  # noqa: E402
+from toolkit.runtime.policy_book import PolicyBook  # noqa: E402
 
 
 class OrderFake(FakeBackend):
@@ -114,8 +115,13 @@ class PolicyBackend(FakeBackend):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.table = {"ms": [1.0, 2.0]}
-        self.policies = {True: PolicyFake(self.table)}
+        self.book = PolicyBook(self.block_size, source=None)
+        self.book.policies[(True, "")] = PolicyFake(self.table)
         self.starts: list[bytes] = []
+
+    @property
+    def live(self) -> PolicyFake:
+        return self.book.policies[(True, "")]
 
     def encode(self, prompt, system=None, thinking=None):
         text = prompt if isinstance(prompt, str) else " ".join(str(m["content"]) for m in prompt)
@@ -123,8 +129,8 @@ class PolicyBackend(FakeBackend):
 
     def generate(self, prompt_ids, settings, speculative=True):
         if speculative:
-            self.starts.append(pickle.dumps(self.policies[True].seen))
-            self.policies[True].seen.append(len(prompt_ids))
+            self.starts.append(pickle.dumps(self.live.seen))
+            self.live.seen.append(len(prompt_ids))
         return super().generate(prompt_ids, settings, speculative)
 
 
@@ -133,12 +139,12 @@ def test_every_turn_starts_from_the_start_up_policy(device):
     be = PolicyBackend(step_s=0)
     h = ChatHandler(Loaded(be, device=device, policy_start=PolicyStart(be)))
     first = [dict(zip(OUT, o)) for o in h.respond("one prompt", [], 16, 10, 0.0, 0, "", False)][-1]
-    assert be.policies[True].seen == [len(be.encode("one prompt"))]           # the turn taught it something
+    assert be.live.seen == [len(be.encode("one prompt"))]                      # the turn taught it something
     [dict(zip(OUT, o)) for o in h.respond("a longer other prompt", first["chat"], 16, 10, 0.0, 0, "", False)]
     h2 = ChatHandler(h.loaded)                                                   # another visitor, same process
     [dict(zip(OUT, o)) for o in h2.respond("one prompt", [], 16, 10, 0.0, 0, "", False)]
     assert len(be.starts) == 3 and len(set(be.starts)) == 1                     # every turn saw the same state
-    assert be.policies[True].costs.table is be.table                           # the timed table is shared
+    assert be.live.costs.table is be.table                                     # the timed table is shared
 
 
 def test_the_page_says_what_the_policy_learnt():
@@ -172,27 +178,27 @@ def test_a_real_auto_turn_shows_what_its_policy_learnt():
     from toolkit.runtime.torch_backend import TorchBackend
 
     be = TorchBackend.from_dirs(*tiny_pair())
-    be.costs = CostTable({1: {w: 10.0 + w for w in range(16)}}, source="given",   # no timing in a unit test
-                         counts={1: {w: 5 for w in range(16)}})
+    be.book.give(CostTable({1: {w: 10.0 + w for w in range(16)}}, source="given",   # no timing in a unit test
+                           counts={1: {w: 5 for w in range(16)}}))
     be.warm_up(be.encode("Hello"))
-    start = pickle.dumps(be.policies)
+    start = pickle.dumps(be.book.policies)
     h = ChatHandler(Loaded(be, device="cpu", policy_start=PolicyStart(be)))
     last = [dict(zip(OUT, o)) for o in h.respond("json.dumps", [], "auto", 40, 0.0, 0, "", False)][-1]
-    assert pickle.dumps(be.policies) != start                                   # it learnt in the turn
+    assert pickle.dumps(be.book.policies) != start                              # it learnt in the turn
     pol = last["result"]["policy"]
     assert len(pol["acceptance"]) == 15 and pol["proposals"] > 0 and len(pol["round_ms"]) == 16
     assert [c["block"] for c in pol["costs"]] == list(range(1, 17)) and all(c["rounds"] for c in pol["costs"])
     banner = html.unescape(last["banner"])
     assert "What the policy knows after this turn" in banner and SHARED in banner and "median of" in banner
-    learnt = {k: p.costs for k, p in be.policies.items()}
+    learnt = {k: p.costs for k, p in be.book.policies.items()}
     assert learnt and all(c.seen for c in learnt.values())                     # it timed its rounds too
     seen = {k: sum(map(len, c.seen.values())) for k, c in learnt.items()}
     h2 = ChatHandler(h.loaded)                                                  # another visitor's turn
     [dict(zip(OUT, o)) for o in h2.respond("json.dumps", [], "auto", 40, 0.0, 0, "", False)]
-    for k, p in be.policies.items():                                            # it started over on acceptance,
+    for k, p in be.book.policies.items():                                       # it started over on acceptance,
         assert p.costs is learnt[k] and sum(map(len, p.costs.seen.values())) > seen[k]   # and added to the costs
     h.loaded.policy_start.restore(be)
-    for k, p in be.policies.items():                                            # the next turn starts over,
+    for k, p in be.book.policies.items():                                       # the next turn starts over,
         new = Policy(p.block_size, p.costs.table, learn_costs=p.costs.learn)
         assert {a: v for a, v in vars(p).items() if a != "costs"} == {a: v for a, v in vars(new).items() if a != "costs"}
         assert p.costs is learnt[k]                                             # with the machine's round costs

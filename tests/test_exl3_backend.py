@@ -32,11 +32,11 @@ def test_module_imports_without_exllamav3_or_cuda():
 
 
 def test_no_cuda_names_the_gpu_needed(monkeypatch):
-    from toolkit.exl3 import backend as exl3_backend
+    from toolkit.exl3 import loading
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ToolkitError, match=r"no CUDA GPU.*NVIDIA GPU.*compute capability 8\.0.*--backend torch") as e:
-        exl3_backend.check_cuda()
+        loading.check_cuda()
     assert "\n" not in str(e.value)
 
 
@@ -146,9 +146,9 @@ def test_generate_many_rounds_match_the_tokens(fake_backend):
 
 def test_ar_mode_same_cache_new_generator(fake_backend):
     spec = list(fake_backend.generate([7, 8], GenSettings(max_new_tokens=30)))
-    g_spec = fake_backend._gen
+    g_spec = fake_backend.engine.gen
     ar = list(fake_backend.generate([7, 8], GenSettings(max_new_tokens=30), speculative=False))
-    assert fake_backend._gen is not g_spec and fake_backend._gen.window == 0
+    assert fake_backend.engine.gen is not g_spec and fake_backend.engine.gen.window == 0
     assert tokens_of(ar) == tokens_of(spec) == ar_reference([7, 8], 30)
     assert all(r.drafted == () for r in ar) and len(ar) == len(tokens_of(ar))
     assert_stream_shape(ar, width=0, max_new_tokens=30)
@@ -192,25 +192,26 @@ def timed(monkeypatch, tmp_path):
 def test_fixed_widths_share_one_generator_and_ar_has_its_own(fake_backend):
     p = endless_prompts(1, 30)[0]
     r6 = list(fake_backend.generate(p, GenSettings(max_new_tokens=30, block_size=6)))
-    g = fake_backend._gen
+    g = fake_backend.engine.gen
     r3 = list(fake_backend.generate(p, GenSettings(max_new_tokens=30, block_size=3)))
-    assert fake_backend._gen is g and len(FakeGenerator.built) == 1 and g.max_draft_tokens == 7   # built once, for B-1
+    assert fake_backend.engine.gen is g and len(FakeGenerator.built) == 1   # built once, for B-1
+    assert g.max_draft_tokens == 7
     assert g.widths == [5] * len(r6) + [2] * len(r3)                   # the width of each iterate, as asked
     assert tokens_of(r6) == tokens_of(r3) == ar_reference(p, 30)
     assert_stream_shape(r3, width=2, max_new_tokens=30)
     assert all(r.proposed == len(r.drafted) for r in r3)               # fixed: the drafter's block is not kept
     list(fake_backend.generate(p, GenSettings(max_new_tokens=5), speculative=False))
-    assert fake_backend._gen is not g and fake_backend._gen.draft_model is None
+    assert fake_backend.engine.gen is not g and fake_backend.engine.gen.draft_model is None
 
 
 def test_calibration_per_concurrency_is_timed_once_and_cached(timed, monkeypatch, tmp_path):
-    t1 = timed.cost_table(1)
+    t1 = timed.book.table(1)
     assert t1.ms[1] == pytest.approx({w: 10.0 + 2.0 * w for w in (0, 1, 3, 5, 7)})     # widths clipped to B-1 = 7
-    assert timed._gen.num_remaining_jobs() == 0                                        # the dummy jobs are gone
+    assert timed.engine.gen.num_remaining_jobs() == 0                                  # the dummy jobs are gone
     shapes = []
     iterate = FakeGenerator.iterate
     monkeypatch.setattr(FakeGenerator, "iterate", lambda g: shapes.append((len(g.active_jobs), g.window)) or iterate(g))
-    t4 = timed.cost_table(4)
+    t4 = timed.book.table(4)
     assert set(t4.ms) == {1, 4} and t4.ms[4] == pytest.approx({w: 10.0 + 8.0 * w for w in (0, 1, 3, 5, 7)})
     assert {(j, w) for j in (1, 2, 3, 4) for w in (0, 1, 3, 5, 7)} <= set(shapes)     # the batches' tails warmed too
     monkeypatch.setattr(FakeGenerator, "iterate", iterate)
@@ -218,36 +219,36 @@ def test_calibration_per_concurrency_is_timed_once_and_cached(timed, monkeypatch
     assert len(files) == 2 and "-c1-" in files[0] and "-c4-" in files[1]
     again = make_backend(monkeypatch, tmp_path)                       # same models, GPU and options: read back
     again.clock = timed.clock
-    got = again.cost_table(4)
+    got = again.book.table(4)
     assert got.ms[4] == pytest.approx(t4.ms[4]) and got.source.startswith("cached")
     assert set(FakeGenerator.built[0].widths) == {0, 7}                                # a spot check of AR and w=7:
     assert FakeGenerator.built[0].widths.count(7) == CALIBRATION_WARM + SPOT_REPS      # warm passes, then timed ones
     again.set_options(Exl3Options())                                  # other options: timed on their own
-    again.cost_table(4)
+    again.book.table(4)
     assert len(FakeGenerator.built) == 2 and len(list((tmp_path / "costs").glob("*.json"))) == 3
 
 
 def test_a_cached_table_that_no_longer_holds_is_timed_again(monkeypatch, tmp_path):
     before = timed_backend(monkeypatch, tmp_path, lambda w, rows: 10.0 + 2.0 * w * rows)
-    assert before.cost_table(1).ms[1][7] == pytest.approx(24.0)
+    assert before.book.table(1).ms[1][7] == pytest.approx(24.0)
     busy = timed_backend(monkeypatch, tmp_path, lambda w, rows: 30.0 + 2.0 * w * rows)   # the GPU is shared now
-    table = busy.cost_table(1)
+    table = busy.book.table(1)
     assert table.ms[1][0] == pytest.approx(30.0) and table.ms[1][7] == pytest.approx(44.0)
     assert table.source == "timed now (the cached AR step took 10 ms, now 30 ms)"
     same = timed_backend(monkeypatch, tmp_path, lambda w, rows: 31.0 + 2.0 * w * rows)   # within x1.5: kept
-    assert same.cost_table(1).source.startswith("cached") and same.cost_table(1).ms[1][0] == pytest.approx(30.0)
+    assert same.book.table(1).source.startswith("cached") and same.book.table(1).ms[1][0] == pytest.approx(30.0)
 
 
 def test_auto_learns_acceptance_and_settles_on_the_best_width(timed):
     p = endless_prompts(1)[0]
     rounds = list(timed.generate(p, GenSettings(max_new_tokens=300)))           # auto is the default
     assert tokens_of(rounds) == ar_reference(p, 300)
-    gen = timed._gen
+    gen = timed.engine.gen
     assert [len(r.drafted) for r in rounds] == gen.widths[-len(rounds):]        # each Round: what its iterate verified
     assert all(r.proposed == (7 if r.drafted else 0) for r in rounds)           # the drafter's whole block was kept
     tail = {len(r.drafted) for r in rounds[len(rounds) // 2:]}
     assert tail == {3}                       # acceptance 1 up to 3 ids, 0 after; rounds cost 10 + 2w: w = 3 is best
-    pol = timed.policies[(True, ADOPTED.tag)]
+    pol = timed.book.policies[(True, ADOPTED.tag)]
     assert pol.count > 50 and pol.jobs == {}
     e = pol.expected_tokens()
     assert e[3] > 3.85 and e[7] - e[3] < 0.2
@@ -267,14 +268,14 @@ def test_a_batch_starts_from_the_carried_rates_not_from_its_prefill_blocks(monke
     monkeypatch.setattr(FakeGenerator, "cost", staticmethod(lambda w, rows: 10.0 + 0.1 * w * rows))   # drafting pays
     st = GenSettings(max_new_tokens=60)
     list(timed.generate(endless_prompts(1, 60)[0], st))                  # the drafter is right on 3 ids: learnt
-    pol = timed.policies[(True, ADOPTED.tag)]
+    pol = timed.book.policies[(True, ADOPTED.tag)]
     assert pol.expected_tokens([s / pol.total[1] for s in pol.total[0]])[3] > 3.5
-    timed.cost_table(8)                                                   # 8 jobs timed before the request
-    before = len(timed._gen.widths)
+    timed.book.table(8)                                                   # 8 jobs timed before the request
+    before = len(timed.engine.gen.widths)
     per_job = {}
     for i, r in timed.generate_many(endless_prompts(8, 60), st):
         per_job.setdefault(i, []).append(r)
-    widths = timed._gen.widths[before:]
+    widths = timed.engine.gen.widths[before:]
     assert widths[1] >= 3 and all(len(rs[1].drafted) >= 3 for rs in per_job.values())   # drafting from the start
 
 
@@ -288,11 +289,11 @@ def test_auto_decodes_ar_where_speculation_cannot_win_and_probes_only_at_the_bud
     rounds = [r for rs in per_job.values() for r in rs if not r.prefill]
     ar = [r for r in rounds if not r.drafted]
     spec = [r for r in rounds if r.drafted]
-    pol = timed.policies[(True, ADOPTED.tag)]
+    pol = timed.book.policies[(True, ADOPTED.tag)]
     assert len(ar) == len(rounds) and not spec                      # at c=8 a round costs 10 + 16 w: AR
     assert pol.gap(8) > len(rounds) // 8                            # a probe would cost over 3 % of these rounds
     assert all(r.proposed == 0 and r.accepted == 0 and len(r.tokens) == 1 for r in ar)
-    assert set(timed.costs[ADOPTED.tag].ms) == {8}
+    assert set(timed.book.tables[timed.book.source.key()].ms) == {8}
 
 
 def test_a_warm_up_whose_one_proposal_fails_does_not_send_the_next_answer_to_plain_ar(monkeypatch, tmp_path):
@@ -301,7 +302,7 @@ def test_a_warm_up_whose_one_proposal_fails_does_not_send_the_next_answer_to_pla
     be = timed_backend(monkeypatch, tmp_path, lambda w, rows: 32.0 if w == 0 else 38.0 + 0.1 * w)
     monkeypatch.setattr(FakeGenerator, "good", staticmethod(lambda last, block: 0))
     be.warm_up([1, 2, 3])
-    assert be.policies == {}                                    # the warm-up leaves the policies as it found them
+    assert be.book.policies == {}                               # the warm-up leaves the policies as it found them
     assert be.cost_source() == "timed now"                      # what the app's start-up line reports
     monkeypatch.setattr(FakeGenerator, "good", staticmethod(lambda last, block: 3))
     rounds = list(be.generate([4, 9, 11], GenSettings(max_new_tokens=60)))
@@ -311,9 +312,9 @@ def test_a_warm_up_whose_one_proposal_fails_does_not_send_the_next_answer_to_pla
 def test_options_rebuild_the_generator_and_levers_parse(fake_backend):
     p = endless_prompts(1, 20)[0]
     list(fake_backend.generate(p, GenSettings(max_new_tokens=10, block_size=8)))
-    assert fake_backend._gen is not None
+    assert fake_backend.engine.gen is not None
     fake_backend.set_options(Exl3Options())
-    assert fake_backend._gen is None and fake_backend.options.tag == "stock"
+    assert fake_backend.engine.gen is None and fake_backend.options.tag == "stock"
     fake_backend.set_options(None)                                     # the defaults again
     assert fake_backend.options == ADOPTED and ADOPTED.tag == "graph_draft_swa,grouped_moe,union_moe"
     assert parse_lever("graph_draft_swa=off+grouped_moe=off+union_moe=off", ADOPTED)[1] == Exl3Options()

@@ -66,7 +66,7 @@ def test_the_flag_comes_back_when_the_layer_fails_and_the_wrap_comes_off():
 def test_backend_installs_and_removes_the_drafter_lever(monkeypatch, tmp_path):
     be = make_backend(monkeypatch, tmp_path)
     swa = FakeSWA()
-    be.draft, be.draft_classes = FakeModel([swa, object()]), (FakeSWA,)
+    be.engine.draft, be.draft_classes = FakeModel([swa, object()]), (FakeSWA,)
     be.set_options(Exl3Options(graph_draft_swa=True))
     assert isinstance(vars(swa)["forward"], CausalWindowForward)
     be.set_options(Exl3Options())

@@ -36,13 +36,15 @@ def mtp_target(tmp_path_factory):
 
 def mtp_backend(monkeypatch, tmp_path):
     from toolkit.exl3.backend import Exl3Backend
+    from toolkit.exl3.engine import Exl3Engine
 
     install_sampler_modules(monkeypatch)
     monkeypatch.setattr(FakeGenerator, "built", [])
     exl = types.SimpleNamespace(Generator=FakeMtpGenerator, Job=FakeJob)
-    return Exl3Backend(exl, FakeModel(), types.SimpleNamespace(max_num_tokens=8192), None, FakeTokenizer(),
-                       draft=FakeModel(), draft_cache="dc", native_block=DEPTH + 1, max_context=4096, eos_ids=(5,),
-                       max_concurrency=8, device="cpu", cost_cache=tmp_path / "costs", moe_class=type(None), mtp=True)
+    engine = Exl3Engine(exl, FakeModel(), types.SimpleNamespace(max_num_tokens=8192), None, draft=FakeModel(),
+                        draft_cache="dc", block_size=DEPTH + 1, max_concurrency=8, mtp=True)
+    return Exl3Backend(engine, FakeTokenizer(), max_context=4096, eos_ids=(5,), device="cpu",
+                       cost_cache=tmp_path / "costs", moe_class=type(None))
 
 
 @pytest.mark.parametrize("block", [2, DEPTH + 1])
@@ -62,12 +64,12 @@ def test_auto_on_mtp_drafts_the_whole_depth_and_stays_lossless(monkeypatch, tmp_
     be = mtp_backend(monkeypatch, tmp_path)
     rounds = list(be.generate([7, 8], GenSettings(max_new_tokens=40)))
     assert tokens_of(rounds) == ar_reference([7, 8], 40)
-    assert all(r.proposed == DEPTH for r in rounds if r.drafted) and be._gen.max_draft_tokens == DEPTH
+    assert all(r.proposed == DEPTH for r in rounds if r.drafted) and be.engine.gen.max_draft_tokens == DEPTH
 
 
 def mtp_loader(monkeypatch, components=("text", "mtp")) -> list:
     """install_loader's exllamav3 whose Config knows its components and whose Model builds one of them."""
-    from toolkit.exl3 import backend as exl3_backend
+    from toolkit.exl3 import engine as exl3_engine
 
     log = install_loader(monkeypatch, 1)
     exl = fake_loader(log)
@@ -78,7 +80,7 @@ def mtp_loader(monkeypatch, components=("text", "mtp")) -> list:
     exl.Config = types.SimpleNamespace(from_directory=lambda d: Config(d.rstrip("/").split("/")[-1]))
     exl.Model = types.SimpleNamespace(from_config=lambda cfg, component="text": LoadedModel(
         cfg if component == "text" else f"{cfg}:{component}", log))
-    monkeypatch.setattr(exl3_backend, "import_exllamav3", lambda: exl)
+    monkeypatch.setattr(exl3_engine, "import_exllamav3", lambda: exl)
     return log
 
 

@@ -12,6 +12,7 @@ import pytest
 from exl3_fakes import ar_reference, install_loader
 
 from toolkit.core.errors import ToolkitError
+from toolkit.costs.table import CostTable
 from toolkit.exl3 import swap as exl3_swap
 from toolkit.runtime.backend import GenSettings
 from toolkit.runtime.events import tokens_of
@@ -53,9 +54,10 @@ def test_swap_keeps_the_target_and_decodes_with_the_new_drafter(pair, tmp_path, 
     target, cache, old = be.model, be.cache, be.draft
     st = GenSettings(max_new_tokens=24, block_size=8)
     list(be.generate([7, 8], st))
-    g_old = be._gen
+    g_old = be.engine.gen
     assert g_old.draft_model is old
-    be.costs[ADOPTED.tag], be.policies[(True, ADOPTED.tag)] = {1: {0: 1.0}}, object()
+    be.book.give(CostTable({1: {0: 1.0, 1: 2.0}}))
+    be.book.policies[(True, ADOPTED.tag)] = object()
     new = drafter(pair, tmp_path, "draft-b")
     levers = []
     monkeypatch.setattr(exl3_swap, "set_draft_levers", lambda *a: levers.append(a))
@@ -66,10 +68,11 @@ def test_swap_keeps_the_target_and_decodes_with_the_new_drafter(pair, tmp_path, 
     assert be.model is target and be.cache is cache and be.draft.folder == "draft-b"
     assert caches == [{"max_num_tokens": 4096, "max_batch_size": 1, "max_history": 15}]
     assert be.draft_cache.model is be.draft and be.draft_cache.max_num_tokens == be.cache.max_num_tokens
-    assert be.folders == (pair[0], new) and be.costs == {} and be.policies == {} and be.block_size == 16
+    assert be.folders == (pair[0], new) and be.book.tables == {} and be.book.policies == {} and be.block_size == 16
     # the next generate builds a Generator over the new drafter; greedy output is still the target's own
     spec = list(be.generate([7, 8], st))
-    assert be._gen is not g_old and be._gen.draft_model is be.draft and be._gen.draft_model is not old
+    gen = be.engine.gen
+    assert gen is not g_old and gen.draft_model is be.draft and gen.draft_model is not old
     ar = list(be.generate([7, 8], st, speculative=False))
     assert tokens_of(spec) == tokens_of(ar) == ar_reference([7, 8], 24, be.eos_ids)
     assert any(r.drafted for r in spec)

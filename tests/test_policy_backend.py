@@ -82,13 +82,13 @@ def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pa
     ids = be.tokenizer.encode("Open the file")
     list(be.generate(ids, GenSettings(max_new_tokens=8)))
     key = cost_key(pair, be.target.device, be.target.dtype, B)
-    assert (tmp_path / f"{key}.json").is_file() and sorted(be.costs.ms[1]) == [0, 1, 2, 3, 4, 8, 15]
-    greedy = be.policies[True]
+    assert (tmp_path / f"{key}.json").is_file() and sorted(be.book.table().ms[1]) == [0, 1, 2, 3, 4, 8, 15]
+    greedy = be.book.live(True)
     n = greedy.count
     list(be.generate(ids, GenSettings(max_new_tokens=24)))
     assert be.policy(True) is greedy and greedy.count >= n
     list(be.generate(ids, GenSettings(max_new_tokens=8, temperature=0.8, seed=1)))
-    assert set(be.policies) == {True, False} and be.policies[False] is not greedy
+    assert set(be.book.policies) == {(True, ""), (False, "")} and be.book.live(False) is not greedy
     assert greedy.costs.learn                                 # a timed table is corrected by the rounds
 
     other = fresh_backend(pair_backend, pair)              # a second backend reads the cache instead of timing:
@@ -97,10 +97,10 @@ def test_backend_measures_costs_once_caches_them_and_keeps_its_policies(pair, pa
     def check_only(*a, widths=None, **k):
         assert tuple(widths) == (0, B - 1), "re-measured"
         checked.append(widths)
-        return CostTable({1: {w: be.costs.ms[1][w] for w in widths}})
+        return CostTable({1: {w: be.book.table().ms[1][w] for w in widths}})
 
     monkeypatch.setattr("toolkit.runtime.torch_backend.measure_torch_costs", check_only)
-    assert other.cost_table() == be.costs and len(checked) == 1
+    assert other.book.table() == be.book.table() and len(checked) == 1
 
 
 def test_auto_through_generate_is_lossless_with_variable_widths(pair, pair_backend, tmp_path, monkeypatch):
@@ -171,7 +171,7 @@ def test_the_ar_baseline_never_touches_the_drafter(pair, pair_backend, monkeypat
     for name in ("extend", "draft_hidden"):
         monkeypatch.setattr(be.drafter, name, lambda *a, **k: pytest.fail("the AR baseline ran the drafter"))
     rounds = list(be.generate(be.tokenizer.encode("Open the file"), GenSettings(max_new_tokens=24), speculative=False))
-    assert len(rounds) == len(tokens_of(rounds)) and seen and not any(seen) and not be.policies
+    assert len(rounds) == len(tokens_of(rounds)) and seen and not any(seen) and not be.book.policies
 
 
 def test_the_cost_source_is_reported_and_retiming_skips_the_cache(pair, pair_backend, tmp_path, monkeypatch,
@@ -191,7 +191,7 @@ def test_the_cost_source_is_reported_and_retiming_skips_the_cache(pair, pair_bac
     list(cached.generate(ids, GenSettings(max_new_tokens=4)))
     assert cached.cost_source().startswith("cached ") and str(tmp_path) in cached.cost_source()
     again = fresh_backend(pair_backend, pair)
-    again.retime_costs = True
+    again.book.retime = True
     list(again.generate(ids, GenSettings(max_new_tokens=4)))
     assert again.cost_source() == "timed now"
 

@@ -170,7 +170,7 @@ class FakeEngine:
         self.events.append(f"swap:{backend.draft_name}->{Path(draft).name}")
         backend.drafter = load_quantized(Path(draft), DFlashConfig.from_dir(draft))
         backend.draft_name = Path(draft).name
-        backend.policies.clear()
+        backend.book.policies.clear()
 
 
 def install_engine(monkeypatch, hf_dir, **kw) -> FakeEngine:

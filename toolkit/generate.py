@@ -136,7 +136,8 @@ def generate(o: GenerateOptions) -> dict:
     if device is not None:
         checks.device("device", device)            # `--device cuda` without a GPU: refused before any loading
     be = load(o.backend, o.target, o.draft, device, GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device))
-    be.retime_costs = o.retime_costs
+    if be.book is not None:
+        be.book.retime = o.retime_costs
     paired = not be.caps.gpu_only and (device or "cpu") == "cpu"  # a CPU: load moves a run more than drafting does
     try:
         result, s, k = run(be, prompt, settings, compare_ar, o.system, o.raw, o.reps, paired)

@@ -55,7 +55,7 @@ def test_hooked_loop_with_rounds_is_generate_many(fake_backend):
 def test_max_steps_stops_early_and_frees_the_jobs(fake_backend):
     loop = run_jobs(fake_backend, PROMPTS, GenSettings(max_new_tokens=40, block_size=6), max_steps=3)
     assert loop.iterations == 3 and len(loop.iterate_s) == 3
-    assert fake_backend._gen.num_remaining_jobs() == 0
+    assert fake_backend.engine.gen.num_remaining_jobs() == 0
     assert all(0 < len(t) < 40 for t in loop.tokens)
 
 

@@ -161,7 +161,7 @@ def test_browser_turns_start_their_acceptance_afresh_and_carry_the_round_costs(a
 
     def recording(ids, settings, speculative=True):
         if speculative:
-            starts.append({k: (state(p), p.costs) for k, p in be.policies.items()})
+            starts.append({k: (state(p), p.costs) for k, p in be.book.policies.items()})
             prompts.append(list(ids))
         return inner(ids, settings, speculative)
 
@@ -170,7 +170,7 @@ def test_browser_turns_start_their_acceptance_afresh_and_carry_the_round_costs(a
         first = browser.new_page(viewport={"width": 1400, "height": 1000})
         first.goto(app.local_url)
         send(first, PROMPT, max_new=40)
-        (key, pol), = be.policies.items()
+        (key, pol), = be.book.policies.items()
         learnt, costs = state(pol), pol.costs
         assert "What the policy knows after this turn" in first.locator(".dfl-banner.done").inner_text()
         send(first, "shutil.copy" if TINY else "List five facts about the Moon.", max_new=40)    # its second turn

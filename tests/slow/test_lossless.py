@@ -97,7 +97,7 @@ def cheap_costs(block):
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_moe"])
 def test_auto_lossless_random_targets(models, arch):
     backend = TorchBackend.from_dirs(*models[arch])
-    backend.costs, backend.learn_costs = cheap_costs(backend.block_size), False
+    backend.book.give(cheap_costs(backend.block_size), learn=False)
     policy = backend.policy(True)
     for _ in range(3):
         policy.learn(2, policy.fade(1))                              # start as if 2 drafts were accepted
@@ -127,7 +127,7 @@ def test_auto_lossless_smollm2_pair():
     except ToolkitError as e:
         pytest.skip(f"SmolLM2 demo pair unavailable: {e}")
     be = TorchBackend.from_dirs(target, draft)
-    be.costs, be.learn_costs = cheap_costs(be.block_size), False     # drafts every round, widths from acceptance
+    be.book.give(cheap_costs(be.block_size), learn=False)            # drafts every round, widths from acceptance
     widths = []
     for p in ("Write a Python function that checks whether a string is a palindrome.", "List five facts about the Moon."):
         ids = be.encode(p)

@@ -1,18 +1,17 @@
 """The drafting policy as the app uses it: what carries from turn to turn (SHARED), and what the page shows of it.
 
-A backend keeps its auto policies in `backend.policies` (one per sampling mode). The app copies them once the
-start-up is done and gives every turn a fresh copy of that start-up state (the drafter's acceptance and when to
-probe start over), joined to the live round costs: those describe the machine, not a prompt, so they carry from
-turn to turn and between visitors, one book for the whole process (costs/book.py). Two visitors asking the
-same prompt can therefore see different rounds: the later one decodes with the costs the earlier turns timed.
+A backend keeps its auto policies and their round costs in its PolicyBook (`backend.book`, one policy per sampling
+mode). The app saves the policies once the start-up is done and gives every turn a fresh copy of that start-up
+state (the drafter's acceptance and when to probe start over), joined to the live round costs: those describe the
+machine, not a prompt, so they carry from turn to turn and between visitors, one book for the whole process
+(costs/book.py). Two visitors asking the same prompt can therefore see different rounds: the later one decodes
+with the costs the earlier turns timed.
 """
 
 from __future__ import annotations
 
-from ..costs.table import CostTable
-from ..policy.chooser import Policy
 from ..costs.book import Cost
-from ..runtime.backend import Backend, GenSettings, copy_policies
+from ..runtime.backend import Backend, GenSettings
 
 SHARED = ("Carried from turn to turn and between visitors: the round costs (the start-up timing and every round timed "
           "since, on this machine). Afresh each turn: the drafter's acceptance and when to probe.")
@@ -22,21 +21,13 @@ class PolicyStart:
     """The backend's auto policies as the start-up (calibration and warm-up) left them."""
 
     def __init__(self, backend: Backend | None):
-        self.saved = copy_policies(getattr(backend, "policies", None))
+        book = getattr(backend, "book", None)
+        self.saved = book.save() if book is not None else None
 
     def restore(self, backend: Backend) -> None:
-        """Give `backend` fresh copies of the saved policies, each with the round costs its live one learnt: those
-        describe the machine, not a prompt, and relearning them cost every turn about 5 rounds per width."""
-        if self.saved is None or not hasattr(backend, "policies"):
-            return
-        fresh = copy_policies(self.saved)
-        for key, live in backend.policies.items():
-            costs = getattr(live, "costs", None)
-            if isinstance(live, Policy) and costs is not None:
-                if key not in fresh:
-                    fresh[key] = Policy.auto(live.block_size, costs.table, learn_costs=costs.learn)
-                fresh[key].costs = costs
-        backend.policies = fresh
+        """Give `backend` fresh copies of the saved policies, each with the round costs its live one learnt (SHARED)."""
+        if self.saved is not None and backend.book is not None:
+            backend.book.restore(self.saved, carry_costs=True)
 
 
 def cost_json(c: Cost) -> dict:
@@ -48,19 +39,13 @@ def learnt(backend: Backend, settings: GenSettings) -> dict | None:
     """What the auto policy of `settings` knows after a turn: acceptance per drafted position, how many proposals
     it was learnt from, the round cost of each block (the curve, and each cost it decides by with its rounds, source
     and age), and the block it would pick now."""
-    pol = backend.auto_policy(settings) if settings.auto else None
-    if pol is None:
+    book = backend.book
+    got = book.reading(settings.temperature <= 0) if settings.auto and book is not None else None
+    if got is None:
         return None
-    try:
-        rates, count = list(pol.rates), int(pol.count)
-        costs = pol.costs
-        curve = CostTable({1: costs.curve(1)}).curve(pol.block_size, 1) if costs is not None else []
-        book = [cost_json(c) for c in costs.book(1)] if costs is not None else []
-        best = int(pol.best(1))
-    except (AttributeError, TypeError, ValueError, IndexError, KeyError):      # a policy without these readings
-        return None
-    return {"acceptance": [round(a, 3) for a in rates], "proposals": count, "round_ms": [round(t, 2) for t in curve],
-            "costs": book, "best_block": best + 1}
+    return {"acceptance": [round(a, 3) for a in got.acceptance], "proposals": got.proposals,
+            "round_ms": [round(t, 2) for t in got.round_ms], "costs": [cost_json(c) for c in got.costs],
+            "best_block": got.best_width + 1}
 
 
 def age_text(seconds: float | None) -> str:

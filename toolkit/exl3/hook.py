@@ -86,14 +86,13 @@ def recording_generator_class(generator_cls: type) -> type:
     return RecordingGenerator
 
 
-def set_policy_width(gen, policy, full: int) -> None:
-    """Verify the policy's width in the next round of `gen` (keeping `full` proposed ids); trace listeners also
-    see what the choice saw: the acceptance estimate and the cost curve."""
+def set_policy_width(gen, drive, full: int) -> None:
+    """Verify the width a policy's drive picks in the next round of `gen` (keeping `full` proposed ids); trace
+    listeners also see what the choice saw: the acceptance estimate and the cost curve."""
     n = gen.num_remaining_jobs()
-    gen.set_width(policy.width(n), full)
+    gen.set_width(drive.width(n), full)
     if trace.LISTENERS:
-        trace.emit("policy", jobs=n, w=gen.num_draft_tokens, rates=[round(a, 3) for a in policy.rates],
-                   curve={w: round(t, 3) for w, t in policy.costs.curve(n).items()})
+        trace.emit("policy", jobs=n, w=gen.num_draft_tokens, **drive.choice(n))
 
 
 @dataclass

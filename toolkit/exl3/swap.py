@@ -40,15 +40,14 @@ def swap_draft(be: Exl3Backend, draft: str | Path) -> None:
     if conf.block_size != be.block_size:      # the target cache's history was sized for the first drafter's block
         raise ToolkitError(f"drafter {draft} has block size {conf.block_size}, the loaded one {be.block_size}: "
                            "load a new backend for it")
-    if be._gen is not None:                   # the Generator holds the old drafter and its cache
-        be._gen.close()
-        be._gen = None
-    be.draft.unload()
-    be.draft = be.draft_cache = None
+    engine = be.engine
+    engine.retire()                           # the Generator holds the old drafter and its cache
+    engine.draft.unload()
+    engine.draft = engine.draft_cache = None
     free_gpu()                                # the old drafter's memory back before the new one loads
     try:
-        model, cache = load_drafter(be.exl, draft, be.cache_tokens, be.max_concurrency, max(conf.block_size - 1, 1),
-                                    be.split, placement.device_count())
+        model, cache = load_drafter(engine.exl, draft, engine.cache_tokens, engine.max_concurrency,
+                                    max(conf.block_size - 1, 1), be.split, placement.device_count())
     except Exception as e:
         kind, why = load_failure(e) or (None, None)
         if kind == "memory":
@@ -56,8 +55,7 @@ def swap_draft(be: Exl3Backend, draft: str | Path) -> None:
         if kind == "load":
             raise ToolkitError(f"exllamav3 cannot load drafter {draft}: {why}") from None
         raise
-    be.draft, be.draft_cache = model, cache
+    engine.draft, engine.draft_cache = model, cache
     set_draft_levers(model, be.options, Exl3Options(), be.draft_classes)   # the new drafter gets the options' wraps
     be.folders = (be.folders[0], draft)
-    be.costs.clear()                          # measured for the old pair (and keyed by its folders)
-    be.policies.clear()
+    be.book.clear()                           # measured for the old pair, and its acceptance

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Generator, Iterator
@@ -10,14 +9,7 @@ from typing import Any, Generator, Iterator
 from ..core.cli import check_options, option
 from ..core.errors import OptionError, ToolkitError
 from .events import Round
-
-
-def copy_policies(policies: dict | None) -> dict | None:
-    """A deep copy of a backend's auto policies that shares their timed cost tables (those describe the machine)."""
-    if policies is None:
-        return None
-    tables = [getattr(getattr(p, "costs", None), "table", None) for p in policies.values()]
-    return copy.deepcopy(policies, {id(t): t for t in tables if t is not None})
+from .policy_book import PolicyBook
 
 
 NUMBERS = ("max_new_tokens", "temperature", "seed")       # GenSettings' numbers, each with its domain
@@ -27,7 +19,7 @@ NUMBERS = ("max_new_tokens", "temperature", "seed")       # GenSettings' numbers
 class GenSettings:
     """How to decode one prompt.
 
-    block_size: "auto" (the default) lets the drafting policy (runtime/policy.py) pick each round's verify width
+    block_size: "auto" (the default) lets the drafting policy (policy/chooser.py) pick each round's verify width
     w in 0..B-1 from measured round costs and running acceptance, B being the drafter's native block and w = 0 a
     plain AR round; the drafter proposes B-1 ids whenever w > 0, so a Round's `proposed` is B-1 and `drafted` its
     first w. An int N >= 2 is a fixed block: every round verifies min(N, B) - 1 drafts (the classic decoder).
@@ -135,11 +127,13 @@ class Backend(ABC):
 
     Every consumer (generate, bench, eval_tau, the app) calls these members as written; a backend sets the
     attributes in its constructor and implements `generate`. The token methods work on a transformers
-    tokenizer; a backend whose tokenizer is something else overrides them.
+    tokenizer; a backend whose tokenizer is something else overrides them. A backend with a drafting policy keeps
+    it, with its round costs, in `book` (runtime/policy_book.py), which consumers read.
     """
 
     name: str
     caps: Capabilities = Capabilities()
+    book: PolicyBook | None = None  # the auto policies and their round costs (None: a backend without a policy)
 
     @classmethod
     def installed(cls) -> bool:
@@ -194,13 +188,13 @@ class Backend(ABC):
         of a 4-token decode says little of the drafter, and could send the next request to plain AR."""
         settings = settings or GenSettings()
         self.prepare(settings)
-        saved = copy_policies(getattr(self, "policies", None))
+        saved = self.book.save() if self.book is not None else None
         short = replace(settings, max_new_tokens=min(4, settings.max_new_tokens))
         for speculative in modes:
             for _ in self.generate(prompt_ids, short, speculative=speculative):
                 pass
         if saved is not None:
-            self.policies = saved
+            self.book.restore(saved)
 
     def close(self) -> None:
         """Free what the backend holds (GPU memory); nothing to do by default."""
@@ -213,13 +207,11 @@ class Backend(ABC):
 
     def auto_policy(self, settings: GenSettings):
         """The auto policy `settings` decode with (None before its first auto run, or without one)."""
-        return getattr(self, "policies", {}).get(settings.temperature <= 0)
+        return self.book.live(settings.temperature <= 0) if self.book is not None else None
 
     def cost_source(self) -> str | None:
         """Where the auto policy's cost table came from ("timed now", "cached PATH", "given"), once it has one."""
-        for pol in getattr(self, "policies", {}).values():
-            return pol.costs.table.source if pol.costs is not None else None
-        return None
+        return self.book.source_text() if self.book is not None else None
 
     def calibration_report(self) -> dict | None:
         """What the current options' cost timing saw in this process (tokens a job emitted per round), if any."""

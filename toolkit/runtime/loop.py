@@ -4,7 +4,7 @@ Verification follows exllamav3 and z-lab: the target picks its own token at ever
 or a sample at temperature > 0); drafted ids are accepted while they equal the target's picks, and the
 target's pick after the accepted prefix is the bonus. Every emitted token is the target's own choice, so
 greedy output equals AR output and sampling keeps the target's distribution, whatever width each round
-verifies: a `Policy` (runtime/policy.py) picks it per round, 0 being a plain AR round with no drafter call.
+verifies: a `Policy` (policy/chooser.py) picks it per round, 0 being a plain AR round with no drafter call.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Iterator, Protocol
 
 from .events import Round
 from ..policy.chooser import Policy
+from .policy_book import Drive
 from .sampling import Sampler
 
 
@@ -61,22 +62,22 @@ def decode(
     sampler: Sampler,
     stop_ids: set[int],
     draft_width: int = 0,
-    policy: Policy | None = None,
+    policy: Policy | Drive | None = None,
 ) -> Iterator[Round]:
     """Yield one Round per target forward. Without a policy every round verifies `draft_width` drafts
-    (0 = plain AR, B-1 = speculative with block B); with one, `policy.width()` picks each round's width."""
-    policy = policy or Policy.fixed(draft_width)
+    (0 = plain AR, B-1 = speculative with block B); with one (or its Drive), its `width()` picks each round's."""
+    drive = Drive.of(policy, draft_width)
     t0 = time.perf_counter()
     token = sampler(steps.prefill(prompt_ids))[-1]
-    policy.start(0, prompt_ids[-1])
+    drive.start(0, prompt_ids[-1])
     rnd = Round(drafted=(), accepted=0, bonus=token, t_verify_ms=_ms(t0), prefill=True)
-    policy.observe([(0, (), rnd)])
+    drive.observe([(0, (), rnd)])
     yield rnd
     emitted = 1
     while emitted < max_new_tokens and token not in stop_ids:
-        width = policy.width(1)
+        width = drive.width(1)
         t0 = time.perf_counter()
-        proposal = steps.draft_block(token, policy.draft_len) if width else []
+        proposal = steps.draft_block(token, drive.draft_len) if width else []
         drafted = proposal[:width]
         t_draft = _ms(t0)
 
@@ -90,6 +91,6 @@ def decode(
         token = out[-1]
         emitted += len(out)
         rnd = Round(tuple(drafted), len(out) - 1, token, t_draft, t_verify, proposed=len(proposal))
-        policy.observe([(0, proposal, rnd)], t_draft + t_verify)
+        drive.observe([(0, proposal, rnd)], t_draft + t_verify)
         yield rnd
-    policy.finish(0)
+    drive.end()

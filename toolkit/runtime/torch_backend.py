@@ -33,7 +33,8 @@ from .pair import ModelPair
 from .events import Round
 from .loop import decode
 from ..policy.chooser import Policy
-from ..costs.cache import cached_costs, cost_key, device_name
+from .policy_book import CostKey, PolicyBook
+from ..costs.cache import cost_key, device_name
 from ..costs.table import CostTable
 from .sampling import Sampler
 
@@ -227,11 +228,43 @@ def measure_torch_costs(target, drafter: DFlashDraft | None, block_size: int | N
     return CostTable({1: ms}, device_name(dev), "timed now", counts={1: {w: reps for w in ms}}, timed_at=time.time())
 
 
+class TorchCosts:
+    """The torch backend's round costs for its PolicyBook: ms per round for each verify width on this target,
+    drafter and device, the median of TIMED_ROUNDS rounds each, timed once for every job count (one sequence runs
+    at a time) and cached on disk when the model folders are known (a cached table is checked against AR and the
+    widest width now)."""
+
+    per_concurrency = False
+
+    def __init__(self, be: TorchBackend):
+        self.be = be
+
+    def key(self) -> CostKey:
+        be = self.be
+        return CostKey(f"{be.target.device}|{be.target.dtype}", tuple(map(str, be.folders)))
+
+    def file_key(self, concurrency: int) -> str | None:
+        be = self.be
+        return cost_key(be.folders, be.target.device, be.target.dtype, be.block_size) if be.folders else None
+
+    def timed(self, widths: Iterable[int], reps: int = TIMED_ROUNDS) -> CostTable:
+        be = self.be
+        return measure_torch_costs(be.target, be.drafter, be.block_size, reps=reps, widths=widths,
+                                   make_steps=lambda: be.steps(True))
+
+    def measure(self, concurrency: int) -> CostTable:
+        B = self.be.block_size
+        return self.timed(sorted({0, 1, 2, 3, B - 1} | {1 << k for k in range(B.bit_length()) if 1 << k < B}))
+
+    def check(self, concurrency: int) -> dict[int, dict[int, float]]:
+        return self.timed((0, self.be.block_size - 1), CHECK_ROUNDS).ms
+
+
 class TorchBackend(Backend):
     """Backend over a transformers target and an optional reference drafter.
 
-    With block_size "auto" it decodes under a drafting policy built once per backend: the cost table is timed
-    at first use (`measure_torch_costs`, cached on disk per model folders, device and dtype when the folders are
+    With block_size "auto" it decodes under a drafting policy kept in its PolicyBook: the cost table is timed at
+    first use (`measure_torch_costs`, cached on disk per model folders, device and dtype when the folders are
     known; the policy then corrects it by the rounds' observed times) unless `costs` is given (taken as is), and
     one policy learns greedy acceptance, another sampled acceptance, across generate calls. speculative=False is
     always the plain AR loop, without drafter or hidden states.
@@ -246,10 +279,11 @@ class TorchBackend(Backend):
         info = TargetInfo.of_model(target, tokenizer)
         self.block_size = drafter.config.block_size if drafter is not None else 1
         self.max_context, self.eos_ids = info.max_context, info.eos_ids
-        self.costs, self.folders = costs, tuple(folders)
-        self.learn_costs = costs is None           # a measured table is corrected by observed rounds, a given one not
-        self.retime_costs = False                  # time the table again instead of reading the cost cache
-        self.policies: dict[bool, Policy] = {}     # greedy -> its policy
+        self.folders = tuple(folders)
+        # a measured table is corrected by observed rounds, a given one not
+        self.book = PolicyBook(self.block_size, TorchCosts(self), learn=costs is None)
+        if costs is not None:
+            self.book.give(costs)
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = None, device: str = "cpu",
@@ -273,31 +307,9 @@ class TorchBackend(Backend):
             raise ToolkitError("max_chunk is an exllamav3 load option; the torch backend takes none")
         return cls.from_dirs(pair.target, pair.draft, device=device, dtype=dtype or torch.float32, pair=pair)
 
-    def cost_table(self) -> CostTable:
-        """ms per round for each verify width on this target, drafter and device, the median of TIMED_ROUNDS
-        rounds each: timed once, cached on disk (costs/cache.py)."""
-        if self.costs is None:
-            B = self.block_size
-            widths = sorted({0, 1, 2, 3, B - 1} | {1 << k for k in range(B.bit_length()) if 1 << k < B})
-
-            def timed(ws: Iterable[int], reps: int = TIMED_ROUNDS) -> CostTable:
-                return measure_torch_costs(self.target, self.drafter, B, reps=reps, widths=ws,
-                                           make_steps=lambda: self.steps(True))
-
-            if self.folders:                       # a cached table is checked against AR and the widest width now
-                key = cost_key(self.folders, self.target.device, self.target.dtype, B)
-                self.costs = cached_costs(key, lambda: timed(widths), refresh=self.retime_costs,
-                                          check=lambda: timed((0, B - 1), CHECK_ROUNDS).ms)
-            else:
-                self.costs = timed(widths)
-        return self.costs
-
     def policy(self, greedy: bool) -> Policy:
         """The auto policy of greedy or sampled decoding (acceptance differs), made at first use."""
-        if greedy not in self.policies:
-            costs = self.cost_table()
-            self.policies[greedy] = Policy.auto(self.block_size, costs, learn_costs=self.learn_costs)
-        return self.policies[greedy]
+        return self.book.policy(greedy)
 
     def prepare(self, settings: GenSettings, concurrency: int = 1) -> None:
         if settings.auto and self.draft_width(settings, True):
@@ -310,8 +322,8 @@ class TorchBackend(Backend):
     def generate(self, prompt_ids: list[int], settings: GenSettings, speculative: bool = True) -> Iterator[Round]:
         self.check_prompts([prompt_ids], settings.max_new_tokens)
         width = self.draft_width(settings, speculative)
-        policy = self.policy(settings.temperature == 0) if width and settings.auto else None
+        drive = self.book.request(settings.temperature == 0) if width and settings.auto else None
         steps = self.steps(bool(width))
         sampler = Sampler(settings.temperature, settings.seed)
         yield from decode(steps, list(prompt_ids), settings.max_new_tokens, sampler, set(self.stop_ids(settings)),
-                          width, policy)
+                          width, drive)

@@ -103,6 +103,7 @@ class MtpTorchBackend(TorchBackend):
                  folders: Sequence[str | Path] = ()):
         super().__init__(target, tokenizer, None, costs, folders)
         self.head, self.block_size = head, DEPTH + 1
+        self.book.block_size = self.block_size          # the policy picks among the head's widths
 
     @classmethod
     def from_dirs(cls, target: str | Path, draft: str | Path | None = MTP, device: str = "cpu",
