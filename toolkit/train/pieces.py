@@ -165,13 +165,11 @@ def planned_steps(cfg, record: dict, plan: int) -> int:
     """The planned total of a resumed run: the checkpoint's, or this command's with --extend (never fewer)."""
     have = record["planned"]
     field = "epochs" if cfg.epochs else "steps"
-    if plan == have:
-        return have
-    if not cfg.extend:
+    if cfg.extend and plan <= have:
+        raise OptionError("extend", f": raises the plan, and {plan} steps is not more than the run's {have}")
+    if plan != have and not cfg.extend:
         raise OptionError(field, f": the checkpoint's run is planned for {have} steps and this command plans {plan}: "
                           f"give the run's --{field}, or --extend to raise its plan")
-    if plan < have:
-        raise OptionError("extend", f": raises the plan, and {plan} steps is not more than the run's {have}")
     return plan
 
 

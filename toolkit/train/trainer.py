@@ -156,7 +156,7 @@ def train_drafter(target: str, out: str, **options) -> dict:
 
 def train_held(cfg: TrainConfig, outs) -> dict:
     """The run once --out is held: read the inputs, train in the checkpoint folder, remove it after the final save
-    (kept with --time-limit, for the next piece or an --extend). Resuming a run whose plan is done writes the
+    (kept for a run made in pieces, with --time-limit: for the next piece or an --extend). Resuming a run whose plan is done writes the
     drafter from the checkpoint alone: no target weights or answers are read."""
     t0 = time.time()
     check_piece_options(cfg)
@@ -174,7 +174,7 @@ def train_held(cfg: TrainConfig, outs) -> dict:
         conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
         init = initial_weights(cfg.init, dcfg) if cfg.init is not None and not cfg.resume else None
         info = train(cfg, outs, inputs, ckdir, tok, dcfg, conf, vocab, init, pick_device(cfg.device), t0, budget, saved)
-    if cfg.time_limit is None:
+    if not any(p.get("time_limit") for p in info["pieces"]):                  # a run made in pieces keeps it
         remove_checkpoints(outs.ckdir)
     return info
 
@@ -213,7 +213,7 @@ def train(cfg: TrainConfig, outs, inputs, ckdir: Path, tok, dcfg: dict, conf, vo
     model = DFlashDraft(conf).to(dev)
     if init is not None:
         model.load_state_dict(init)
-    st, piece = OptimState(steps=plan), {"piece": 1, "from": 0, "device": device_name(dev)}
+    st, piece = OptimState(steps=plan), {"piece": 1, "from": 0, "device": device_name(dev), "time_limit": cfg.time_limit}
     if saved is not None:
         tensors, record = saved
         check_resume(record, dcfg, run["fingerprint"], ckdir)
