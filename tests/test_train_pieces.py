@@ -178,3 +178,21 @@ def test_compact_encoding_bounds_and_parts(tmp_path, monkeypatch):
         ck.read_parts(tmp_path / "s", man)
     with pytest.raises(ToolkitError, match="not a checkpoint"):
         ck.decode(b"something else", "there")
+
+
+def test_bad_piece_options_and_checkpoints_are_one_line(data, tmp_path):
+    from toolkit.core import cli
+    from toolkit.train.pieces import load_state
+
+    root, target = data
+    base = ["--target", target, "--out", str(tmp_path / "o"), "--data", str(root / "data")]
+    for extra, msg in [(["--extend"], "^--extend: raises the planned steps of a run being continued"),
+                       (["--time-limit", "60", "--minutes", "1"], "^--time-limit: --minutes fits the schedule"),
+                       (["--resume"], "^--resume: no checkpoint in"), (["--time-limit", "0"], "^--time-limit must be")]:
+        with pytest.raises(ToolkitError, match=msg):
+            cli.run(td.train_drafter, td.TrainConfig, base + extra, "prog")
+    state = tmp_path / "ck" / "state"
+    ck.write_parts(state, ck.encode({}, {"planned": "many"}), ck.MANIFEST, {})
+    with pytest.raises(ToolkitError, match="not a checkpoint this toolkit can resume"):
+        load_state(tmp_path / "ck")
+    assert not (tmp_path / "o").exists()

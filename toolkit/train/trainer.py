@@ -227,6 +227,8 @@ def train(cfg: TrainConfig, outs, inputs, ckdir: Path, tok, dcfg: dict, conf, vo
             piece["extended"], st.steps = [record["planned"], plan], plan
         st.stopped = ""
     run["pieces"].append(piece)
+    log(cfg, f"piece {piece['piece']} of a run planned for {st.steps} steps: from step {st.step}"
+        + (f", for at most {cfg.time_limit:g} s" if cfg.time_limit is not None else ""))
     ev = None
     if cfg.eval_every and held:
         if run.heldout is None:
