@@ -162,17 +162,17 @@ def train_held(cfg: TrainConfig, outs) -> dict:
     check_piece_options(cfg)
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
-    ckdir = checkpoints(outs.ckdir, cfg.resume)
-    saved = load_state(ckdir) if cfg.resume else None
+    saved = load_state(outs.ckdir) if cfg.resume else None
     if saved is not None and done(cfg, saved[1]):
         tok = load_hf_tokenizer(cfg.target, "--target")
-        info = finish(cfg, outs, ckdir, saved, build_config(cfg, tcfg, tok))
+        info = finish(cfg, outs, outs.ckdir, saved, build_config(cfg, tcfg, tok))
     else:
         inputs = read_inputs(cfg)                                             # every input file, checked now
         tok = load_hf_tokenizer(cfg.target, "--target")
         dcfg = build_config(cfg, tcfg, tok)
         conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
         init = initial_weights(cfg.init, dcfg) if cfg.init is not None and not cfg.resume else None
+        ckdir = checkpoints(outs.ckdir, cfg.resume)                           # made only once the inputs are good
         info = train(cfg, outs, inputs, ckdir, tok, dcfg, conf, vocab, init, pick_device(cfg.device), t0, budget, saved)
     if not any(p.get("time_limit") for p in info["pieces"]):                  # a run made in pieces keeps it
         remove_checkpoints(outs.ckdir)
