@@ -225,7 +225,7 @@ def train(budget_s: float, eval_reserve_s: float, eval_limit: int, quick: bool, 
     run.results.update(device=device_name(), torch=torch.__version__)
     draft, ckpt = work / "draft", work / "ckpt"
     kw = {**TRAIN, **(QUICK if quick else {})}
-    kw.update(checkpoint_dir=str(ckpt), resume=(ckpt / "ckpt.pt").is_file(), curve=str(out / "curve.png"),
+    kw.update(checkpoint_dir=str(ckpt), resume=(ckpt / "state" / "checkpoint.json").is_file(), curve=str(out / "curve.png"),
               init=str(init) if init else None)
     run.results["train_options"] = kw
     minutes = max(0.1, (run.left() - eval_reserve_s - 20) / 60)

@@ -22,6 +22,7 @@ from toolkit.runtime.torch_backend import TorchBackend
 from toolkit.train.batchgen import cut, generate_into, greedy_batch, stop_ids
 from toolkit.train.data import Item, is_heldout, split
 from toolkit.train.objective import chunked_loss, position_weights, sample_anchors
+from toolkit.train.pieces import load_state
 from toolkit.train.store import AnswerStore, Row, prompt_key
 from toolkit.train.tf_tau import eval_set, matches, tf_tau, walk
 
@@ -247,8 +248,9 @@ def test_resume_continues_the_step_count_and_the_record(data, interrupt_training
     root, target, _ = data
     with interrupt_training(8):
         td.train_drafter(target, str(root / "r"), data=str(root / "data"), **RESUME)
-    ck = torch.load(root / "r.ckpt" / "ckpt.pt", weights_only=False)
-    assert ck["optim"]["step"] == 8 and [e["step"] for e in ck["evals"]] == [4, 8] and (root / "r.ckpt" / "best.pt").is_file()
+    _, ck = load_state(root / "r.ckpt")
+    assert ck["optim"]["step"] == 8 and [e["step"] for e in ck["evals"]] == [4, 8]
+    assert (root / "r.ckpt" / "best" / "best.json").is_file()
     info = td.train_drafter(target, str(root / "r"), data=str(root / "data"), resume=True, **RESUME)
     whole = td.train_drafter(target, str(root / "w"), data=str(root / "data"), **RESUME)
     assert info["steps"] == whole["steps"] == info["planned_steps"] > 8 and [s for s, _ in info["losses"]] == list(range(info["steps"]))

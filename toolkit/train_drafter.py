@@ -21,14 +21,15 @@ def train_drafter(**options) -> dict:
 
 EXAMPLE = (" Example (GPU, SmolLM2): python -m toolkit.train_drafter --target ~/.cache/dflash-toolkit/smollm2-135m-instruct "
            "--out smol-dflash --minutes 8. At scale, generate the answers first (experiments/smol_scale.py gen) and pass "
-           "--data.")
+           "--data. In pieces of at most ten minutes: add --steps TOTAL --time-limit 540 --checkpoint-precision compact, "
+           "and --resume from the second piece on (docs/app.md).")
 
 
 def main(argv: list[str] | None = None) -> None:
     info = run(train_drafter, TrainConfig, argv, "python -m toolkit.train_drafter", DOC.split("\n\n")[0],
                DOC.split("\n\n")[1] + EXAMPLE, output_policy=True)
-    keys = ("params", "sequences", "steps", "stopped", "seconds")
-    print(json.dumps({k: info[k] for k in keys} | {"best": info["best"], "out": info["config"]["out"]}))
+    keys = ("params", "sequences", "steps", "planned_steps", "piece", "complete", "stopped", "seconds")
+    print(json.dumps({k: info[k] for k in keys} | {"best": info["best"], "out": info["config"]["out"] if info["written"] else None}))
 
 
 if __name__ == "__main__":

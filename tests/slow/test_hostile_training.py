@@ -148,7 +148,7 @@ def test_a_full_disk_in_training_is_one_line_and_leaves_no_partial_file(tmpfs, p
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert last.startswith("error: no space left on the device writing ") and "ckpt.pt" in last
+    assert last.startswith("error: no space left on the device writing ") and "d.ckpt" in last
     left = [p.name for p in tmpfs.rglob("*")]
     assert not (tmpfs / "d").exists() and not any(".tmp-" in n or n.endswith(".tmp") for n in left), left
 

@@ -71,7 +71,7 @@ def test_same_seed_same_drafter_and_resume_matches(setup, interrupt_training):
     with interrupt_training(8):
         run(setup, "r")
     root = setup[0]
-    assert (root / "r.ckpt" / "ckpt.pt").is_file() and not (root / "r").exists()
+    assert (root / "r.ckpt" / "state" / "checkpoint.json").is_file() and not (root / "r").exists()
     info, r = run(setup, "r", resume=True)
     assert r == a and info["steps"] == 12 and len(info["losses"]) == 12
 

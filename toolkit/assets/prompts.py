@@ -11,8 +11,18 @@ from ..core.errors import ToolkitError
 
 @dataclass(frozen=True)
 class Prompt:
+    """A user message and its category; `context` holds the conversation before it, ((role, text), ...) with role
+    "user" or "assistant", oldest first (empty: the message alone)."""
+
     text: str
     category: str = "file"
+    context: tuple = ()
+
+    def messages(self) -> str | list[dict]:
+        """What the chat template takes: the text alone, or the whole conversation ending with it."""
+        if not self.context:
+            return self.text
+        return [{"role": r, "content": t} for r, t in self.context] + [{"role": "user", "content": self.text}]
 
 
 CHAT = [

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ..assets.prompts import Prompt
 from ..core.target import TargetInfo
 from ..runtime.backend import encode_chat
-from .store import AnswerStore, Row, prompt_key
+from .store import AnswerStore, Row, item_key, prompt_key
 
 CHECK = 16                          # decode steps between looks at which rows are done
 COMPACT = 0.25                      # drop finished rows once this share of the batch is done
@@ -162,14 +162,17 @@ def answer(model, prompts: list[list[int]], max_new_tokens: int, stops: set[int]
 
 def encode(tok, prompts: list[Prompt]) -> list[list[int]]:
     """Chat-template ids of every prompt."""
-    return [encode_chat(tok, p.text) for p in prompts]
+    return [encode_chat(tok, p.messages()) for p in prompts]
 
 
 def batches(pending: list[tuple[Prompt, list[int]]], size: int, pool: int = POOL) -> Iterable[list[tuple[Prompt, list[int]]]]:
     """Batches of prompts of similar token count: the prompts in a fixed pseudo-random order (by key) cut into pools
     of `pool` batches, each pool sorted longest first. A run cut off by its deadline has then answered a random
     sample of the prompts (not only the longest, which are mostly code), and a batch still pads little."""
-    mixed = sorted(pending, key=lambda e: prompt_key(e[0].category + "\0" + e[0].text))
+    def order(e: tuple[Prompt, list[int]]) -> str:
+        p = e[0]
+        return prompt_key(p.category + "\0" + p.text + ("\0" + item_key(p) if p.context else ""))
+    mixed = sorted(pending, key=order)
     for k in range(0, len(mixed), size * pool):
         part = sorted(mixed[k : k + size * pool], key=lambda e: -len(e[1]))
         for j in range(0, len(part), size):
@@ -183,7 +186,7 @@ def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new
     t0 = time.time()
     have, pending_keys = store.keys(), {}
     for p in prompts:                              # each prompt once, the first of equal texts
-        pending_keys.setdefault(prompt_key(p.text), p)
+        pending_keys.setdefault(item_key(p), p)
     todo = [p for k, p in pending_keys.items() if k not in have]
     st = GenStats(already=len(pending_keys) - len(todo))
     stops = stop_ids(model, tok)
@@ -191,7 +194,7 @@ def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new
     enc = list(zip(todo, encode(tok, todo)))
     st.encode_seconds = time.time() - t0
     long = [p for p, ids in enc if len(ids) > max_prompt_tokens]
-    store.append([Row(prompt_key(p.text), [], 0, p.category) for p in long])
+    store.append([Row(item_key(p), [], 0, p.category) for p in long])
     st.skipped = len(long)
     pending = [(p, ids) for p, ids in enc if len(ids) <= max_prompt_tokens]
     bar = tqdm(total=len(pending), desc="generate", unit="answer", disable=quiet)
@@ -200,7 +203,7 @@ def generate_into(store: AnswerStore, model, tok, prompts: list[Prompt], max_new
         if deadline is not None and time.time() > deadline:
             break
         answers = answer(model, [ids for _, ids in chunk], max_new_tokens, stops, pad)
-        store.append([Row(prompt_key(p.text), ids + a, len(ids), p.category) for (p, ids), a in zip(chunk, answers)])
+        store.append([Row(item_key(p), ids + a, len(ids), p.category) for (p, ids), a in zip(chunk, answers)])
         done += len(chunk)
         st.answers += len(chunk)
         st.tokens += sum(map(len, answers))

@@ -46,6 +46,8 @@ class TrainConfig:
     lr: float = option(1e-3, "peak AdamW learning rate", group=OPT, above=0, hi=1.0)
     warmup: int = option(100, "warm-up steps (0: none)", group=OPT, lo=0, hi=10**9)
     seed: int = option(0, group=OPT, kind="seed")
+    extend: bool = option(False, "with --resume: raise the run's planned steps to --steps or --epochs (the cosine is "
+                          "stretched over the new total from the step reached; no second warm-up)", group=OPT)
     init: str | None = option(None, "start from this drafter's weights (a drafter folder of the same shape, e.g. an earlier run's output); the schedule starts afresh", group=OPT)
     device: str = option("auto", "auto (cuda when available), cpu or cuda; bf16 autocast on cuda", group=OPT,
                          kind="device_auto")
@@ -59,6 +61,13 @@ class TrainConfig:
     checkpoint_every: int = option(500, "steps between checkpoints", group=RUN, lo=1, hi=10**9)
     checkpoint_dir: str | None = option(None, "checkpoint folder (default OUT.ckpt; removed after the final save)", group=RUN)
     resume: bool = option(False, "continue from the checkpoint folder's last checkpoint", group=RUN)
+    time_limit: float | None = option(None, "seconds this command may take: training stops in time to save the "
+                                      "checkpoint, and --resume continues it; the schedule stays planned for --steps or "
+                                      "--epochs, and the checkpoint folder is kept after the final save", group=RUN,
+                                      above=0, hi=1e7)
+    checkpoint_precision: str = option("exact", "exact: fp32 weights and moments, a resume is bit-for-bit; compact: "
+                                       "bf16 weights and 8-bit moments, compressed, to carry between machines "
+                                       "(docs/app.md)", group=RUN, choices=("exact", "compact"))
     log_every: int = option(50, "steps between logged losses", group=RUN, lo=1, hi=10**9)
     quiet: bool = option(False, "no progress bars or evaluation lines", group=RUN)
     force: bool = option(False, "replace a non-empty --out that is not an earlier train_drafter output (once the new "

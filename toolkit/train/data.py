@@ -72,10 +72,11 @@ class Item:
     category: str
     group: str | None = None
     extra: bool = False
+    context: tuple = ()            # the turns before `text` (multi-turn sources): ((role, text), ...)
 
     @property
     def prompt(self) -> Prompt:
-        return Prompt(self.text, self.category)
+        return Prompt(self.text, self.category, self.context)
 
 
 def bucket(text: str) -> int:
@@ -232,7 +233,7 @@ def scale_pool(sharegpt: str | None = None, all_stdlib: bool = True) -> list[Ite
 def split(pool: list, train: dict[str, int], heldout: dict[str, int]) -> tuple[list[Prompt], list[Prompt]]:
     """(training, held-out) prompts per category, each in pool order; short pools give what they have. `pool` holds
     Prompts or Items: an Item's group is never trained on when its original prompt is held out (any count)."""
-    items = [p if isinstance(p, Item) else Item(p.text, p.category) for p in pool]
+    items = [p if isinstance(p, Item) else Item(p.text, p.category, context=p.context) for p in pool]
     blocked = {i.group for i in items if i.group is not None and not i.extra and is_heldout(i.prompt)}
     tr, ho = [], []
     for cat in CATEGORIES:
@@ -271,6 +272,8 @@ def write_pool(path: str | Path, pool: list) -> None:
         d = {"prompt": p.text, "category": p.category}
         if isinstance(p, Item) and p.group is not None:
             d.update(group=p.group, extra=p.extra)
+        if p.context:
+            d["context"] = [list(t) for t in p.context]
         lines.append(json.dumps(d) + "\n")
     data = "".join(lines).encode("utf-8")
     Path(path).write_bytes(gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data)
@@ -278,7 +281,7 @@ def write_pool(path: str | Path, pool: list) -> None:
 
 def read_pool(path: str | Path) -> list:
     """The prompts of a pool file (JSON lines, or one prompt a line as bench takes; .gz ok): Items when it carries
-    groups, else Prompts. Read through core.files: a binary, non-UTF-8, corrupt or oversized file is one line."""
+    groups, else Prompts; a line's optional "context" holds the turns before its prompt ([[role, text], ...]). Read through core.files: a binary, non-UTF-8, corrupt or oversized file is one line."""
     where = f"--prompts: {path}"
     text = files.read_text(path, "--prompts", limit=POOL_BYTES)
     out, grouped = [], '"group"' in text
@@ -293,9 +296,13 @@ def read_pool(path: str | Path) -> list:
         text_n, cat = d.get("prompt") or d.get("text"), d.get("category", "file")
         if not isinstance(text_n, str) or not text_n.strip() or not isinstance(cat, str):
             raise ToolkitError(f"{where} line {n} is not a pool line (a \"prompt\" string, a \"category\")")
-        group = d.get("group")
-        out.append(Item(text_n, cat, group if isinstance(group, str) else None, bool(d.get("extra", False)))
-                   if grouped else Prompt(text_n, cat))
+        group, context = d.get("group"), d.get("context", [])
+        if not (isinstance(context, list) and all(isinstance(t, list) and len(t) == 2 and t[0] in ("user", "assistant")
+                                                  and isinstance(t[1], str) for t in context)):
+            raise ToolkitError(f"{where} line {n}: \"context\" must be a list of [role, text], role user or assistant")
+        context = tuple(tuple(t) for t in context)
+        out.append(Item(text_n, cat, group if isinstance(group, str) else None, bool(d.get("extra", False)), context)
+                   if grouped else Prompt(text_n, cat, context))
     if not out:
         raise ToolkitError(f"{where} has no prompts")
     return out

@@ -1,7 +1,8 @@
 """One optimisation loop for every model the toolkit trains: AdamW, linear warm-up, cosine decay, clipping.
 
-The tiny pair calls it plainly; the drafter trainer adds resumable state, a checkpoint callback and a
-wall-clock deadline (the cosine is refitted every REFIT steps to the steps the deadline leaves).
+The tiny pair calls it plainly; the drafter trainer adds resumable state, a checkpoint callback, and either a
+wall-clock deadline (the cosine is refitted every REFIT steps to the steps the deadline leaves) or a stop test that
+ends one piece of a run whose schedule stays as planned (--time-limit).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class OptimState:
     steps: int = 0
     losses: list = field(default_factory=list)    # [step, loss] every log_every steps
     optimizer: dict | None = None
-    stopped: str = ""                              # "", "deadline"
+    stopped: str = ""                              # "", "deadline", "time limit"
 
 
 def _now() -> float:
@@ -70,10 +71,12 @@ class Divergence:
 
 def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, desc: str, warmup: int = 50,
              state: OptimState | None = None, on_step: Callable[[OptimState], None] | None = None,
-             deadline: float | None = None, log_every: int = 50, weight_decay: float = 0.01, quiet: bool = False) -> OptimState:
+             deadline: float | None = None, log_every: int = 50, weight_decay: float = 0.01, quiet: bool = False,
+             stop: Callable[[OptimState], bool] | None = None) -> OptimState:
     """AdamW with `warmup` warm-up steps and a cosine decay, gradients clipped at 1; loss_fn() gives one batch's loss
     (or, having called backward on its parts itself, that loss detached).
-    `state` resumes a run; `on_step(state)` runs after every step; `deadline` (time.time()) ends it early."""
+    `state` resumes a run; `on_step(state)` runs after every step; `deadline` (time.time()) ends it early, the
+    schedule refitted to it; `stop(state)`, asked before every step, ends it early with the schedule unchanged."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     st = state or OptimState(steps=steps)
@@ -97,6 +100,9 @@ def optimize(model, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float, 
             if time.time() >= deadline:
                 st.stopped = "deadline"
                 break
+        if stop is not None and stop(st):
+            st.stopped = "time limit"
+            break
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(st.step, st.steps, warmup)
         opt.zero_grad()

@@ -3,9 +3,10 @@
 --out is the drafter folder, replaced atomically at the end and only when it is train_drafter's own earlier output
 (its marker) or with --force. The checkpoint folder (--checkpoint-dir, default OUT.ckpt) holds the resumable state:
 it must be new, empty or an earlier run's checkpoint folder (its own marker; --force never applies to it) and is
-removed after the final save. Both are held while a run uses them (core.locks): a second run on either is refused. --curve
-is a PNG that carries the toolkit's marker; an existing file without it is never replaced. Checkpoints are written
-through a temp file, so a full disk or an interrupt leaves no partial one.
+removed after the final save, unless the run trains in pieces (--time-limit), where it is kept for the next piece
+or an --extend (train/checkpoint.py says what it holds). Both are held while a run uses them (core.locks): a second
+run on either is refused. --curve is a PNG that carries the toolkit's marker; an existing file without it is never
+replaced. Checkpoints are written through a temp folder, so a full disk or an interrupt leaves no partial one.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def held(outs: Outputs) -> Iterator[None]:
 
 def checkpoints(ck: Path, resume: bool) -> Path:
     """The checkpoint folder for the run: created and marked if new."""
-    if resume and not (ck / "ckpt.pt").is_file():
+    if resume and not (ck / "state" / "checkpoint.json").is_file():
         raise OptionError("resume", f": no checkpoint in {ck}")
     ck.mkdir(parents=True, exist_ok=True)
     if owner(ck) != CHECKPOINTS:

@@ -33,6 +33,14 @@ def prompt_key(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def item_key(prompt) -> str:
+    """The store's key of a Prompt: its text's key, or for a message with earlier turns, the key of the whole
+    conversation (the same last message after other turns is another prompt)."""
+    if not getattr(prompt, "context", ()):
+        return prompt_key(prompt.text)
+    return prompt_key(json.dumps([list(t) for t in prompt.context] + [prompt.text]))
+
+
 def id_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "int32"
 

@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core import files
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import read_config
 from ..core.target import text_config
@@ -34,9 +34,13 @@ from . import curve as curves
 from .config import DATA, MEASURE, OPT, RUN, SHAPE, TrainConfig  # noqa: F401  (the options live apart)
 from .data import CATEGORIES
 from .distill import target_taps
-from .objective import GAMMA, chunked_loss, position_weights, sample_anchors
+from .card import card, lineage
+from .objective import chunked_loss, position_weights, sample_anchors
 from .optim import OptimState, optimize
-from .outputs import checkpoints, claim_outputs, held, remove_checkpoints, save_torch
+from .outputs import checkpoints, claim_outputs, held, remove_checkpoints
+from .pieces import (Clock, Run, check_resume, corpus_from, fingerprint, load_best, load_state, missing_best,
+                     planned_steps, rebuild_first_moment, restore, save_state)
+from .pieces import check_options as check_piece_options
 from .prepare import group, heldout_answers, read_inputs, training_answers
 from .tf_tau import eval_set, tf_tau
 
@@ -95,46 +99,15 @@ def initial_weights(folder: str, dcfg: dict) -> dict:
     return {k: v.float() for k, v in load_drafter(folder, what="--init").state_dict().items()}
 
 
-def lineage(folder: str) -> dict:
-    """--init: what the starting drafter had been trained on (its training.json, when it has one), for the card."""
-    try:
-        t = files.read_json(Path(folder).expanduser() / "training.json")
-    except ToolkitError:
-        t = None
-    return {"folder": str(folder), **(recorded(t) if isinstance(t, dict) else {})}
-
-
-def recorded(t: dict, depth: int = 0) -> dict:
-    """The fields of a training.json the card's lineage uses, of the types train_drafter writes (nested --init too)."""
-    out = {k: t[k] for k in ("steps", "sequences", "response_tokens") if type(t.get(k)) is int}
-    out.update({k: t[k] for k in ("seconds", "device") if type(t.get(k)) in (int, float, str)})
-    up = t.get("init")
-    if isinstance(up, dict) and isinstance(up.get("folder"), str) and depth < 16:
-        out["init"] = {"folder": up["folder"], **recorded(up, depth + 1)}
-    return out
-
-
-def started_from(init: dict) -> str:
-    """The card's line for a run that started from an earlier drafter (nested as far as the records go)."""
-    parts = []
-    while init:
-        done = (f"{init['steps']:,} steps on {init['sequences']:,} answers" if "steps" in init and "sequences" in init
-                else "no training record")
-        parts.append(f"{Path(init['folder']).name} ({done})")
-        init = init.get("init")
-    return ("Started from an earlier drafter (--init): " + ", which started from ".join(parts) +
-            "; the data, steps and loss above are this run's alone.")
-
-
 def load_target(path: str, device: str):
     dtype = "auto" if device.startswith("cuda") else torch.float32     # the GPU runs the stored fp16/bf16
     return load_hf_model(path, device, dtype, "--target")
 
 
-def save_checkpoint(ckdir: Path, model: DFlashDraft, st: OptimState, run: dict) -> None:
-    """Weights, optimizer, schedule and the run's record (evaluations, best so far): all a resume needs."""
-    state = {k: v for k, v in asdict(st).items() if k != "optimizer"}
-    save_torch({"model": model.state_dict(), "optim": state, "optimizer": st.optimizer, **run}, ckdir / "ckpt.pt")
+def save_checkpoint(ckdir: Path, model: DFlashDraft, st: OptimState, run: Run) -> None:
+    """Weights, optimizer, schedule, RNG and the run's record (evaluations, best so far, pieces): all a resume needs,
+    in CKDIR/state/, and the best weights in CKDIR/best/ when they changed (train/checkpoint.py)."""
+    save_state(ckdir, model, st, run)
 
 
 class Batches:
@@ -166,32 +139,6 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]))
 
 
-def card(cfg: TrainConfig, dcfg: dict, info: dict) -> str:
-    losses = info["losses"]
-    picks = losses[:: max(1, len(losses) // 12)]
-    curve = ", ".join(f"{s}: {v:.3f}" for s, v in picks + [x for x in losses[-1:] if x not in picks])
-    d = dcfg["dflash_config"]
-    best = info.get("best")
-    kept = (f"Kept: step {best['step']}, the best teacher-forced tau on the held-out prompts (mean of chat and code at "
-            f"B={d['block_size']}): {json.dumps(best['tau'])} (train/tf_tau.py; every evaluation in training.json)."
-            if best else "Kept: the last step (no tau measured during training).")
-    return "\n".join([
-        f"# DFlash drafter for {Path(cfg.target).name}", "",
-        f"Trained by `python -m toolkit.train_drafter` (toolkit/train, objective of arXiv:2602.06036) in {info['seconds']:.0f} s on {info['device']}.",
-        f"Shape: {dcfg['num_hidden_layers']} layers ({', '.join(dcfg['layer_types'])}, window {dcfg['sliding_window']}), "
-        f"hidden {dcfg['hidden_size']}, intermediate {dcfg['intermediate_size']}, block {d['block_size']}, taps {d['target_layer_ids']} "
-        f"(tap_shift 0), mask token {d['mask_token_id']}; {info['params']:,} parameters ({info['params'] * 2 / 1e6:.1f} MB in bf16).",
-        f"Data: {info['sequences']:,} target answers ({info['response_tokens']:,} answer tokens; {info['by_category']}), the "
-        f"target's own greedy answers (chat template) to ShareGPT chats and stdlib code tasks, at most {cfg.max_new_tokens} new "
-        f"tokens; held-out prompts in heldout.json.",
-        f"Steps: {info['steps']} of {info['planned_steps']} ({info['stopped'] or 'completed'}; {info['epochs']:.2f} epochs), "
-        f"{cfg.batch_seqs} sequences x up to {cfg.anchors} anchors per step (drawn afresh), loss weights exp(-(k-1)/gamma) with "
-        f"gamma {GAMMA.get(d['block_size'], 'B/2.3')}, lr {cfg.lr}, seed {cfg.seed}.", f"Loss (step: value): {curve}.",
-        f"Top-1 accuracy per block position at the end: {' '.join(f'{a:.2f}' for a in info['accuracy'])}.", kept,
-        *([started_from(info["init"])] if info.get("init") else []), "",
-        "<!-- tau -->", "tau: not measured yet (`python -m toolkit.eval_tau --target T --draft D --write-card`).", "<!-- /tau -->", ""])
-
-
 def log(cfg: TrainConfig, *a) -> None:
     if not cfg.quiet:
         print(*a, file=sys.stderr, flush=True)
@@ -208,64 +155,100 @@ def train_drafter(target: str, out: str, **options) -> dict:
 
 
 def train_held(cfg: TrainConfig, outs) -> dict:
-    """The run once --out is held: read the inputs, train in the checkpoint folder, remove it after the final save."""
+    """The run once --out is held: read the inputs, train in the checkpoint folder, remove it after the final save
+    (kept for a run made in pieces, with --time-limit: for the next piece or an --extend). Resuming a run whose plan is done writes the
+    drafter from the checkpoint alone: no target weights or answers are read."""
     t0 = time.time()
+    check_piece_options(cfg)
     budget = None if cfg.minutes is None else cfg.minutes * 60
     tcfg = read_config(cfg.target, "target")
-    inputs = read_inputs(cfg)                                                 # every input file, checked now
-    tok = load_hf_tokenizer(cfg.target, "--target")
-    dcfg = build_config(cfg, tcfg, tok)
-    conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
-    init = initial_weights(cfg.init, dcfg) if cfg.init is not None and not cfg.resume else None
-    dev = pick_device(cfg.device)
-    ckdir = checkpoints(outs.ckdir, cfg.resume)
-    info = train(cfg, outs, inputs, ckdir, tcfg, tok, dcfg, conf, vocab, init, dev, t0, budget)
-    remove_checkpoints(outs.ckdir)
+    saved = load_state(outs.ckdir) if cfg.resume else None
+    if saved is not None and done(cfg, saved[1]):
+        tok = load_hf_tokenizer(cfg.target, "--target")
+        info = finish(cfg, outs, outs.ckdir, saved, build_config(cfg, tcfg, tok))
+    else:
+        inputs = read_inputs(cfg)                                             # every input file, checked now
+        tok = load_hf_tokenizer(cfg.target, "--target")
+        dcfg = build_config(cfg, tcfg, tok)
+        conf, vocab = DFlashConfig.from_dict(dcfg), text_config(tcfg)["vocab_size"]
+        init = initial_weights(cfg.init, dcfg) if cfg.init is not None and not cfg.resume else None
+        ckdir = checkpoints(outs.ckdir, cfg.resume)                           # made only once the inputs are good
+        info = train(cfg, outs, inputs, ckdir, tok, dcfg, conf, vocab, init, pick_device(cfg.device), t0, budget, saved)
+    if not any(p.get("time_limit") for p in info["pieces"]):                  # a run made in pieces keeps it
+        remove_checkpoints(outs.ckdir)
     return info
 
 
-def train(cfg: TrainConfig, outs, inputs, ckdir: Path, tcfg: dict, tok, dcfg: dict, conf, vocab: int, init, dev: str,
-          t0: float, budget: float | None) -> dict:
-    """Load the target, answer, train, evaluate and write the drafter (and the curve) for a checked run."""
+def plan_of(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    return math.ceil(cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.steps
+
+
+def done(cfg: TrainConfig, record: dict) -> bool:
+    """Whether a resumed run has nothing left to train (its plan done, and not raised by --extend)."""
+    planned = planned_steps(cfg, record, plan_of(cfg, record["steps_per_epoch"]))
+    return record["optim"]["step"] >= record["optim"]["steps"] and planned == record["planned"]
+
+
+def device_name(dev: str) -> str:
+    return torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu"
+
+
+def train(cfg: TrainConfig, outs, inputs, ckdir: Path, tok, dcfg: dict, conf, vocab: int, init, dev: str,
+          t0: float, budget: float | None, saved: tuple | None) -> dict:
+    """Load the target, answer, train, evaluate and write the drafter (and the curve) for a checked run; with
+    --time-limit, one piece of it (the drafter is written by the piece that completes the plan)."""
     torch.manual_seed(cfg.seed)
     tgt = load_target(cfg.target, dev)
     corpus, gen_report = training_answers(cfg, inputs, ckdir, tgt, tok, vocab, t0 + 0.4 * budget if budget else None)
     held = inputs.held
     store = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    ev = None
-    if cfg.eval_every and held:
-        answers, _ = heldout_answers(cfg, ckdir, tgt, tok, vocab, held)
-        ev = eval_set(tgt, answers, conf, dev, store) if len(answers) else None
-    embed = tgt.get_input_embeddings().weight.detach().to(store)
-    head = tgt.get_output_embeddings().weight.detach().to(store)
-
+    batches = Batches(corpus.lengths, cfg.batch_seqs, cfg.seed)
+    plan = plan_of(cfg, batches.steps_per_epoch)
+    run = Run(drafter_config=dcfg, sequences=len(corpus), fingerprint=fingerprint(corpus), planned=plan,
+              steps_per_epoch=batches.steps_per_epoch, evals=[], best=None, pieces=[], heldout_prompts=group(held),
+              corpus={"response_tokens": corpus.answer_tokens(), "by_category": {c: corpus.count(c) for c in CATEGORIES}},
+              data=gen_report, init=lineage(cfg.init) if cfg.init is not None else None, accuracy=[],
+              precision=cfg.checkpoint_precision)
     torch.manual_seed(cfg.seed)
     model = DFlashDraft(conf).to(dev)
     if init is not None:
         model.load_state_dict(init)
-    batches = Batches(corpus.lengths, cfg.batch_seqs, cfg.seed)
-    planned = math.ceil(cfg.epochs * batches.steps_per_epoch) if cfg.epochs else cfg.steps
-    st = OptimState(steps=planned)
-    run = {"drafter_config": dcfg, "sequences": len(corpus), "evals": [], "best": None}
-    if cfg.resume:
-        ck = torch.load(ckdir / "ckpt.pt", weights_only=False)
-        if ck["drafter_config"] != dcfg or ck["sequences"] != len(corpus):
-            raise OptionError("resume", f": the checkpoint in {ckdir} is for another drafter shape or other answers")
-        model.load_state_dict(ck["model"])
-        st = OptimState(**ck["optim"], optimizer=ck["optimizer"])
-        run.update(evals=ck["evals"], best=ck["best"])
+    st, piece = OptimState(steps=plan), {"piece": 1, "from": 0, "device": device_name(dev), "time_limit": cfg.time_limit}
+    if saved is not None:
+        tensors, record = saved
+        check_resume(record, dcfg, run["fingerprint"], ckdir)
+        plan = planned_steps(cfg, record, plan)
+        st = restore(model, tensors, record)
+        run.update({k: record[k] for k in ("evals", "best", "pieces", "heldout_prompts", "corpus", "data", "init",
+                                           "accuracy")}, planned=plan)
+        run.heldout, run.best_weights = corpus_from(tensors, record), load_best(ckdir, record["best"])
+        piece.update(piece=len(run["pieces"]) + 1, **{"from": st.step})
+        if plan != st.steps and plan != record["planned"]:
+            piece["extended"], st.steps = [record["planned"], plan], plan
+        st.stopped = ""
+    run["pieces"].append(piece)
+    log(cfg, f"piece {piece['piece']} of a run planned for {st.steps} steps: from step {st.step}"
+        + (f", for at most {cfg.time_limit:g} s" if cfg.time_limit is not None else ""))
+    ev = None
+    if cfg.eval_every and held:
+        if run.heldout is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                run.heldout, _ = heldout_answers(cfg, Path(tmp), tgt, tok, vocab, held)
+        ev = eval_set(tgt, run.heldout, conf, dev, store) if len(run.heldout) else None
+    embed = tgt.get_input_embeddings().weight.detach().to(store)
+    head = tgt.get_output_embeddings().weight.detach().to(store)
     weights = position_weights(conf.block_size)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else contextlib.nullcontext()
     sizes = sorted({conf.block_size, min(8, conf.block_size)}, reverse=True)
-    acc_log: list = []
+    clock = Clock(t0, cfg.time_limit)
 
-    def loss_fn() -> torch.Tensor:
-        ids, lengths, starts = corpus.batch(batches.rows(st.step), dev)
+    def loss_at(step: int) -> torch.Tensor:
+        ids, lengths, starts = corpus.batch(batches.rows(step), dev)
         taps = target_taps(tgt, ids, lengths, conf).to(store)
-        anchors, valid = sample_anchors(starts, lengths, cfg.anchors, step_generator(cfg.seed, st.step))
+        anchors, valid = sample_anchors(starts, lengths, cfg.anchors, step_generator(cfg.seed, step))
         with autocast:
             loss, acc = chunked_loss(model, ids, taps, lengths, anchors, valid, embed, head, weights, cfg.anchor_chunk)
-        acc_log[:] = [acc]
+        run["accuracy"] = [round(a, 4) for a in acc.tolist()]
         return loss
 
     def evaluate(step: int) -> None:
@@ -274,33 +257,81 @@ def train(cfg: TrainConfig, outs, inputs, ckdir: Path, tcfg: dict, tok, dcfg: di
         run["evals"].append({"step": step, **r})
         if run["best"] is None or r["score"] > run["best"]["score"]:
             run["best"] = {"step": step, "score": r["score"], "tau": r["tau"]}
-            save_torch({k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}, ckdir / "best.pt")
+            run.best_weights = {k: v.detach().to(torch.bfloat16).cpu().clone() for k, v in model.state_dict().items()}
+            run.best_unsaved = True
         log(cfg, f"step {step}: teacher-forced tau {json.dumps(r['tau'])} (best: step {run['best']['step']})")
+
+    def checkpoint(s: OptimState) -> None:
+        piece.update(to=s.step, seconds=round(time.time() - t0, 1), stopped=s.stopped)
+        clock.timed("save_s", save_checkpoint, ckdir, model, s, run)
 
     def on_step(s: OptimState) -> None:
         if ev is not None and s.step % cfg.eval_every == 0 and s.step < s.steps:
-            evaluate(s.step)
+            clock.timed("eval_s", evaluate, s.step)
         if s.step % cfg.checkpoint_every == 0 and s.step < s.steps:
-            save_checkpoint(ckdir, model, s, run)
+            checkpoint(s)
 
     deadline = t0 + budget - 10 if budget else None       # 10 s left for the final evaluation and save
     model.train()
-    st = optimize(model, loss_fn, planned, cfg.lr, "drafter", cfg.warmup, st, on_step, deadline, cfg.log_every, quiet=cfg.quiet)
-    if ev is not None and (not run["evals"] or run["evals"][-1]["step"] != st.step):
+    piece["replayed"] = rebuild_first_moment(model, loss_at, st)
+    st = optimize(model, lambda: loss_at(st.step), plan, cfg.lr, "drafter", cfg.warmup, st, on_step, deadline, cfg.log_every,
+                  quiet=cfg.quiet, stop=clock.over if cfg.time_limit is not None else None)
+    complete = st.stopped != "time limit"
+    if complete and ev is not None and (not run["evals"] or run["evals"][-1]["step"] != st.step):
         evaluate(st.step)
-    if run["best"] is not None and run["best"]["step"] != st.step:
-        model.load_state_dict(torch.load(ckdir / "best.pt"))
-    params = sum(p.numel() for p in model.parameters())
-    info = {"config": asdict(cfg), "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
-            "params": params, "sequences": len(corpus), "response_tokens": corpus.answer_tokens(),
-            "by_category": {c: corpus.count(c) for c in CATEGORIES}, "steps": st.step, "planned_steps": st.steps,
-            "epochs": round(st.step / batches.steps_per_epoch, 3), "stopped": st.stopped, "losses": st.losses,
-            "accuracy": [round(a, 4) for a in acc_log[0].tolist()] if acc_log else [], "best": run["best"],
-            "evals": run["evals"], "seconds": round(time.time() - t0, 1), "data": gen_report,
-            **({"init": lineage(cfg.init)} if cfg.init is not None else {})}
-    extra = {"README.md": card(cfg, dcfg, info), "heldout.json": json.dumps(group(held), indent=1) + "\n",
-             "training.json": json.dumps(info, indent=1) + "\n"}
-    save_drafter(model.eval().cpu(), outs.out, dtype=torch.bfloat16, extra_files=extra, command="train_drafter")
+    if cfg.time_limit is not None:
+        checkpoint(st)
     if outs.curve is not None:
         curves.plot(curves.curve(st.losses, run["evals"], run["best"]), outs.curve, f"{Path(cfg.target).name}: {len(corpus):,} answers")
+    if not complete:
+        log(cfg, f"piece {piece['piece']} saved at step {st.step} of {st.steps} in {ckdir}: continue with --resume")
+        return summary(cfg, run, st, written=False)
+    best = run.best_weights if run["best"] is not None and run["best"]["step"] != st.step else None
+    if run["best"] is not None and run["best"]["step"] != st.step and best is None:
+        log(cfg, str(missing_best(ckdir, run["best"])))
+        return summary(cfg, run, st, written=False)
+    if best is not None:
+        model.load_state_dict(best)
+    return write_out(cfg, outs, dcfg, model, run, st)
+
+
+def summary(cfg: TrainConfig, run: Run, st: OptimState, written: bool, params: int | None = None) -> dict:
+    """training.json's content (and the command's result): the run so far, over all its pieces."""
+    pieces = run["pieces"]
+    devices = sorted({p["device"] for p in pieces})
+    return {"config": asdict(cfg), "device": ", ".join(devices) or "cpu", "params": params,
+            "sequences": run["sequences"], "response_tokens": run["corpus"]["response_tokens"],
+            "by_category": run["corpus"]["by_category"], "steps": st.step, "planned_steps": st.steps,
+            "epochs": round(st.step / run["steps_per_epoch"], 3), "stopped": st.stopped, "losses": st.losses,
+            "accuracy": run["accuracy"], "best": run["best"], "evals": run["evals"],
+            "seconds": round(sum(p.get("seconds", 0) for p in pieces), 1), "data": run["data"],
+            "pieces": pieces, "piece": pieces[-1]["piece"] if pieces else 0, "complete": st.step >= st.steps,
+            "written": written, **({"init": run["init"]} if run["init"] is not None else {})}
+
+
+def write_out(cfg: TrainConfig, outs, dcfg: dict, model: DFlashDraft, run: Run, st: OptimState) -> dict:
+    """The drafter folder --out from `model`: weights in bf16, its card, heldout.json and training.json."""
+    info = summary(cfg, run, st, written=True, params=sum(p.numel() for p in model.parameters()))
+    extra = {"README.md": card(cfg, dcfg, info), "heldout.json": json.dumps(run["heldout_prompts"], indent=1) + "\n",
+             "training.json": json.dumps(info, indent=1) + "\n"}
+    save_drafter(model.eval().cpu(), outs.out, dtype=torch.bfloat16, extra_files=extra, command="train_drafter")
     return info
+
+
+def finish(cfg: TrainConfig, outs, ckdir: Path, saved: tuple, dcfg: dict) -> dict:
+    """A run whose plan is done: the drafter written from the checkpoint (the best weights, or the last ones)."""
+    tensors, record = saved
+    if record.get("drafter_config") != dcfg:
+        raise OptionError("resume", f": the checkpoint in {ckdir} is for another drafter shape")
+    run = Run({k: v for k, v in record.items() if k not in ("optim", "param_groups", "heldout_answers")})
+    st = OptimState(**record["optim"])
+    model = DFlashDraft(DFlashConfig.from_dict(dcfg))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    best = record["best"]
+    if best is not None and best["step"] != st.step:
+        weights = load_best(ckdir, best)
+        if weights is None:
+            raise missing_best(ckdir, best)
+        model.load_state_dict(weights)
+    log(cfg, f"the run's plan is done ({st.step} steps): writing the drafter from {ckdir}")
+    return write_out(cfg, outs, dcfg, model, run, st)
