@@ -175,6 +175,16 @@ def test_placement_is_parsed_without_the_engine_adapter():
     assert "toolkit.runtime.placement" in g["toolkit.generate"]
 
 
+def test_commands_reach_the_engine_adapter_only_through_the_registry():
+    """No command (a module at toolkit's root) or app.py imports exl3/ (its levers come by runtime.registry.levers);
+    the libraries that drive exllamav3 themselves (quant/, hub's wheel pins) are not commands."""
+    g = graph()
+    outside = sorted(m for m in g if m.count(".") == 1 and m.split(".")[1] in COMMANDS
+                     and any(i.startswith("toolkit.exl3") for i in g[m]))
+    outside += [p.name for p in ROOT.glob("*.py") if re.search(r"^\s*(from|import) toolkit\.exl3", p.read_text(), re.M)]
+    assert outside == []
+
+
 MAX_ENTRY_PARAMETERS = 6
 CLI_RUNNERS = {"run", "run_sub", "run_cli_options"}          # core.cli's runners, as the commands import them
 PIPELINE_ENTRIES = ("toolkit.quant.pipeline:start", "toolkit.quant.pipeline:quantize", "toolkit.hub.space:export")

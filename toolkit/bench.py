@@ -49,10 +49,9 @@ from .benchmark.grid import (  # noqa: F401
     run_grid,
     run_jobs,
 )
-from .exl3.options import ADOPTED, LEVERS, parse_lever
 from .mtp import is_mtp
 from .runtime.factory import load_backend
-from .runtime.registry import BACKENDS, capabilities, check_for_backend
+from .runtime.registry import BACKENDS, capabilities, check_for_backend, levers
 from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 from .benchmark.projection import ASSUMPTION, parse_taus
 
@@ -238,9 +237,10 @@ def bench(o: BenchOptions) -> dict:
     blocks = check_inputs(o.block_sizes, o.concurrency, o.limit, o.reps, max_new_tokens=o.max_new_tokens,
                           temperature=o.temperature, seed=o.seed, device=o.device, cache_tokens=cache_tokens,
                           draft_device=o.draft_device, minutes=o.minutes)
-    lever_opts = [parse_lever(x, ADOPTED) for x in o.levers]
-    if lever_opts and capabilities(o.backend).levers is None:
+    lv = levers(o.backend)
+    if o.levers and lv is None:
         raise ToolkitError("--levers are exllamav3 generator options: use them with --backend exllamav3")
+    lever_opts = [lv.parse_lever(x, lv.ADOPTED) for x in o.levers]
     taus = parse_taus(o.project_tau)
     split = GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device)
     check_for_backend(o.backend, split)
@@ -328,6 +328,9 @@ def write_outputs(result: dict, out: Path) -> None:
         plot(result, tmp / "bench.png")
 
 
+EXL3 = levers("exllamav3")         # the exllamav3 levers --levers names
+
+
 @dataclass
 class BenchOptions:
     target: str | None = option(None, "target model folder (default: the shipped tiny pair)")
@@ -352,9 +355,9 @@ class BenchOptions:
     raw: bool = option(False, "tokenize prompts as is, without the chat template")
     quiet: bool = option(False, "no progress bar or table")
     reps: int = option(1, "repetitions; in each, the cells of a concurrency run wave by wave in turn (default 1; >= 10 for reported runs)", lo=1)
-    levers: list[str] = option([], f"exllamav3 levers as extra cells against the toolkit's defaults ({ADOPTED.tag}; "
+    levers: list[str] = option([], f"exllamav3 levers as extra cells against the toolkit's defaults ({EXL3.ADOPTED.tag}; "
                                "NAME=off turns one off, '+' joins several): "
-                               + ", ".join(f"{k} (default {v})" for k, v in LEVERS.items()), metavar="NAME[=VALUE]")
+                               + ", ".join(f"{k} (default {v})" for k, v in EXL3.LEVERS.items()), metavar="NAME[=VALUE]")
     project_tau: list[str] = option([], "project the speedup at these tau from the measured costs: published "
                                     "(Qwen3.6-35B-A3B DF-16 7.63, DF-8 5.74) or e.g. 7.63@16", metavar="published|TAU@B")
     timing_only: bool = option(False, "record costs only, no tau or losslessness (implied for synthetic checkpoints)")

@@ -10,6 +10,8 @@ from ..core.errors import OptionError, ToolkitError
 from .backend import Backend, Capabilities
 
 BACKENDS = {"torch": "toolkit.runtime.torch_backend:TorchBackend", "exllamav3": "toolkit.exl3.backend:Exl3Backend"}
+# a backend's levers (a module with its options' ADOPTED defaults, LEVERS and parse_lever), light to import
+LEVERS = {"exllamav3": "toolkit.exl3.options"}
 # a backend whose drafting with the target's own MTP head (`--draft mtp`) lives in a class of its own
 MTP_CLASSES = {"torch": "toolkit.runtime.torch_mtp:MtpTorchBackend"}
 
@@ -21,6 +23,12 @@ def backend_class(name: str, mtp: bool = False) -> type[Backend]:
         raise ToolkitError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     module, _, cls = (MTP_CLASSES.get(name, BACKENDS[name]) if mtp else BACKENDS[name]).partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def levers(name: str):
+    """The lever options of the backend called `name` (ADOPTED, LEVERS, parse_lever), None when it has none; reads
+    no engine, so a command's --help may name them."""
+    return importlib.import_module(LEVERS[name]) if name in LEVERS else None
 
 
 def capabilities(name: str) -> Capabilities:
