@@ -72,3 +72,31 @@ def test_helpers():
         Round(drafted=(1, 2), accepted=3, bonus=0)
     r = Round(drafted=(4, 5, 6), accepted=2, bonus=9, t_draft_ms=1.0)
     assert Round.from_json(r.to_json()) == r and r.tokens == [4, 5, 9]
+
+
+def test_a_consumer_that_stops_early_still_ends_its_job():
+    """Closing the stream mid-answer (the app's stop button) ends the job in the policy, as a finished one does."""
+    from toolkit.runtime.policy_book import Drive
+
+    ended = []
+
+    class Policy:
+        draft_len, rates = 3, []
+
+        def start(self, job, last):
+            pass
+
+        def width(self, jobs=1):
+            return 3
+
+        def observe(self, items, ms=None):
+            pass
+
+        def finish(self, job):
+            ended.append(job)
+
+    stream = decode(Scripted(lambda n: 2), [1, 2, 3], 64, Sampler(), set(), 3, Drive(Policy()))
+    next(stream), next(stream)
+    assert ended == []
+    stream.close()
+    assert ended == [0]

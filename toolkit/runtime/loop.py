@@ -70,27 +70,29 @@ def decode(
     t0 = time.perf_counter()
     token = sampler(steps.prefill(prompt_ids))[-1]
     drive.start(0, prompt_ids[-1])
-    rnd = Round(drafted=(), accepted=0, bonus=token, t_verify_ms=_ms(t0), prefill=True)
-    drive.observe([(0, (), rnd)])
-    yield rnd
-    emitted = 1
-    while emitted < max_new_tokens and token not in stop_ids:
-        width = drive.width(1)
-        t0 = time.perf_counter()
-        proposal = steps.draft_block(token, drive.draft_len) if width else []
-        drafted = proposal[:width]
-        t_draft = _ms(t0)
-
-        t0 = time.perf_counter()
-        picks = sampler(steps.verify([token] + drafted))
-        accepted = accepted_prefix(drafted, picks)
-        out = clip(drafted[:accepted] + [picks[accepted]], stop_ids, max_new_tokens - emitted)
-        steps.accept(len(out))                      # the cache keeps [token] + accepted drafts
-        t_verify = _ms(t0)
-
-        token = out[-1]
-        emitted += len(out)
-        rnd = Round(tuple(drafted), len(out) - 1, token, t_draft, t_verify, proposed=len(proposal))
-        drive.observe([(0, proposal, rnd)], t_draft + t_verify)
+    try:
+        rnd = Round(drafted=(), accepted=0, bonus=token, t_verify_ms=_ms(t0), prefill=True)
+        drive.observe([(0, (), rnd)])
         yield rnd
-    drive.end()
+        emitted = 1
+        while emitted < max_new_tokens and token not in stop_ids:
+            width = drive.width(1)
+            t0 = time.perf_counter()
+            proposal = steps.draft_block(token, drive.draft_len) if width else []
+            drafted = proposal[:width]
+            t_draft = _ms(t0)
+
+            t0 = time.perf_counter()
+            picks = sampler(steps.verify([token] + drafted))
+            accepted = accepted_prefix(drafted, picks)
+            out = clip(drafted[:accepted] + [picks[accepted]], stop_ids, max_new_tokens - emitted)
+            steps.accept(len(out))                      # the cache keeps [token] + accepted drafts
+            t_verify = _ms(t0)
+
+            token = out[-1]
+            emitted += len(out)
+            rnd = Round(tuple(drafted), len(out) - 1, token, t_draft, t_verify, proposed=len(proposal))
+            drive.observe([(0, proposal, rnd)], t_draft + t_verify)
+            yield rnd
+    finally:                                        # a consumer that stops early ends its job too
+        drive.end()
