@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "toolkit" / "data" / "tiny_pair"
 QUIET = ["--max-new-tokens", "4", "--quiet"]
 MODELS = ["--target", "{target}", "--draft", "{draft}"]
+# The smallest run that still writes every output (drafter folder, checkpoint folder, curve, a held-out evaluation):
+# short answers, few anchors, one layer. Both runs of a case train in full (its temps appear as it finishes), so
+# the defaults (256-token answers, 512 anchors) cost these cases most of their time.
+TRAIN = ["--target", "{target}", "--out", "{out}/d", "--prompts", "{prompts}", "--chat", "4", "--code", "4",
+         "--heldout-chat", "1", "--heldout-code", "1", "--steps", "2", "--layers", "1", "--max-new-tokens", "8",
+         "--eval-tokens", "8", "--anchors", "8"]
 CASES = {
     "pad": ["toolkit.pad", "{target}", "{out}/padded"],
     "fixtures": ["toolkit.fixtures", "--out", "{out}/fx"],
@@ -32,12 +38,8 @@ CASES = {
     "eval_tau --out": ["toolkit.eval_tau", *MODELS, "--heldout", "{heldout}", "--out", "{out}/tau.json", *QUIET],
     "eval_tau --write-card": ["toolkit.eval_tau", "--target", "{target}", "--draft", "{out}/draft", "--heldout",
                               "{heldout}", "--write-card", *QUIET],
-    "train_drafter": ["toolkit.train_drafter", "--target", "{target}", "--out", "{out}/d", "--prompts", "{prompts}",
-                      "--chat", "4", "--code", "4", "--heldout-chat", "1", "--heldout-code", "1", "--steps", "2",
-                      "--curve", "{out}/curve.png", "--quiet"],
-    "train_drafter --out": ["toolkit.train_drafter", "--target", "{target}", "--out", "{out}/d", "--prompts",
-                            "{prompts}", "--chat", "4", "--code", "4", "--heldout-chat", "1", "--heldout-code", "1",
-                            "--steps", "2", "--quiet"],
+    "train_drafter": ["toolkit.train_drafter", *TRAIN, "--curve", "{out}/curve.png", "--quiet"],
+    "train_drafter --out": ["toolkit.train_drafter", *TRAIN, "--quiet"],
     "preview_run": ["toolkit.preview_run", "--out", "{out}/run", "--bits", "4.0"],
     "demo prepare": ["toolkit.demo", "prepare", "--out", "{out}/smol"],
 }
