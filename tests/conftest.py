@@ -10,7 +10,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The commands the tests run as subprocesses inherit this: one torch thread each, as set_num_threads(1) below does
 # in-process. Two test workers whose children each start a thread per core oversubscribe a 2-core machine, and
-# spinning OpenMP threads then made the tiny models' matmuls 10-20 times slower (preview_run: 88 CPU s, 12 with it).
+# spinning OpenMP threads then made the tiny models' matmuls 10-20 times slower on a busy one (load 7: preview_run
+# took 88 CPU s, 12 with one thread).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DFLASH_DEMO", "tiny")          # app tests run the fast toy pair; test_demo_app.py runs SmolLM2
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
