@@ -10,14 +10,55 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The commands the tests run as subprocesses inherit this: one torch thread each, as set_num_threads(1) below does
 # in-process. Two test workers whose children each start a thread per core oversubscribe a 2-core machine, and
-# spinning OpenMP threads then made the tiny models' matmuls 10-20 times slower (preview_run: 88 CPU s, 12 with it).
+# spinning OpenMP threads then made the tiny models' matmuls 10-20 times slower on a busy one (load 7: preview_run
+# took 88 CPU s, 12 with one thread).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("DFLASH_DEMO", "tiny")          # app tests run the fast toy pair; test_demo_app.py runs SmolLM2
+os.environ.setdefault("DFLASH_DEMO", "tiny")          # app tests run the fast toy pair; slow/test_demo_app.py runs SmolLM2
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(1)  # tiny models: one thread beats two on a 2-core machine
 
 
+# `-n 2 --dist loadfile` deals whole files to the two workers in collection order (xdist would otherwise order them by
+# their number of tests): the longest go first, so that none is dealt last to one worker while the other has run out
+# of files. Each tier's longest on 2 workers, longest first (2026-12-07); the files not listed follow in their order.
+LONGEST = ("slow/test_killed_writers.py", "slow/test_lossless.py", "slow/test_bad_input.py", "slow/test_app_browser.py",
+           "slow/test_grouped_moe.py", "slow/test_space.py", "slow/test_fuzz.py",
+           "test_generate.py", "test_quantize_exl3.py", "test_quantize_pipeline.py", "test_moe_lever.py",
+           "test_bad_input_files.py", "test_quantize_offline.py", "test_policy_backend.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+SLOW = os.path.join(HERE, "slow")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A tier collects its own files alone (each worker imports every file it collects): `-m slow` those in
+    tests/slow/, `-m "not slow"` the others. tests/test_layout.py checks that no test outside tests/slow/ is marked
+    slow; any other -m expression collects everything."""
+    tier = (config.getoption("markexpr", "") or "").strip()
+    if tier not in ("slow", "not slow"):
+        return None
+    path = str(collection_path)
+    inside = path == SLOW or path.startswith(SLOW + os.sep)
+    if tier == "not slow" and inside:
+        return True
+    if tier == "slow" and not inside and os.path.basename(path).startswith("test_") and path.endswith(".py"):
+        return True
+    return None
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False                 # keep the order pytest_collection_modifyitems gives
+
+
+def longest_first(item) -> int:
+    rel = os.path.relpath(str(item.path), HERE).replace(os.sep, "/")
+    return LONGEST.index(rel) if rel in LONGEST else len(LONGEST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=longest_first)                                # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and exllamav3 (run on the device)")

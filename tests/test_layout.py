@@ -2,7 +2,8 @@
 (imports under `if TYPE_CHECKING:` count), no Python file over 400 lines, libraries never import a command (a module
 at toolkit's root), no test imports experiments/ (its self-check is `python -m experiments.selftest`), at most 20
 experiment scripts, docs/ at most 1,500 lines with docs/results.md at most 300, no tracked file named by a run
-number, every command's library entry takes at most 6 parameters (its options object), and the policy stays small."""
+number, every command's library entry takes at most 6 parameters (its options object), slow tests
+only in tests/slow/, and the policy stays small."""
 
 from __future__ import annotations
 
@@ -138,6 +139,12 @@ def test_docs_stay_short():
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "docs").rglob("*.md")}
     assert lines["docs/results.md"] <= MAX_RESULTS_LINES, lines["docs/results.md"]
     assert sum(lines.values()) <= MAX_DOCS_LINES, (sum(lines.values()), lines)
+
+
+def test_slow_tests_live_in_tests_slow():
+    """The slow tier is tests/slow/: `-m slow` collects nothing else, and `-m "not slow"` nothing of it (conftest)."""
+    marked = [p.name for p in (ROOT / "tests").glob("test_*.py") if re.search(r"mark\.slow\b", p.read_text())]
+    assert not marked, f"move {marked} into tests/slow/: the slow tier collects only that folder"
 
 
 def test_no_tracked_file_is_named_by_a_run_number():
