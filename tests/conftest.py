@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(1)  # tiny models: one thread beats two on a 2-core machine
 
 
-# `-n 2 --dist loadfile` deals whole files to the two workers in collection order (xdist would otherwise order them by
+# `--dist loadfile` deals whole files to the workers in collection order (xdist would otherwise order them by
 # their number of tests): the longest go first, so that none is dealt last to one worker while the other has run out
 # of files. Each tier's longest on 2 workers, longest first (2026-12-07); the files not listed follow in their order.
 LONGEST = ("slow/test_killed_writers.py", "slow/test_lossless.py", "slow/test_bad_input.py", "slow/test_app_browser.py",

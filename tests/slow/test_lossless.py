@@ -39,9 +39,11 @@ def check(backend, prompt, block, n=24, memo=None):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_moe"])
 def test_lossless_random_targets(models, arch):
+    """Every block size over half the prompts (a random target rejects nearly every draft, so each prompt costs
+    about as many rounds as tokens; the trained pair below covers every prompt)."""
     backend, memo = TorchBackend.from_dirs(*models[arch]), {}
     for block in BLOCKS:
-        for p in PROMPTS:
+        for p in PROMPTS[::2]:
             check(backend, p, block, memo=memo)
 
 
