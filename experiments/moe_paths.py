@@ -153,12 +153,15 @@ def wrap(moe, *paths: str):
     """The lever's forward on `moe` with these paths on (none: exllamav3's own through the wrap)."""
     from toolkit.exl3 import moe as lever
 
+    lever.ROWS.update(WIDE)
     w = lever.MoeForward(moe)
     w.on.update({p: True for p in paths})
     return w
 
 
-PATHS = {"stock": (), "grouped": ("grouped",), "union": ("union",)}
+PATHS = {"stock": (), "grouped": ("grouped",), "union": ("union",), "packed": ("packed",)}
+# Each path timed at every row count it can take, not only where the lever sends it.
+WIDE = {"union": (1, 64), "packed": (1, 512), "grouped": (1, 64)}
 
 
 def synced(label: str, fn):
@@ -189,10 +192,11 @@ def check_agreement(moe, rows_list) -> dict:
         for name, f in wraps.items():
             y = synced(f"{rows} rows, {name}", lambda: f(x, {}).float().view(rows, -1))
             row[f"{name}_vs_stock"], row[f"{name}_vs_dense"] = diff(y, stock), diff(y, ref)
-            if name == "union":                    # the second call captures a graph, the third replays it
-                again = [synced(f"{rows} rows, union graph {i}", lambda: f(x, {}).float().view(rows, -1))
+            if name in ("union", "packed"):        # the second call captures a graph, the third replays it
+                again = [synced(f"{rows} rows, {name} graph {i}", lambda: f(x, {}).float().view(rows, -1))
                          for i in ("capture", "replay")]
-                row["union_graphs_vs_eager"] = max(diff(z, y) for z in again)
+                row[f"{name}_graphs_vs_eager"] = max(diff(z, y) for z in again)
+            row[f"{name}_calls"] = {k: v for k, v in f.calls.items() if v} | ({"unfit": f.unfit} if f.unfit else {})
         out[rows] = row
     out["paths"] = {name: dict(f.calls) for name, f in wraps.items()}
     out["unfit"] = {name: f.unfit for name, f in wraps.items()}
@@ -297,7 +301,7 @@ def time_layer(run: Run, moe, rows_list, reps: int, calls: int, dense: dict | No
     for rows in rows_list:
         cell = out[rows]
         med = lambda n: cell[n]["gpu_ms"]["median"]
-        for name in ("stock", "grouped", "union", "union_eager"):
+        for name in ("stock", "grouped", "union", "union_eager", "packed"):
             experts_ms = med(name) - med("router")
             cell[f"{name}_round_ms"] = round(med(name) * LAYERS, 3)
             cell[f"{name}_gb_s"] = round(cell["bytes_experts"] / experts_ms / 1e6, 1) if experts_ms > 0 else None
@@ -314,7 +318,7 @@ def profile(moe, rows_list, calls: int = 5) -> dict:
     out = {}
     for rows in rows_list:
         fns, _ = variants(moe, rows)
-        for name in ("union", "union_eager", "stock"):
+        for name in ("union", "union_eager", "packed", "stock"):
             fns[name]()
             torch.cuda.synchronize()
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -345,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.moe_paths", description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=WORK, help="where the one-layer checkpoint lives (default /tmp/moe_paths)")
     ap.add_argument("--resynth", action="store_true", help="synthesise again even when present")
-    ap.add_argument("--check-rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="rows per call timed")
+    ap.add_argument("--check-rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64, 128])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128], help="rows per call timed")
     ap.add_argument("--profile-rows", type=int, nargs="*", default=[1, 8, 16], help="rows per call profiled")
     ap.add_argument("--reps", type=int, default=10, help="interleaved repetitions (default 10)")
     ap.add_argument("--calls", type=int, default=20, help="calls per timed window (default 20)")

@@ -375,7 +375,7 @@ def test_the_grouped_moe_lever_wraps_the_moe_layers_and_reports_its_paths(monkey
     moe = FakeMoE()
     be = make_backend(monkeypatch, tmp_path, model=[moe], moe_class=FakeMoE)
     assert isinstance(vars(moe)["forward"], MoeForward) and be.options.tag == "graph_draft_swa,grouped_moe,union_moe"
-    assert be.engine_report() == {"moe_paths": {"union": 0, "grouped": 0, "stock": 0}}     # on by default
+    assert be.engine_report() == {"moe_paths": {"union": 0, "packed": 0, "grouped": 0, "stock": 0}}     # on by default
     be.set_options(Exl3Options(graph_draft_swa=True))
     assert "forward" not in vars(moe) and be.engine_report() is None
 

@@ -1,5 +1,5 @@
-"""The MoE lever on exllamav3's BlockSparseMLP (toolkit/exl3/moe.py) on a stand-in layer: each call takes the union
-path, the grouped path or exllamav3's own by its rows and the levers on; what it does not implement, or a kernel
+"""The MoE lever on exllamav3's BlockSparseMLP (toolkit/exl3/moe.py) on a stand-in layer: each call takes the union,
+packed or grouped path or exllamav3's own by its rows and the levers on; what it does not implement, or a kernel
 that fails, falls back to exllamav3's forward."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_union_takes_the_rows_where_it_wins(layer):
     x, _, _ = routed(1, seed=2)
     assert moe.forward(x.repeat(17, 1), {}) == "stock"                 # past 16 rows union loses to grouped
     assert moe.forward(x.repeat(4, 1), {"capture_sens": {}}) == "stock"    # a calibration pass
-    assert lever.path_counts([moe], FakeMoE) == {"union": 4, "grouped": 0, "stock": 2}
+    assert lever.path_counts([moe], FakeMoE) == {"union": 4, "packed": 0, "grouped": 0, "stock": 2}
 
 
 def test_grouped_takes_verify_rows_and_leaves_the_rest_stock(layer):
@@ -94,7 +94,7 @@ def test_grouped_takes_verify_rows_and_leaves_the_rest_stock(layer):
     check(moe, layer, 12, 17)
     x, _, _ = routed(8, seed=2)
     assert moe.forward(x, {}) == "stock"                               # up to 8 rows: exllamav3's own
-    assert lever.path_counts([moe], FakeMoE) == {"union": 0, "grouped": 1, "stock": 1}
+    assert lever.path_counts([moe], FakeMoE) == {"union": 0, "packed": 0, "grouped": 1, "stock": 1}
     assert lever.set_paths([moe], FakeMoE, {"grouped": False, "union": False}) == 1 and "forward" not in vars(moe)
 
 
@@ -107,13 +107,21 @@ def test_a_path_turned_off_and_on_again_keeps_what_it_built(layer):
     lever.set_paths([moe], FakeMoE, {"grouped": True, "union": False})
     assert vars(moe)["forward"] is wrap and wrap.tables == tables       # no rebuild: tables and graphs kept
     check(moe, layer, 12, 18)
-    assert wrap.calls == {"union": 0, "grouped": 2, "stock": 0}
+    assert wrap.calls == {"union": 0, "packed": 0, "grouped": 2, "stock": 0}
 
 
 def test_both_on_union_first(layer):
     moe, wrap = wrapped(layer, union=True, grouped=True)
     check(moe, layer, 10, 5)
-    assert wrap.calls == {"union": 1, "grouped": 0, "stock": 0}
+    assert wrap.calls == {"union": 1, "packed": 0, "grouped": 0, "stock": 0}
+
+
+def test_packed_takes_the_rows_past_union_and_ahead_of_grouped(layer):
+    moe, wrap = wrapped(layer, union=True, packed=True, grouped=True)
+    for rows, seed in ((16, 5), (17, 6), (40, 7)):
+        check(moe, layer, rows, seed)
+    assert wrap.calls == {"union": 1, "packed": 2, "grouped": 0, "stock": 0}
+    assert wrap.tables["packed"] is not wrap.tables["union"]            # its own copy of the same tables
 
 
 def test_falls_back_on_what_it_does_not_implement(layer):
@@ -142,4 +150,4 @@ def test_a_failing_kernel_turns_its_path_off(layer, monkeypatch):
         assert moe.forward(x, {}) == "stock"                               # the failing call: exllamav3's own
     assert "ptxas" in wrap.unfit["union"] and torch.is_tensor(moe.forward(x, {}))     # then grouped takes it
     assert moe.forward(x[:4], {}) == "stock"
-    assert lever.path_counts([moe], FakeMoE) == {"union": 0, "grouped": 1, "stock": 2}
+    assert lever.path_counts([moe], FakeMoE) == {"union": 0, "packed": 0, "grouped": 1, "stock": 2}

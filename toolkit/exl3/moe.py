@@ -4,6 +4,8 @@ path that wins at its row count, and exllamav3's own forward everywhere else.
 - `union_moe` (toolkit/moe/union.py): the distinct experts a call touches, each decoded once for all of its rows
   by exllamav3's multi-matrix EXL3 GEMM, with the union, activation and weighted sum in small Triton kernels and
   no host sync;
+- `packed_moe` (toolkit/moe/packed.py): each touched expert decoded once per 8 of its own rows by the same GEMM,
+  its rows packed into slots on the GPU;
 - `grouped_moe` (toolkit/moe/grouped.py): the call's picks sorted by expert, each expert's weights decoded by our
   Triton kernels once per block of its own rows.
 
@@ -23,11 +25,13 @@ from ..moe.weights import Exl3Weight, MoeLayer
 from . import seams
 from .draft_levers import set_forward_wrap
 
-ROWS = {"union": (1, 16), "grouped": (9, 64)}     # rows per call each path takes (inclusive), union first. H100,
+ROWS = {"union": (1, 16), "packed": (17, 512), "grouped": (9, 64)}   # rows per call each path takes (inclusive),
+# the first on in PATHS order wins. H100,
 # whole model: c=1 w=7 round 15.8 -> 12.3 ms, c=8 AR step 13.5 -> 10.1, c=1 AR step 6.56 -> 6.31 (1 row); one layer:
 # union / stock 0.93 at 4 rows, 0.71 at 8; union / grouped 0.65 at 16, 1.04 at 32
-GRAPH_UNION = True                                # replay the union path from a CUDA graph per (layer, rows)
-PATHS = ("union", "grouped")
+GRAPH_UNION = True                 # replay the union and packed paths from a CUDA graph per (layer, rows)
+PATHS = ("union", "packed", "grouped")
+GRAPHED = ("union", "packed")
 UNSAFE_PARAMS = ("autosplit_measure", "capture_sens", "capture_qmaps", "activate_all_experts", "tp_warmup",
                  "capture", "quant_preserve", "ovr", "reconstruct")      # calibration, conversion, overrides
 
@@ -93,12 +97,12 @@ class MoeForward:
         self.module = module
         self.inner = type(module).forward.__get__(module)      # the class's own forward, bound
         self.on: dict[str, bool] = {p: False for p in PATHS}
-        self.calls = {"union": 0, "grouped": 0, "stock": 0}
+        self.calls = {**{p: 0 for p in PATHS}, "stock": 0}
         self.tables: dict[str, object] = {}
         self.key = None
         self.unfit: dict[str, str] = {}
         self.mgemm = None                                      # exllamav3's exl3_mgemm unless a test sets one
-        self.graphed = None                                    # the union path's graphs (moe/graphs.py), per tables
+        self.graphed: dict = {}                                # path -> its graphs (moe/graphs.py), per tables
         self.graph_union = GRAPH_UNION
 
     def current_tables(self, path: str):
@@ -106,7 +110,7 @@ class MoeForward:
         lin = self.module.gates[0].inner
         key = (lin.trellis.data_ptr(), str(lin.trellis.device))
         if key != self.key:
-            self.key, self.tables, self.unfit, self.graphed = key, {}, {}, None
+            self.key, self.tables, self.unfit, self.graphed = key, {}, {}, {}
         if path not in self.tables and path not in self.unfit:
             try:
                 self.tables[path] = build(path, module_layer(self.module), lin.trellis.device)
@@ -148,19 +152,22 @@ class MoeForward:
         return out if out_dtype is None else out.to(out_dtype)
 
     def run(self, path: str, y: torch.Tensor, sel: torch.Tensor, w: torch.Tensor, tables) -> torch.Tensor:
-        if path == "union":
-            from ..moe.union import union_forward
+        if path in GRAPHED:
+            if path == "union":
+                from ..moe.union import union_forward as forward
+            else:
+                from ..moe.packed import packed_forward as forward
 
             if self.mgemm is None:
                 self.mgemm = seams.get("exl3_mgemm")
             if not (self.graph_union and y.is_cuda):
-                return union_forward(y, sel, w, tables, self.mgemm)
-            if self.graphed is None:
+                return forward(y, sel, w, tables, self.mgemm)
+            if path not in self.graphed:
                 from ..moe.graphs import Graphed
 
                 mgemm = self.mgemm
-                self.graphed = Graphed(lambda a, s, v, out=None: union_forward(a, s, v, tables, mgemm, out=out))
-            return self.graphed(y, sel, w)
+                self.graphed[path] = Graphed(lambda a, s, v, out=None: forward(a, s, v, tables, mgemm, out=out))
+            return self.graphed[path](y, sel, w)
         from ..moe.grouped import MAX_SORT, grouped_forward
 
         if sel.numel() + sel.shape[0] > MAX_SORT:
@@ -170,7 +177,7 @@ class MoeForward:
 
 def build(path: str, layer: MoeLayer, device: torch.device):
     """A layer's tables for one path (ValueError when its formats do not fit that path)."""
-    if path == "union":
+    if path in GRAPHED:                      # the packed path reads the union path's tables
         from ..moe.union import build_tables
     else:
         from ..moe.grouped import build_tables
@@ -232,8 +239,9 @@ def capture_refusal(model, moe_class: type):
 
 
 def path_counts(model, moe_class: type) -> dict[str, int]:
-    """Calls per path summed over the model's wrapped MoE layers: {"union": n, "grouped": m, "stock": k}."""
-    total = {"union": 0, "grouped": 0, "stock": 0}
+    """Calls per path summed over the model's wrapped MoE layers: {"union": n, "packed": p, "grouped": m,
+    "stock": k}."""
+    total = {**{p: 0 for p in PATHS}, "stock": 0}
     for m in model:
         wrap = vars(m).get("forward") if isinstance(m, moe_class) else None
         if isinstance(wrap, MoeForward):

@@ -13,13 +13,16 @@ Exl3Options() is exllamav3's own behaviour; ADOPTED, the backend's default, turn
   touched expert's weights decoded once per block of its rows. On the real shape: verify rounds 7-24 % cheaper at
   16-64 rows; the speculative output equal to the stock path's on a trained MoE fixture.
 
-Not adopted yet (being measured; `--levers forward_graphs`):
+Not adopted yet (being measured; `--levers forward_graphs`, `--levers packed_moe`):
 
 - `forward_graphs`: the target's whole decode forward (every layer and the LM head, up to 16 tokens per job and
   32 jobs) replayed from one CUDA graph per shape (graphs.py), so the host issues one launch instead of about a
   thousand. exllamav3's own per-module graphs cannot run inside such a capture: start the process with
   EXL3_GRAPHS=0 (exllamav3 then issues the same kernels eagerly and these graphs hold them); otherwise the
   captures fail and the calls stay eager, one log line saying so.
+- `packed_moe`: MoE calls of 17-512 rows decode each touched expert once per 8 of its own rows through
+  exllamav3's multi-matrix GEMM (toolkit/moe/packed.py), where the union path multiplies every row by every
+  touched expert and the grouped path decodes with our own Triton kernels.
 
 Elsewhere (past 64 rows, calibration passes) exllamav3's own MoE forward runs. Without Triton both MoE
 levers stay off; the bench JSON says how many MoE calls took which path.
@@ -43,10 +46,11 @@ class Exl3Options:
     grouped_moe: bool = False
     union_moe: bool = False
     forward_graphs: bool = False
+    packed_moe: bool = False
 
     @property
     def moe_levers(self) -> bool:
-        return self.grouped_moe or self.union_moe
+        return self.grouped_moe or self.union_moe or self.packed_moe
 
     @property
     def tag(self) -> str:
@@ -58,7 +62,8 @@ class Exl3Options:
 # The toolkit's defaults on exllamav3 (generate, bench, eval_tau and the app use them unless told otherwise).
 ADOPTED = Exl3Options(graph_draft_swa=True, grouped_moe=True, union_moe=True)
 
-LEVERS = {"graph_draft_swa": True, "grouped_moe": True, "union_moe": True, "forward_graphs": True}   # lever -> the value `--levers NAME` uses when none is given
+LEVERS = {"graph_draft_swa": True, "grouped_moe": True, "union_moe": True, "forward_graphs": True,
+          "packed_moe": True}                   # lever -> the value `--levers NAME` uses when none is given
 
 
 def parse_lever(text: str, base: Exl3Options | None = None) -> tuple[str, Exl3Options]:
