@@ -259,6 +259,7 @@ def dense_rate(moe, rows_list, calls: int) -> dict:
 
 def variants(moe, rows: int) -> tuple[dict, int]:
     """The timed callables at `rows` rows, and how many distinct experts their routing touches."""
+    from toolkit.moe.packed import packed_forward
     from toolkit.moe.union import union_forward
 
     x = hidden_rows(moe, rows, seed=100 + rows)
@@ -270,7 +271,12 @@ def variants(moe, rows: int) -> tuple[dict, int]:
     u = wrap(moe, "union")
     u(x, {})
     y = x.view(rows, -1)
-    fns["union_kernels"] = lambda: union_forward(y, sel, w, u.tables["union"], u.mgemm)
+    if rows <= 64:                                         # the union path's workspace stops there
+        fns["union_kernels"] = lambda: union_forward(y, sel, w, u.tables["union"], u.mgemm)
+    p = wrap(moe, "packed")
+    p(x, {})
+    for m in (8, 16):                                      # rows per slot, eager
+        fns[f"packed{m}_eager"] = (lambda m: lambda: packed_forward(y, sel, w, p.tables["packed"], p.mgemm, m=m))(m)
     fns["router"] = lambda: moe.routing_fn(rows, moe.routing_cfg, y, {})
     return fns, int(sel.unique().numel())
 
@@ -301,7 +307,7 @@ def time_layer(run: Run, moe, rows_list, reps: int, calls: int, dense: dict | No
     for rows in rows_list:
         cell = out[rows]
         med = lambda n: cell[n]["gpu_ms"]["median"]
-        for name in ("stock", "grouped", "union", "union_eager", "packed"):
+        for name in ("stock", "grouped", "union", "union_eager", "packed", "packed8_eager", "packed16_eager"):
             experts_ms = med(name) - med("router")
             cell[f"{name}_round_ms"] = round(med(name) * LAYERS, 3)
             cell[f"{name}_gb_s"] = round(cell["bytes_experts"] / experts_ms / 1e6, 1) if experts_ms > 0 else None
