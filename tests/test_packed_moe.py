@@ -42,6 +42,8 @@ def test_pack_gives_each_expert_its_own_rows_in_slots_of_m(rows, m):
         mine = [r for r in range(rows) for j in range(k) if int(sel[r, j]) == e]
         want += [(e, mine[i:i + m]) for i in range(0, len(mine), m)]
     assert int(live) == len(want) <= s
+    worst = torch.arange(rows * k) % min(E, rows * k)           # as many experts as can be, each one row past m
+    assert pk.pack(worst.view(rows, k), E, m, s)[3] <= s
     assert matrix.tolist() == [e for e, _ in want] + [-1] * (s - len(want))
     for slot, (e, mine) in enumerate(want):
         assert who[slot * m:(slot + 1) * m].tolist() == mine + [rows] * (m - len(mine))

@@ -19,9 +19,9 @@ M = 8                       # rows per slot: exllamav3's kernel decodes at its f
 
 
 def slot_bound(picks: int, experts: int, m: int = M) -> int:
-    """Slots a call of `picks` (row, expert) pairs can fill: one partial slot per expert at most, plus the full
-    ones (sum of ceil(n_e / m) <= distinct + picks / m)."""
-    return min(picks, experts) + -(-picks // m)
+    """The most slots a call of `picks` (row, expert) pairs can fill: sum of ceil(n_e / m) over its distinct
+    experts, at most (picks + distinct * (m - 1)) / m."""
+    return (picks + min(picks, experts) * (m - 1)) // m
 
 
 def pack(sel: torch.Tensor, experts: int, m: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
