@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -186,13 +187,12 @@ def test_browser_turns_start_their_acceptance_afresh_and_carry_the_round_costs(a
     assert second_ids[:len(first_ids)] == first_ids and len(second_ids) > len(first_ids) and other_ids == first_ids
 
 
-def slowed(generate, seconds: float):
-    """The backend's generate with every round `seconds` slower: a turn long enough to send into."""
-    import time
-
+def slowed(generate, seconds: float, until):
+    """The backend's generate with every round `seconds` slower while `until` (an Event) is not set: a turn long
+    enough to send into, which runs at full speed once the test has seen what it waited for."""
     def slow(ids, settings, speculative=True):
         for r in generate(ids, settings, speculative):
-            time.sleep(seconds)
+            until.wait(seconds)
             yield r
     return slow
 
@@ -212,7 +212,8 @@ def test_browser_send_during_a_turn_keeps_the_prompt_and_empty_send_changes_noth
     box, button = page.locator("#dfl-input textarea"), page.locator("#dfl-send")
     be = app.handler.loaded.backend
     inner = be.generate
-    be.generate = slowed(inner, 0.25)
+    seen = threading.Event()
+    be.generate = slowed(inner, 0.25, seen)
     try:
         box.fill(PROMPT)
         box.press("Enter")                                                      # a long turn starts
@@ -222,6 +223,7 @@ def test_browser_send_during_a_turn_keeps_the_prompt_and_empty_send_changes_noth
         box.press("Enter")                                                      # refused while the turn runs
         page.get_by_text("A turn is still running").first.wait_for(timeout=30_000)
         assert box.input_value() == nxt
+        seen.set()                                                              # the rest of the turn at full speed
         page.wait_for_function("() => !document.querySelector('#dfl-send').disabled", timeout=300_000)
     finally:
         be.generate = inner
