@@ -221,7 +221,7 @@ def use_training(folder: Path, obj) -> None:
 
 def use_synth_config(folder: Path, obj) -> None:
     from toolkit.dflash import DFlashConfig
-    from toolkit.synthetic.build import read_shape
+    from toolkit.synthetic.inputs import read_shape
     from toolkit.synthetic.layout import kind_of, qwen35_text
 
     (folder / "c.json").write_text(dump(obj))

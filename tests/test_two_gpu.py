@@ -268,16 +268,15 @@ def test_quantize_places_an_exl3_target_by_the_split(tmp_path, pair, monkeypatch
 
 def test_generate_and_eval_tau_pass_the_split(pair, monkeypatch, tmp_path):
     from toolkit import eval_tau, generate
-    from toolkit.runtime import factory
 
     seen = []
 
-    def fake_load(name, target, draft, **kw):
+    def fake_load(name, target, draft=None, **kw):         # eval_tau passes the pair it read (factory.read_pair)
         seen.append((name, kw["split"]))
         raise ToolkitError("stop here")
 
     monkeypatch.setattr(generate, "load_backend", fake_load)
-    monkeypatch.setattr(factory, "load_backend", fake_load)           # eval_tau imports it when it runs
+    monkeypatch.setattr(eval_tau, "load_backend", fake_load)
     args = ["--backend", "exllamav3", "--gpu-split", "auto", "--draft-device", "1"]
     with pytest.raises(ToolkitError, match="stop here"):
         generate.main(["--prompt", "hi", *args])

@@ -30,6 +30,7 @@ from .assets import unseen
 from .mtp import is_mtp
 from .runtime.backend import Backend, GenSettings
 from .runtime.events import Round, summarize
+from .runtime.factory import load_backend, read_pair
 from .runtime.registry import BACKENDS, capabilities
 from .runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP, GpuSplit
 
@@ -94,10 +95,6 @@ def card_text(result: dict) -> str:
 def eval_tau(o: EvalTauOptions) -> dict:
     """Run the held-out prompts at each block size with the options `o` (those of the command line); returns (and
     with `o.out`, writes after every prompt or wave) the result."""
-    import torch
-
-    from .runtime.factory import load_backend
-
     target, draft, heldout, max_new_tokens, out = o.target, o.draft, o.heldout, o.max_new_tokens, o.out
     backend, device, limit, minutes = o.backend, o.device, o.limit, o.minutes
     if backend not in BACKENDS:
@@ -129,6 +126,10 @@ def eval_tau(o: EvalTauOptions) -> dict:
     held = unseen.unseen_heldout() if held_set == "unseen" else read_heldout(
         Path(heldout) if heldout is not None else Path(draft) / "heldout.json")
     held = {c: v[:limit] for c, v in held.items() if v}
+    split = GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device)
+    pair = read_pair(backend, target, draft, split)
+    import torch                                   # here, once every option, file and folder is checked
+
     caps = capabilities(backend)
     exl3 = caps.gpu_only                          # a GPU-only engine runs in its own precision there
     dev = "cuda" if exl3 else ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -137,9 +138,8 @@ def eval_tau(o: EvalTauOptions) -> dict:
     if dt is None:
         raise ToolkitError(f"--dtype must be auto, float16, bfloat16 or float32, got {o.dtype!r}")
     wave = o.concurrency if caps.batching else 1
-    be = load_backend(backend, target, draft, device=dev, dtype=dt, max_concurrency=wave,
-                      cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256,
-                      split=GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device))
+    be = load_backend(backend, pair, device=dev, dtype=dt, max_concurrency=wave,
+                      cache_tokens=wave * -(-(PROMPT_TOKENS + max_new_tokens + 17) // 256) * 256, split=split)
     if exl3:
         dev = torch.cuda.get_device_name()
     sizes = sorted({min(b, be.block_size) for b in asked if b != "auto"}) + ["auto"] * ("auto" in asked)

@@ -34,8 +34,7 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
     from .core.locks import hold
     from .hub.push import write_cards
     from .hub.upstream import copy_upstream
-    from .quant.options import QuantizeOptions
-    from .quant.pipeline import execute, start
+    from .quant.options import QuantizeOptions, settings
     from .quant.preview import cpu_converter, tiny_recipe
 
     check_folder_place(out)                    # before any work (the tiny pair may be built first)
@@ -51,9 +50,13 @@ def preview_run(out: str, pair: str = "tiny", bits: str = "3.0,4.0", force: bool
 
             target, model = default_pair()
             recipe = ROOT / "quantize" / "smollm2-135m-dflash.toml"
+        o = QuantizeOptions(recipe=str(recipe), model=str(model), target=str(target), bits=bits, out=out, force=force,
+                            device="cpu")
+        s = settings(o)                        # the recipe and --bits, checked before the pipeline and torch load
+        from .quant.pipeline import execute, start
+
         stack.enter_context(cpu_converter())
-        run_ = execute(start(QuantizeOptions(recipe=str(recipe), model=str(model), target=str(target), bits=bits,
-                                             out=out, force=force, device="cpu")))
+        run_ = execute(start(o, s=s))
         copy_upstream(run_.model_dir, run_.out)
         write_cards(run_.out)
     print(f"wrote {run_.out} (a CPU preview: not EXL3 weights). Read its card: python -m toolkit.card --from {run_.out} "

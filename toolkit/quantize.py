@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from .core.cli import entry, run
 from .core.folders import claim
 from .core.locks import hold
-from .quant.options import QuantizeOptions
+from .quant.options import QuantizeOptions, settings
 
 EXAMPLE = ("Example (one GPU): python -m toolkit.quantize --recipe quantize/qwen3.6-35b-a3b-dflash.toml "
            "--target USER/Qwen3.6-35B-A3B-exl3@4.0bpw --dry-run")
@@ -27,13 +27,14 @@ EXAMPLE = ("Example (one GPU): python -m toolkit.quantize --recipe quantize/qwen
 def quantize(o: QuantizeOptions, on_step: Callable[[dict], None] | None = None) -> int:
     """The pipeline (`start(o)`: the library), then publishing; `o.push` is the Hub repo of a passing run,
     `on_step` gets each step's timing row as it ends (not a flag: for callers such as the device scripts)."""
+    s = settings(o)                           # the recipe and the flags: a bad one is refused before torch loads
+    claim(s.out, "quantize", True)            # OUT a file, under a file, unwritable: refused before any work
     from .hub.push import PushOptions, write_cards  # here, not at the top: --help loads neither torch nor the Hub client
     from .hub.push import push as push_to_hub
     from .hub.upstream import copy_upstream
     from .quant.pipeline import enforce, execute, start
 
-    run = start(o, on_step=on_step)
-    claim(run.s.out, "quantize", True)        # OUT a file, under a file, unwritable: refused before any work
+    run = start(o, on_step=on_step, s=s)
     with nullcontext() if run.dry_run else hold(run.s.out, "quantize"):     # one run per OUT at a time
         run = execute(run)                    # OUT's bitrate folders and report, thresholds not yet enforced
         if run.dry_run:

@@ -25,10 +25,14 @@ DFlashDraftModel drafters. The last stdout line is a JSON summary (size, shards,
 
 
 def synth(**options) -> dict:
-    """The writer, imported on use (torch loads only to write a checkpoint, not for --help)."""
-    from .synthetic.build import synth as write
+    """The inputs checked first (synthetic/inputs.py, without torch), then the writer, imported on use: torch loads
+    only to write a checkpoint, not for --help or bad input."""
+    from .synthetic.inputs import check_inputs
 
-    return write(**options)
+    inputs = check_inputs(**options)
+    from .synthetic.build import write
+
+    return write(*inputs)
 
 
 @dataclass

@@ -8,15 +8,19 @@ from pathlib import Path
 
 from .core.cli import entry, run
 from .train.config import TrainConfig
+from .train.outputs import check_run
 
 DOC = ast.get_docstring(ast.parse((Path(__file__).parent / "train" / "trainer.py").read_text()))  # without torch
 
 
 def train_drafter(**options) -> dict:
-    """The trainer, imported on use (torch loads only for a run, not for --help)."""
-    from .train.trainer import train_drafter as run_training
+    """The run checked first (train/outputs.py's check_run: options, outputs, the target's config, without torch), then
+    the trainer, imported on use: torch loads only for a run, not for --help or bad input."""
+    cfg = TrainConfig(**options)
+    checked = check_run(cfg)
+    from .train.trainer import train_checked
 
-    return run_training(**options)
+    return train_checked(cfg, *checked)
 
 
 EXAMPLE = (" Example (GPU, SmolLM2): python -m toolkit.train_drafter --target ~/.cache/dflash-toolkit/smollm2-135m-instruct "

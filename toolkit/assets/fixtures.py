@@ -2,7 +2,8 @@
 
 `build()` writes a random target (Llama, Qwen3 or the Qwen3.5/3.6 MoE text model, scaled down) and a random
 DFlash drafter for it; with `mtp` the Qwen3.5/3.6 target also carries a random MTP head (`--draft mtp`). Random drafters accept almost nothing, so `tiny_pair()` also ships a small *trained*
-pair (see toolkit/tiny_pair.py) whose rounds show zero, partial and full acceptance.
+pair (see toolkit/tiny_pair.py) whose rounds show zero, partial and full acceptance. torch loads only in the builders,
+so `fixtures()` refuses a bad --out or option before it does.
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..dflash import DFlashConfig, DFlashDraft, save_drafter
+from ..dflash import DFlashConfig
 from ..dflash.shapes import drafter_config, kv_heads, spread_taps
 from .pairs import ARCHS, PAIR, tiny_pair
 from ..core import checks
 from ..core.errors import OptionError, ToolkitError
 from ..core.folders import atomic_dir, claim
+
+if TYPE_CHECKING:
+    from ..dflash import DFlashDraft
 
 TOKENIZER = PAIR / "target"           # the fixtures' BPE tokenizer (trained on stdlib docstrings) lives here
 MASK_TOKEN = "<|mask|>"
@@ -64,6 +67,10 @@ def target_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 4,
 
 
 def random_drafter(cfg: dict, seed: int = 0, std: float = 0.2) -> DFlashDraft:
+    import torch
+
+    from ..dflash import DFlashDraft
+
     torch.manual_seed(seed)
     model = DFlashDraft(DFlashConfig.from_dict(cfg))
     for name, p in model.named_parameters():
@@ -82,6 +89,8 @@ def write_target(model, out: Path) -> Path:
 def add_mtp(target: Path, seed: int = 0, std: float = 0.2) -> Path:
     """Give a Qwen3.5/3.6 target folder a random MTP head: `mtp_num_hidden_layers` 1 in its config and the head's
     tensors (names and shapes of mtp.config.hf_tensors, norms at 0 as Qwen3.5 stores them) in its safetensors."""
+    import torch
+
     from ..core.tensorfiles import load_tensors, save_tensors
     from ..mtp import MtpShape, hf_tensors
 
@@ -100,7 +109,10 @@ def build(out_dir: str | Path, arch: str = "llama", block_size: int = 16, seed: 
           hidden: int = 64, draft_layers: int = 2, mtp: bool = False) -> tuple[Path, Path]:
     """Write a random tiny target `<out>/target-<arch>` (`-mtp` with an MTP head) and a random drafter
     `<out>/draft-<arch>-b<B>`."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..dflash import save_drafter
 
     if block_size < 2:
         raise ToolkitError(f"block_size must be >= 2, got {block_size}")

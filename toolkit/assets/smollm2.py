@@ -236,12 +236,13 @@ def prepare(out: str | None = None, gguf: str | None = None, license: str | None
         read_license(Path(license))
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=temp_prefix(final, "src"), dir=final.parent) as work, \
-            atomic_dir(final, command="demo") as dst, disk_full_as_oserror(final):
+            atomic_dir(final, command="demo") as dst:
         src, lic = locate_source(gguf, license, Path(work))
         sha = sha256(src)
         if sha != GGUF_SHA256:
             raise ToolkitError(f"{src}: sha256 {sha[:16]}... is not {PACKAGE} {VERSION}'s {GGUF_NAME} ({GGUF_SHA256[:16]}...)")
-        check = convert(src, lic, dst, check_prompts)
+        with disk_full_as_oserror(final):       # safetensors' full disk, from the save (its import waits until then)
+            check = convert(src, lic, dst, check_prompts)
         source = str(src) if gguf else f"{PACKAGE}=={VERSION}"
         (dst / "README.md").write_text(card(source, sha, check))
         files = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(dst.iterdir()) if f.is_file()}

@@ -29,9 +29,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..core.errors import ToolkitError
-from ..runtime.backend import Backend, Capabilities, GenSettings
+from ..runtime.backend import Backend, GenSettings
 from ..runtime.events import Round
 from ..runtime.pair import ModelPair
+from ..runtime.registry import capabilities
 from ..runtime.policy_book import CostKey, Drive, PolicyBook
 from . import seams
 from .memory import GIB, cache_bytes, check_memory, weight_bytes  # noqa: F401  (re-exported)
@@ -49,8 +50,7 @@ class Exl3Backend(Backend):
     """Backend over exllamav3 models (an `Exl3Engine`); `generate_many` runs several jobs in one generator."""
 
     name = "exllamav3"
-    caps = Capabilities(batching=True, gpu_only=True, precision="float16", levers=Exl3Options, placement=True,
-                        cache_tokens=True, width_multiple=128, engine="ExLlamaV3")
+    caps = capabilities("exllamav3")
 
     @classmethod
     def installed(cls) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..core.cli import option
 from ..runtime.placement import DRAFT_HELP, SPLIT_HELP, TP_HELP
+from .recipe import Settings, merge
 
 SPLIT_GROUP = "EXL3 target on several GPUs (its target and speed steps)"
 
@@ -42,3 +43,9 @@ class QuantizeOptions:
     gpu_split: str | None = option(None, SPLIT_HELP, metavar="auto|GB,GB,...", group=SPLIT_GROUP)
     tensor_parallel: bool = option(False, TP_HELP, group=SPLIT_GROUP)
     draft_device: int = option(0, DRAFT_HELP, metavar="N", group=SPLIT_GROUP, lo=0, hi=1023)
+
+
+def settings(o: QuantizeOptions) -> Settings:
+    """The run's settings: the recipe `o` names, read and checked, with the flags over it (recipe.merge). Without
+    torch, so a bad recipe or flag is one line before the pipeline loads."""
+    return merge(o.recipe, o.model, o.revision, o.target, o.bits, o.out, o.work_dir, o.target_model)

@@ -31,9 +31,9 @@ from . import memory as mem
 from . import offline
 from . import report as rep
 from . import speed as spd
-from .options import QuantizeOptions
+from .options import QuantizeOptions, settings
 from .plan import MANIFEST, check_out_dir, make_plan, plan_json
-from .recipe import Recipe, merge
+from .recipe import Recipe, Settings
 from .run import STEPS, Run, step
 
 WORK = "quantize.work"               # the marker of a --work-dir folder
@@ -336,12 +336,13 @@ def report(run: Run) -> None:
     rep.write_report(run.dest, run.report, run.notes)
 
 
-def start(o: QuantizeOptions, progress: bool = True, on_step: Callable[[dict], None] | None = None) -> Run:
-    """A Run from the options `o` (those of `python -m toolkit.quantize`) and the recipe they name (flags win);
-    nothing is read or written yet. gpu_split, tensor_parallel and draft_device place an EXL3 target (and the
-    drafter of the speed step) across GPUs; `progress` shows the progress bars; on_step gets each step's row of
-    report.json's `steps` as the step ends (a device script records them)."""
-    s = merge(o.recipe, o.model, o.revision, o.target, o.bits, o.out, o.work_dir, o.target_model)
+def start(o: QuantizeOptions, progress: bool = True, on_step: Callable[[dict], None] | None = None,
+          s: Settings | None = None) -> Run:
+    """A Run from the options `o` (those of `python -m toolkit.quantize`) and the recipe they name (flags win; `s`:
+    their `settings(o)`, when already read); nothing else is read or written yet. gpu_split, tensor_parallel and
+    draft_device place an EXL3 target (and the drafter of the speed step) across GPUs; `progress` shows the progress
+    bars; on_step gets each step's row of report.json's `steps` as the step ends (a device script records them)."""
+    s = s or settings(o)
     split = GpuSplit.of(o.gpu_split, o.tensor_parallel, o.draft_device)
     return Run(s, o.calibrate, o.also_uncalibrated, o.check, o.dry_run, o.force, o.device, progress, split=split,
                on_step=on_step)

@@ -120,6 +120,7 @@ class Capabilities:
     cache_tokens: bool = False       # sizes a paged cache (--cache-tokens)
     width_multiple: int = 1          # model widths it needs a multiple of (a smaller model is padded to them)
     engine: str = "PyTorch"          # the engine in words, for pages
+    unquantized: bool = False        # loads unquantized folders only: an EXL3 one is refused by its kind before loading
 
 
 class Backend(ABC):

@@ -27,9 +27,10 @@ import torch
 from ..dflash import DFlashConfig, DFlashDraft, DraftCache, gather_taps, load_drafter
 from ..core.errors import ToolkitError
 from ..core.target import TargetInfo
-from .backend import Backend, Capabilities, GenSettings
+from .backend import Backend, GenSettings
 from .hf import load_hf_model, load_hf_tokenizer  # noqa: F401  (the backend's loaders)
 from .pair import ModelPair
+from .registry import capabilities
 from .events import Round
 from .loop import decode
 from ..policy.chooser import Policy
@@ -271,7 +272,7 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
-    caps = Capabilities()
+    caps = capabilities("torch")
 
     def __init__(self, target, tokenizer, drafter: DFlashDraft | None = None, costs: CostTable | None = None,
                  folders: Sequence[str | Path] = ()):

@@ -3,77 +3,27 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
 
-from ..core.errors import ToolkitError
-from ..core import checks
-from ..core.folders import atomic_dir, claim, read_json
-from .codebook import CODEBOOKS, codebook_table, decode_linear
+from ..core.folders import atomic_dir
+from .codebook import codebook_table, decode_linear
+from .inputs import SynthInputs, check_inputs
 from .layout import Plan, TensorSpec, build_plan
 from .tokenizer import write_tokenizer
 from .writer import SMALL, Staging, check_space, human, plan_shards, shard_names, write_index, write_shard
 
 EXL3_VERSION = "1.6.5"
-BITS = range(1, 9)
 CHECKED_LINEARS = 3          # linears whose leading 128x128 block is decoded back as a check
 # `--routing skewed`: each router row scaled by exp(ROUTER_SKEW * z), z ~ N(0, 1) per expert, so some experts win
 # more often; with 256 experts and top-8, windows of 8 and 15 tokens then touch about 40 and 58 distinct experts
 # (random: 57 and 97), near the counts published for real routing (39.4 and 58.9)
 ROUTER_SKEW = 0.7
-ROUTINGS = ("random", "skewed")
 CHECK_TOL = 0.15             # decoded std must be within 15% of the requested std
-
-
-@dataclass
-class SynthInputs:
-    """Validated inputs of synth()."""
-
-    config: Path
-    bits: int
-    out: Path
-    head_bits: int = 6
-    codebook: str = "mul1"
-    seed: int = 0
-    std: float | None = None
-    shard_gb: float = 4.0
-    device: str = "cpu"
-    overwrite: bool = False
-    quiet: bool = False
-    routing: str = "random"
-    mtp_bits: int = 4
-
-
-def _bits(value: float, flag: str, allow16: bool = False) -> int:
-    ok = float(value).is_integer() and (int(value) in BITS or (allow16 and int(value) == 16))
-    if not ok:
-        extra = " or 16 (unquantized)" if allow16 else ""
-        raise ToolkitError(f"{flag} must be an integer from 1 to 8{extra}, got {value:g} "
-                           "(exllamav3's half rates 1.5/2.5/3.5 are not synthesised)")
-    return int(value)
-
-
-def resolve_device(device: str | None) -> str:
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ToolkitError(f"--device {device}: no CUDA GPU is available here")
-    return checks.device("device", device)          # cpu, cuda or cuda:N that this machine has
-
-
-def read_shape(path: Path) -> dict:
-    if path.is_dir():                                # a model folder: its config.json
-        path = path / "config.json"
-    cfg = read_json(path, "--config ")
-    if not isinstance(cfg, dict):
-        raise ToolkitError(f"--config {path}: expected a JSON object")
-    return cfg
 
 
 class Filler:
@@ -150,25 +100,13 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
           std: float | None = None, shard_gb: float = 4.0, device: str | None = None, overwrite: bool = False,
           quiet: bool = False, routing: str = "random", mtp_bits: float = 4) -> dict:
     """Write the checkpoint into `out` atomically; returns a summary (also printed as one JSON line by the CLI)."""
+    return write(*check_inputs(config, bits, out, head_bits, codebook, seed, std, shard_gb, device, overwrite, quiet,
+                               routing, mtp_bits))
+
+
+def write(o: SynthInputs, cfg: dict) -> dict:
+    """Write the checkpoint of the checked inputs (inputs.check_inputs) and config `cfg`; returns the summary."""
     t0 = time.time()
-    if codebook not in CODEBOOKS:
-        raise ToolkitError(f"--codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
-    if routing not in ROUTINGS:
-        raise ToolkitError(f"--routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
-    if not shard_gb > 0:
-        raise ToolkitError(f"--shard-gb must be positive, got {shard_gb}")
-    checks.number("shard_gb", shard_gb, hi=1024.0)
-    checks.seed("seed", seed)
-    if std is not None:
-        checks.number("std", std, above=0.0)
-    out = claim(out, "synth", overwrite, force_flag="--overwrite")     # before any work: docs/outputs.md
-    o = SynthInputs(Path(config), _bits(bits, "--bits"), Path(out), _bits(head_bits, "--head-bits", allow16=True),
-                     codebook, seed, std, shard_gb, resolve_device(device), overwrite, quiet, routing,
-                     _bits(mtp_bits, "--mtp-bits", allow16=True))
-    cfg = read_shape(o.config)
-    o.std = float(std if std is not None else cfg.get("initializer_range") or (cfg.get("text_config") or {}).get("initializer_range") or 0.02)
-    if not (o.std > 0 and math.isfinite(o.std)):
-        raise ToolkitError(f"--std must be a positive number, got {o.std}")
     plan = build_plan(cfg, o.bits, o.head_bits, o.codebook, o.std, o.mtp_bits)
     if o.routing == "skewed":
         router = lambda t: replace(t, fill="router") if t.name.endswith(".mlp.gate.weight") else t
@@ -178,7 +116,7 @@ def synth(config: str, bits: float, out: str, head_bits: float = 6, codebook: st
     make, check = Filler(o.device, o.seed, o.codebook), Checker(plan, o.codebook, o.std)
     with atomic_dir(o.out, command="synth") as tmp:
         check_space(tmp, plan.nbytes)
-        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"synth {o.out.name}", disable=quiet, file=sys.stderr)
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"synth {o.out.name}", disable=o.quiet, file=sys.stderr)
         staging = Staging()
         with torch.inference_mode(), bar:
             for name, specs in zip(names, shards):

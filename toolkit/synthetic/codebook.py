@@ -19,10 +19,11 @@ import math
 
 import torch
 
+from .inputs import CODEBOOKS
+
 MUL1_MULT = 0x83DCD12D
 MCG_MULT = 0xCBAC1FED
 INST3_MULT, INST3_ADD = 89226354, 64248484
-CODEBOOKS = ("mul1", "mcg", "3inst")
 HAD = 128
 _U32 = 0xFFFFFFFF
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..core.cli import check_options, option
+from ..core.errors import OptionError
 
 SHAPE, DATA, OPT, MEASURE, RUN = "drafter shape", "data", "optimisation", "measurement", "checkpoints and output"
 
@@ -74,5 +75,11 @@ class TrainConfig:
                          "drafter is complete)", group=RUN)
 
     def check(self) -> None:
-        """Every number and the device against its field's domain (core.cli), as on the command line."""
+        """Every number and the device against its field's domain (core.cli), as on the command line, and the options
+        of a run made in pieces against each other: before any work."""
         check_options(TrainConfig, asdict(self))
+        if self.extend and not self.resume:
+            raise OptionError("extend", ": raises the planned steps of a run being continued: give it with --resume")
+        if self.time_limit is not None and self.minutes is not None:
+            raise OptionError("time_limit", ": --minutes fits the schedule to one run's clock, --time-limit ends one "
+                              "piece of a planned run: give one or the other")

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import OptionError
-from ..core.folders import atomic_write, claim, claim_file, mark, marker, owner
+from ..core.folders import atomic_write, claim, claim_file, mark, marker, owner, read_config
 from ..core.locks import hold
+from .config import TrainConfig
 
 COMMAND = "train_drafter"
 CHECKPOINTS = "train_drafter.checkpoints"     # the checkpoint folder's marker: never mistaken for a drafter folder
@@ -48,6 +49,14 @@ def claim_outputs(out: str, checkpoint_dir: str | None, curve: str | None, force
         if c.suffix.lower() != ".png":
             raise OptionError("curve", f"{c} must name a .png file")
     return Outputs(o, ck, c)
+
+
+def check_run(cfg: TrainConfig) -> tuple[Outputs, dict]:
+    """What a run checks before it reads or loads anything else, without torch: the options (TrainConfig.check), its
+    outputs (claim_outputs) and the target's config.json; returns (the outputs, that config)."""
+    cfg.check()
+    outs = claim_outputs(cfg.out, cfg.checkpoint_dir, cfg.curve, cfg.force)
+    return outs, read_config(cfg.target, "target")
 
 
 @contextmanager

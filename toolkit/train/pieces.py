@@ -164,15 +164,6 @@ def rebuild_first_moment(model, loss_at, st: OptimState) -> int:
     return n
 
 
-def check_options(cfg) -> None:
-    """The piece options against each other, before any work."""
-    if cfg.extend and not cfg.resume:
-        raise OptionError("extend", ": raises the planned steps of a run being continued: give it with --resume")
-    if cfg.time_limit is not None and cfg.minutes is not None:
-        raise OptionError("time_limit", ": --minutes fits the schedule to one run's clock, --time-limit ends one "
-                          "piece of a planned run: give one or the other")
-
-
 def planned_steps(cfg, record: dict, plan: int) -> int:
     """The planned total of a resumed run: the checkpoint's, or this command's with --extend (never fewer)."""
     have = record["planned"]

@@ -37,10 +37,9 @@ from .distill import target_taps
 from .card import card, lineage
 from .objective import chunked_loss, position_weights, sample_anchors
 from .optim import OptimState, optimize
-from .outputs import checkpoints, claim_outputs, held, remove_checkpoints
+from .outputs import check_run, checkpoints, held, remove_checkpoints
 from .pieces import (Clock, Run, check_resume, corpus_from, fingerprint, load_best, load_state, missing_best,
                      planned_steps, rebuild_first_moment, restore, save_state)
-from .pieces import check_options as check_piece_options
 from .prepare import group, heldout_answers, read_inputs, training_answers
 from .tf_tau import eval_set, tf_tau
 
@@ -148,20 +147,21 @@ def train_drafter(target: str, out: str, **options) -> dict:
     """Train and write the drafter folder `out` (config.json, bf16 model.safetensors, README.md, heldout.json,
     training.json) atomically; returns training.json's content. `options`: the other TrainConfig fields."""
     cfg = TrainConfig(target, out, **options)
-    cfg.check()
-    outs = claim_outputs(cfg.out, cfg.checkpoint_dir, cfg.curve, cfg.force)   # before any reading or loading
-    with held(outs):                                                          # one run per folder at a time
-        return train_held(cfg, outs)
+    return train_checked(cfg, *check_run(cfg))                                # checked before any reading or loading
 
 
-def train_held(cfg: TrainConfig, outs) -> dict:
+def train_checked(cfg: TrainConfig, outs, tcfg: dict) -> dict:
+    """The run once `check_run` has checked it (its outputs, the target's config `tcfg`): one run per folder at a time."""
+    with held(outs):
+        return train_held(cfg, outs, tcfg)
+
+
+def train_held(cfg: TrainConfig, outs, tcfg: dict) -> dict:
     """The run once --out is held: read the inputs, train in the checkpoint folder, remove it after the final save
     (kept for a run made in pieces, with --time-limit: for the next piece or an --extend). Resuming a run whose plan is done writes the
     drafter from the checkpoint alone: no target weights or answers are read."""
     t0 = time.time()
-    check_piece_options(cfg)
     budget = None if cfg.minutes is None else cfg.minutes * 60
-    tcfg = read_config(cfg.target, "target")
     saved = load_state(outs.ckdir) if cfg.resume else None
     if saved is not None and done(cfg, saved[1]):
         tok = load_hf_tokenizer(cfg.target, "--target")
