@@ -34,7 +34,8 @@ from toolkit.runtime.events import summarize, tokens_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/dev")
-CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "moe_union", "moe_graphs", "draft_swa", "sampling", "shape", "overhead", "errors", "cli")
+CHECKS = ("lossless", "moe", "moe_exl3", "moe_grouped", "moe_union", "moe_packed", "moe_graphs", "draft_swa", "sampling",
+          "shape", "overhead", "errors", "cli")
 QUICK_CHECKS = ("lossless", "moe", "cli")
 
 
@@ -202,7 +203,7 @@ def check_moe_exl3(ctx: Ctx) -> dict:
 
 
 def check_moe_lever(ctx: Ctx, lever: str = "grouped_moe", base=None) -> dict:
-    """A lever (grouped_moe, union_moe alone; forward_graphs over the defaults, in a process started with
+    """A lever (grouped_moe, union_moe, packed_moe alone; forward_graphs over the defaults, in a process started with
     EXL3_GRAPHS=0) on the trained MoE target as EXL3 4.0 bpw: B=16 off and on, each against the backend's own AR
     under the same options, both runs' outputs compared, and how many calls the lever served."""
     from toolkit.exl3.backend import Exl3Backend
@@ -355,6 +356,7 @@ def check_errors(ctx: Ctx) -> dict:
 STEPS = {"lossless": ("lossless", check_lossless), "moe": ("recurrent_moe", check_moe),
          "moe_exl3": ("moe_exl3", check_moe_exl3), "moe_grouped": ("moe_grouped", check_moe_lever),
          "moe_union": ("moe_union", lambda ctx: check_moe_lever(ctx, "union_moe")),
+         "moe_packed": ("moe_packed", lambda ctx: check_moe_lever(ctx, "packed_moe")),
          "moe_graphs": ("moe_graphs", lambda ctx: check_moe_lever(ctx, "forward_graphs", ADOPTED)), "draft_swa": ("graph_draft_swa", check_draft_swa),
          "sampling": ("sampling_and_stops", check_sampling), "shape": ("shape_vs_torch", check_shape),
          "overhead": ("hook_overhead", lambda ctx: check_overhead(ctx.fix, ctx.quick)), "errors": ("errors", check_errors), "cli": ("cli", check_cli)}
