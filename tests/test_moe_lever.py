@@ -20,7 +20,8 @@ from toolkit.moe.weights import Exl3Weight, MoeLayer  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreted():
-    with fakes.interpreted("toolkit.moe.grouped_kernels"), fakes.interpreted("toolkit.moe.union_kernels"):
+    with fakes.interpreted("toolkit.moe.grouped_kernels"), fakes.interpreted("toolkit.moe.union_kernels"), \
+            fakes.interpreted("toolkit.moe.packed_kernels"):
         yield
 
 

@@ -1,5 +1,5 @@
-"""The packed MoE path (toolkit/moe/packed.py) on the CPU: its packing, exllamav3's multi-matrix GEMM by a torch
-reference (moe_fakes.RefMgemm) and the union path's activation kernel under TRITON_INTERPRET=1, against the float64
+"""The packed MoE path (toolkit/moe/packed*.py) on the CPU: its Triton kernels and the union path's activation under
+TRITON_INTERPRET=1 and exllamav3's multi-matrix GEMM by a torch reference (moe_fakes.RefMgemm), against the float64
 reference of the layer."""
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from toolkit.moe import packed as pk  # noqa: E402
 from toolkit.moe import union as un  # noqa: E402
 from toolkit.moe.ref import random_layer, ref_moe  # noqa: E402
 
-interpreted = fakes.interpreted_fixture("toolkit.moe.union_kernels")
+@pytest.fixture(scope="module", autouse=True)
+def interpreted():
+    with fakes.interpreted("toolkit.moe.union_kernels"), fakes.interpreted("toolkit.moe.packed_kernels"):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +32,45 @@ def run(layer, x, sel, w, m=4):
     return pk.packed_forward(x, sel, w, t, mg, un.Workspace(), m=m), mg, t
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 7, 40])
-def test_pack_gives_each_expert_its_own_rows_in_slots_of_m(rows, m):
+def expected(sel, E: int, shared: bool, m: int):
+    """(matrix per live slot, its rows) in expert order, an expert's picks in pick order (the shared expert's after
+    every routed pick, one per row)."""
+    rows, k = sel.shape
+    picks = [(int(sel[r, j]), r) for r in range(rows) for j in range(k)] + [(E, r) for r in range(rows) if shared]
+    want = []
+    for e in range(E + shared):
+        mine = [(i, r) for i, (x, r) in enumerate(picks) if x == e]
+        want += [(e, mine[i:i + m]) for i in range(0, len(mine), m)]
+    return want, len(picks)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 7, 30])                   # 30 rows: more picks than the packing takes at a time
+def test_pack_gives_each_expert_its_own_rows_in_slots_of_m(rows, m, shared):
     E, k = 16, 3
     g = torch.Generator().manual_seed(rows * 10 + m)
     sel = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])
-    s = pk.slot_bound(rows * k, E, m)
-    matrix, place, who, live = pk.pack(sel, E, m, s)
-    want = []                                   # (expert, its rows) per slot, in expert order
-    for e in range(E):
-        mine = [r for r in range(rows) for j in range(k) if int(sel[r, j]) == e]
-        want += [(e, mine[i:i + m]) for i in range(0, len(mine), m)]
-    assert int(live) == len(want) <= s
-    worst = torch.arange(rows * k) % min(E, rows * k)           # as many experts as can be, each one row past m
-    assert pk.pack(worst.view(rows, k), E, m, s)[3] <= s
+    matrix, idx_gu, place, who, live = pk.pack(sel, E, shared, m, un.Workspace())
+    want, picks = expected(sel, E, shared, m)
+    s = matrix.shape[0]
+    assert s == pk.slot_bound(picks, E + shared, m) and int(live) == len(want) <= s
     assert matrix.tolist() == [e for e, _ in want] + [-1] * (s - len(want))
+    ups = [e + E + shared if e >= 0 else -1 for e in matrix.tolist()]
+    assert idx_gu[0, 0::2].tolist() == matrix.tolist() and idx_gu[0, 1::2].tolist() == ups
     for slot, (e, mine) in enumerate(want):
-        assert who[slot * m:(slot + 1) * m].tolist() == mine + [rows] * (m - len(mine))
-    for p in range(rows * k):                   # each pick's place holds its row, in a slot of its expert
-        assert int(who[place[p]]) == p // k and int(matrix[place[p] // m]) == int(sel.view(-1)[p])
-    assert len(set(place.tolist())) == rows * k
+        assert who[slot * m:(slot + 1) * m].tolist() == [r for _, r in mine] + [rows] * (m - len(mine))
+        assert [int(place[i]) for i, _ in mine] == list(range(slot * m, slot * m + len(mine)))
+    assert who[len(want) * m:].tolist() == [rows] * ((s - len(want)) * m)
+
+
+def test_the_slot_bound_holds_for_the_worst_routing():
+    """Every expert as many picks as can be, each one past a multiple of m: the most slots a call can fill."""
+    E, m = 16, 4
+    for rows in (1, 9, 40):
+        sel = (torch.arange(rows * 2) % E).view(rows, 2)
+        _, _, _, _, live = pk.pack(sel, E, False, m, un.Workspace())
+        assert int(live) <= pk.slot_bound(rows * 2, E, m)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
