@@ -25,10 +25,10 @@ from ..moe.weights import Exl3Weight, MoeLayer
 from . import seams
 from .draft_levers import set_forward_wrap
 
-ROWS = {"union": (1, 16), "packed": (17, 512), "grouped": (9, 64)}   # rows per call each path takes (inclusive),
-# the first on in PATHS order wins. H100,
-# whole model: c=1 w=7 round 15.8 -> 12.3 ms, c=8 AR step 13.5 -> 10.1, c=1 AR step 6.56 -> 6.31 (1 row); one layer:
-# union / stock 0.93 at 4 rows, 0.71 at 8; union / grouped 0.65 at 16, 1.04 at 32
+# Rows per call each path takes (inclusive); the first path on, in PATHS order, wins. Union and grouped, H100, whole
+# model: c=1 w=7 round 15.8 -> 12.3 ms, c=8 AR step 13.5 -> 10.1, c=1 AR step 6.56 -> 6.31 (1 row); one layer:
+# union / stock 0.93 at 4 rows, 0.71 at 8; union / grouped 0.65 at 16, 1.04 at 32. Packed: not timed yet.
+ROWS = {"union": (1, 16), "packed": (17, 512), "grouped": (9, 64)}
 GRAPH_UNION = True                 # replay the union and packed paths from a CUDA graph per (layer, rows)
 PATHS = ("union", "packed", "grouped")
 GRAPHED = ("union", "packed")
