@@ -16,6 +16,8 @@ from toolkit.moe.ref import HAD, inner_weight, codebook_of
 from toolkit.synthetic.codebook import hadamard
 
 HID, INT, EXPERTS, TOPK = 256, 128, 8, 2
+# (codebook, bits, shared expert, gated shared expert): the formats each path's forward is checked on
+FORMATS = [("mul1", 2.5, True, False), ("3inst", 3, False, False), ("mcg", 6, True, True)]
 
 
 @contextlib.contextmanager

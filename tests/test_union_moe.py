@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 import moe_fakes as fakes  # noqa: E402
-from moe_fakes import EXPERTS, HID, INT, TOPK, RefMgemm, assert_close, routed  # noqa: E402
+from moe_fakes import EXPERTS, HID, INT, TOPK, FORMATS, RefMgemm, assert_close, routed  # noqa: E402
 from toolkit.moe import union as un  # noqa: E402
 from toolkit.moe.ref import random_layer, random_linear, ref_moe  # noqa: E402
 from toolkit.moe.weights import MoeLayer  # noqa: E402
@@ -70,8 +70,7 @@ def test_every_expert_touched_and_repeats(layer):
     assert_close(out, ref_moe(x, sel, w, layer))
 
 
-@pytest.mark.parametrize("codebook,K,shared,gated", [("mul1", 2.5, True, False), ("3inst", 3, False, False),
-                                                     ("mcg", 6, True, True)])
+@pytest.mark.parametrize("codebook,K,shared,gated", FORMATS)
 def test_other_formats_and_shared_experts(codebook, K, shared, gated):
     lay = random_layer(HID, INT, EXPERTS, K, codebook, seed=7, shared=shared, gated_shared=gated)
     x, sel, w = routed(6, seed=8)

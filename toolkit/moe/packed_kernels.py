@@ -1,16 +1,13 @@
 """Triton kernels around the packed MoE forward (packed.py): the packing of a call's picks into slots, the gather of
-each slot's rows, and the weighted sum per row. The activation between the two GEMMs is the union path's
-(union_kernels.act_kernel). Every kernel also runs under TRITON_INTERPRET=1."""
+each slot's rows, and the weighted sum per row. The activation between the two GEMMs and the shared expert's gate
+are the union path's (union_kernels.py). Every kernel also runs under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _add(a, b):
-    return a + b
+from .union_kernels import add, gated
 
 
 @triton.jit
@@ -45,14 +42,14 @@ def pack_kernel(sel, matrix, idx_gu, place, who, live, count_s, rank_s, PR, R, S
     for c0 in range(0, P, CB):
         e, _ = _pick(sel, c0 + i, PR, R, K, E, SHARED)
         earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
-        rank = tl.load(count_s + e) + tl.reduce(earlier.to(tl.int32), 1, _add)
+        rank = tl.load(count_s + e) + tl.reduce(earlier.to(tl.int32), 1, add)
         tl.store(rank_s + c0 + i, rank, mask=c0 + i < P)
         cnt += tl.histogram(e, EB)
         tl.debug_barrier()
         tl.store(count_s + x, cnt)
         tl.debug_barrier()
     per = tl.where(x < NE, (cnt + M - 1) // M, 0)
-    tl.store(count_s + x, tl.associative_scan(per, 0, _add) - per)        # now each expert's first slot
+    tl.store(count_s + x, tl.associative_scan(per, 0, add) - per)        # now each expert's first slot
     tl.debug_barrier()
     for c0 in range(0, P, CB):
         pc = c0 + i
@@ -68,7 +65,7 @@ def pack_kernel(sel, matrix, idx_gu, place, who, live, count_s, rank_s, PR, R, S
     m = tl.load(matrix + s, mask=s < S, other=-1)
     tl.store(idx_gu + 2 * s, m, mask=s < S)
     tl.store(idx_gu + 2 * s + 1, tl.where(m >= 0, m + NE, -1), mask=s < S)
-    tl.store(live, tl.reduce(per, 0, _add))
+    tl.store(live, tl.reduce(per, 0, add))
 
 
 @triton.jit
@@ -100,10 +97,6 @@ def combine_kernel(dn, place, wts, x, gate, out, PR, HID: tl.constexpr, TOPK: tl
     if SHARED:
         y = tl.load(dn + tl.load(place + PR + r) * HID + cols)
         if GATED:
-            h = tl.arange(0, HB)
-            hm = h < HID
-            z = tl.load(x + r * HID + h, mask=hm, other=0.0).to(tl.float32)
-            z = z * tl.load(gate + h, mask=hm, other=0.0).to(tl.float32)
-            y = y / (1.0 + tl.exp(-tl.reduce(z, 0, _add)))
+            y = gated(y, x, gate, r, HID, HB)
         acc += y
     tl.store(out + r * HID + cols, acc)

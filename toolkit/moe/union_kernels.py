@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _add(a, b):
+def add(a, b):
     return a + b
 
 
@@ -28,7 +28,7 @@ def union_kernel(sel, mark, idx_gu, idx_d, slot_of, n_active, P, E: tl.constexpr
     tl.store(mark + e, tl.full((PB,), 1, tl.int32), mask=ok)
     tl.debug_barrier()
     m = tl.load(mark + x)
-    rank = tl.associative_scan(m, 0, _add) - m + SHARED
+    rank = tl.associative_scan(m, 0, add) - m + SHARED
     tl.debug_barrier()
     tl.store(mark + x, rank)
     tl.debug_barrier()
@@ -37,7 +37,7 @@ def union_kernel(sel, mark, idx_gu, idx_d, slot_of, n_active, P, E: tl.constexpr
     tl.store(idx_d + rank, xe, mask=live)
     tl.store(idx_gu + 2 * rank, xe, mask=live)
     tl.store(idx_gu + 2 * rank + 1, xe + E + SHARED, mask=live)
-    n = tl.reduce(m, 0, _add) + SHARED
+    n = tl.reduce(m, 0, add) + SHARED
     s = tl.arange(0, UB)
     pad = (s >= n) & (s < UMAX)
     if SHARED:
@@ -83,10 +83,16 @@ def combine_kernel(dn, slot_of, wts, x, gate, out, R, HID: tl.constexpr, TOPK: t
     if SHARED:
         y = tl.load(dn + r * HID + cols)
         if GATED:
-            h = tl.arange(0, HB)
-            hm = h < HID
-            z = tl.load(x + r * HID + h, mask=hm, other=0.0).to(tl.float32)
-            z = z * tl.load(gate + h, mask=hm, other=0.0).to(tl.float32)
-            y = y / (1.0 + tl.exp(-tl.reduce(z, 0, _add)))
+            y = gated(y, x, gate, r, HID, HB)
         acc += y
     tl.store(out + r * HID + cols, acc)
+
+
+@triton.jit
+def gated(y, x, gate, r, HID: tl.constexpr, HB: tl.constexpr):
+    """The shared expert's output y of row r times its gate, sigmoid(x[r] . gate) (the packed path's too)."""
+    h = tl.arange(0, HB)
+    hm = h < HID
+    z = tl.load(x + r * HID + h, mask=hm, other=0.0).to(tl.float32)
+    z = z * tl.load(gate + h, mask=hm, other=0.0).to(tl.float32)
+    return y / (1.0 + tl.exp(-tl.reduce(z, 0, add)))
